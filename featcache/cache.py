@@ -1,0 +1,356 @@
+"""FeatureCache: content-addressed image features in three tiers with byte budgets.
+
+    device (GPU; the CPU without CUDA) -> host (pinned RAM, pooled) -> disk (LMDB, persistent)
+
+Data flow:
+- ``put`` stores the tensor in the device tier (no copy) and queues it for write-through to the
+  host and disk tiers (``Demoter``); it never waits for a copy or a disk write.
+- ``get`` looks in the device tier, then in what is still on its way down, then host, then disk.
+  A lower-tier hit is promoted: host bytes are copied to the device on a side stream (the returned
+  tensor is ordered before the caller's current stream's next work); a disk hit is verified,
+  copied into a host block (kept in the host tier) and promoted the same way.
+- Eviction is LRU per tier. Because every entry is written through, evicting never copies.
+
+Invariants:
+- every tier's ``bytes`` stays within its ``capacity_bytes`` at all times;
+- an entry lent through ``acquire``/``lease`` is never evicted from the device tier until released;
+- a value is served only after its checksum (disk) or the copy that produced it (host) is done;
+  a bad value is dropped, counted and reported as a miss: failures are misses, never wrong data;
+- tensors returned may share storage with the cache: callers must not modify them, and a caller of
+  ``put`` hands the tensor over (it must not modify it afterwards).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import Counter
+from typing import Any
+
+import torch
+
+from .codec import HEADER, check_storable
+from .config import CacheConfig
+from .copier import as_bytes, make_copier, owned_empty
+from .demoter import Demoter, DiskWriter
+from .errors import FeatCacheError
+from .hostpool import Block
+from .tiers.base import Entry, empty_stats
+from .tiers.device import DeviceTier
+from .tiers.disk import MAX_KEY_BYTES, DiskTier
+from .tiers.host import HostTier
+
+log = logging.getLogger("featcache")
+
+
+class Lease:
+    """A tensor lent by the cache; its device entry stays resident until ``release``."""
+
+    def __init__(self, cache: FeatureCache, key: bytes, tensor: torch.Tensor, pinned: bool) -> None:
+        self.key = key
+        self.tensor = tensor
+        self._cache = cache
+        self._pinned = pinned
+
+    def release(self) -> None:
+        if self._pinned:
+            self._pinned = False
+            self._cache._device.unpin(self.key)
+
+    def __enter__(self) -> torch.Tensor:
+        return self.tensor
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class FeatureCache:
+    """A tiered, content-addressed cache of feature tensors. Thread-safe.
+
+    ``FeatureCache(device="cuda", device_bytes="2GiB", host_bytes="8GiB",
+    disk_path="/var/cache/featcache", disk_bytes="100GiB")``: sizes are ints or strings like
+    "64MiB"; a budget of 0 disables a tier; ``disk_path=None`` means no disk tier; ``device``
+    defaults to "cuda" when available, else "cpu". Further options: see ``config.DEFAULTS``.
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        device_bytes: int | str | None = None,
+        host_bytes: int | str | None = None,
+        disk_path: str | os.PathLike[str] | None = None,
+        disk_bytes: int | str | None = None,
+        **options: Any,
+    ) -> None:
+        self.config = CacheConfig.create(
+            device, device_bytes, host_bytes, disk_path, disk_bytes, **options
+        )
+        cfg = self.config
+        self.device = torch.device(cfg.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._copier = make_copier(self.device)
+        self._device = DeviceTier(cfg.device_bytes)
+        self._host = (
+            HostTier(cfg.host_bytes, cfg.host_slab_bytes, pin=self._copier.pin)
+            if cfg.host_bytes > 0 else None
+        )
+        self._writer: DiskWriter | None = None
+        self._disk: DiskTier | None = None
+        if cfg.disk_path is not None and cfg.disk_bytes > 0:
+            self._disk = DiskTier(
+                cfg.disk_path, cfg.disk_bytes, sync=cfg.disk_sync, on_corrupt=self._drop_corrupt
+            )
+            pool = self._host.pool if self._host is not None else None
+            self._writer = DiskWriter(self._disk, self._copier, pool, cfg.disk_queue_entries)
+        self._demoter = (
+            Demoter(self._copier, self._host, self._writer, cfg.demote_queue_entries)
+            if self._host is not None or self._writer is not None else None
+        )
+        self._counts: Counter[str] = Counter()
+        self._counts_lock = threading.Lock()
+        self._closed = False
+
+    # -- public API ----------------------------------------------------------------------------
+    def put(self, key: bytes, features: torch.Tensor) -> None:
+        """Store ``features`` under ``key``; returns at once (lower tiers fill in the background).
+
+        An entry larger than a tier's budget skips that tier; larger than all, it is not stored.
+        A put of an existing key replaces it.
+        """
+        self._check_open()
+        _check_key(key)
+        check_storable(features)
+        tensor = self._owned(features)
+        nbytes = tensor.nbytes
+        to_device = 0 < nbytes <= self._device.capacity_bytes or (
+            nbytes == 0 and self._device.capacity_bytes > 0
+        )
+        to_host = self._host is not None and self._host.fits(nbytes)
+        to_disk = self._disk is not None and nbytes + HEADER.size <= self._disk.capacity_bytes
+        if not (to_device or to_host or to_disk):
+            self._count("not_stored")
+            return
+        self._count("puts")
+        fence = self._copier.producer_fence()
+        if self._host is not None:
+            self._host.discard(key)  # a replaced value must not be served from below
+        if to_device:
+            self._device.put(key, Entry(tensor, fence))
+        if (to_host or to_disk) and self._demoter is not None:
+            self._demoter.submit(key, tensor, fence)
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        """The features stored under ``key`` on the cache's device, bit-identical, or None.
+
+        The tensor is ready for use on the caller's current CUDA stream. Do not modify it.
+        """
+        self._check_open()
+        _check_key(key)
+        tensor = self._lookup(key, pin=False)
+        self._count("hits" if tensor is not None else "misses")
+        return tensor
+
+    def acquire(self, key: bytes) -> Lease | None:
+        """Like ``get``, but the entry is pinned in the device tier until ``Lease.release()``."""
+        self._check_open()
+        _check_key(key)
+        tensor = self._lookup(key, pin=True)
+        self._count("hits" if tensor is not None else "misses")
+        if tensor is None:
+            return None
+        return Lease(self, key, tensor, pinned=self._device.capacity_bytes > 0)
+
+    def lease(self, key: bytes) -> Lease | _NoLease:
+        """``with cache.lease(key) as feats:`` -- feats is the tensor or None; pinned meanwhile."""
+        return self.acquire(key) or _NoLease()
+
+    def __contains__(self, key: object) -> bool:
+        """Whether any tier (or the way down) holds ``key``; counts nothing, promotes nothing."""
+        if not isinstance(key, bytes) or self._closed:
+            return False
+        return (
+            self._device.contains(key)
+            or (self._demoter is not None and self._demoter.pending(key) is not None)
+            or (self._host is not None and self._host.contains(key))
+            or (self._disk is not None and self._disk.contains(key))
+        )
+
+    def discard(self, key: bytes) -> None:
+        """Remove ``key`` from every tier (from disk asynchronously, through the writer)."""
+        self._check_open()
+        _check_key(key)
+        self._device.discard(key)
+        if self._host is not None:
+            self._host.discard(key)
+        if self._writer is not None:
+            self._writer.discard(key)
+
+    def flush(self) -> None:
+        """Wait until every pending copy and disk write is done."""
+        if self._demoter is not None and not self._closed:
+            self._demoter.flush()
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per-tier counters and sizes (``device``, ``host``, ``disk``) plus cache-wide ones."""
+        with self._counts_lock:
+            counts = dict(self._counts)
+        demoter = self._demoter
+        return {
+            "device": self._device.stats(),
+            "host": self._host.stats() if self._host is not None else empty_stats(),
+            "disk": self._disk.stats() if self._disk is not None else empty_stats(),
+            "cache": {
+                "gets": counts.get("hits", 0) + counts.get("misses", 0),
+                **{k: counts.get(k, 0) for k in ("hits", "misses", "puts", "not_stored")},
+                **{k: counts.get(k, 0) for k in ("inflight_hits", "promotions")},
+                "demote_queue": demoter.depth if demoter is not None else 0,
+                "disk_queue": self._writer.depth if self._writer is not None else 0,
+                "worker_errors": sum(w.errors for w in self._workers()),
+                "workers_alive": int(all(w.alive for w in self._workers())),
+            },
+        }
+
+    def close(self) -> None:
+        """Flush, stop the background threads and release every tier. Idempotent."""
+        if self._closed:
+            return
+        if self._demoter is not None:
+            self._demoter.close()
+        self._closed = True
+        self._device.close()
+        if self._host is not None:
+            self._host.close()
+        if self._disk is not None:
+            self._disk.close()
+
+    def __enter__(self) -> FeatureCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"FeatureCache(device={str(self.device)!r}, device_bytes={c.device_bytes}, "
+            f"host_bytes={c.host_bytes}, disk_path={c.disk_path!r}, disk_bytes={c.disk_bytes})"
+        )
+
+    # -- lookups and promotion -----------------------------------------------------------------
+    def _lookup(self, key: bytes, pin: bool) -> torch.Tensor | None:
+        if self._device.capacity_bytes > 0:
+            entry = self._device.get(key, pin=pin)
+            if entry is not None:
+                self._copier.ready(entry.tensor, entry.fence)
+                return entry.tensor
+        if self._demoter is not None:
+            entry = self._demoter.pending(key)
+            if entry is not None:
+                self._count("inflight_hits")
+                self._copier.ready(entry.tensor, entry.fence)
+                if self._device.capacity_bytes > 0:
+                    self._device.put(key, entry, pin=pin)
+                return entry.tensor
+        if self._host is not None:
+            entry = self._host.get(key)  # its block comes retained
+            if entry is not None:
+                return self._promote(key, entry, pin)
+        if self._disk is not None:
+            return self._from_disk(key, pin)
+        return None
+
+    def _from_disk(self, key: bytes, pin: bool) -> torch.Tensor | None:
+        assert self._disk is not None and self._writer is not None
+        pending = self._writer.pending(key)  # its block, if any, comes retained
+        if pending is not None:
+            self._count("inflight_hits")
+            return self._promote(key, pending, pin)
+        blocks: list[Block] = []
+
+        def alloc(nbytes: int) -> torch.Tensor:
+            block = self._host.reserve(nbytes) if self._host is not None else None
+            if block is None:
+                return owned_empty(nbytes, torch.device("cpu"), pin=self._copier.pin)
+            blocks.append(block)
+            return block.tensor
+
+        try:
+            entry = self._disk.get(key, alloc)
+        except BaseException:
+            for block in blocks:
+                self._host.release(block)  # type: ignore[union-attr]
+            raise
+        if entry is None:
+            for block in blocks:  # alloc ran but the read failed afterwards
+                self._host.release(block)  # type: ignore[union-attr]
+            return None
+        self._writer.touch(key)
+        if blocks:
+            assert self._host is not None
+            entry.block = blocks[0]
+            self._host.pool.retain(entry.block)  # one reference for the tier, one for the copy
+            self._host.put(key, entry)
+        return self._promote(key, entry, pin)
+
+    def _promote(self, key: bytes, entry: Entry, pin: bool) -> torch.Tensor:
+        """Copy a host entry to the device; release the caller's block reference once queued."""
+        try:
+            source = as_bytes(entry.tensor)
+            shape = tuple(entry.tensor.shape)
+            tensor, done = self._copier.to_device(source, entry.tensor.dtype, shape, entry.fence)
+            if entry.block is not None:
+                entry.block.fence = done
+        finally:
+            if entry.block is not None:
+                assert self._host is not None
+                self._host.release(entry.block)
+        self._count("promotions")
+        if self._device.capacity_bytes > 0:
+            self._device.put(key, Entry(tensor, done), pin=pin)
+        return tensor
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _owned(self, features: torch.Tensor) -> torch.Tensor:
+        """The tensor the device tier keeps: on the cache's device, dense, owning its storage."""
+        tensor = features.detach()
+        if tensor.device != self.device:
+            return tensor.to(self.device).contiguous()
+        whole = (
+            tensor.is_contiguous()
+            and tensor.storage_offset() == 0
+            and tensor.untyped_storage().nbytes() == tensor.nbytes
+        )
+        # A view would keep its whole base alive while the books count only the view.
+        return tensor if whole else tensor.clone(memory_format=torch.contiguous_format)
+
+    def _drop_corrupt(self, key: bytes) -> None:
+        if self._writer is not None:
+            self._writer.discard(key)
+
+    def _workers(self) -> list[Any]:
+        return [w for w in (self._demoter, self._writer) if w is not None]
+
+    def _count(self, name: str) -> None:
+        with self._counts_lock:
+            self._counts[name] += 1
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FeatCacheError("this FeatureCache is closed")
+
+
+class _NoLease:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _check_key(key: object) -> None:
+    if not isinstance(key, bytes):
+        raise TypeError(f"keys are bytes (from featcache.image_key), not {type(key).__name__}")
+    if not 0 < len(key) <= MAX_KEY_BYTES:
+        raise ValueError(f"a key must be 1 to {MAX_KEY_BYTES} bytes long, got {len(key)}")

@@ -1,0 +1,119 @@
+"""The stored value format: a fixed header followed by the tensor's raw bytes. No pickle.
+
+Header (little-endian, ``HEADER.size`` = 96 bytes)::
+
+    magic      4s   b"FCv\\x00"
+    version    u16  FORMAT_VERSION
+    dtype      u8   code from DTYPE_CODES
+    ndim       u8   0..MAX_NDIM
+    nbytes     u64  payload length
+    shape      8 x u64 (unused dims are 0)
+    checksum   16s  xxh3-128 over the header fields above and the payload
+
+``decode_header`` validates everything it can without the payload and never trusts a length it
+has not checked against the real value length, so a hostile header cannot make a reader allocate
+more than the value holds.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from .errors import CorruptEntryError
+
+MAGIC = b"FCv\x00"
+FORMAT_VERSION = 1
+MAX_NDIM = 8
+_PREFIX = struct.Struct(f"<4sHBBQ{MAX_NDIM}Q")
+HEADER = struct.Struct(f"<4sHBBQ{MAX_NDIM}Q16s")
+
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4,
+    torch.uint8: 5, torch.int8: 6, torch.int16: 7, torch.int32: 8, torch.int64: 9, torch.bool: 10,
+    torch.float8_e4m3fn: 11, torch.float8_e5m2: 12,
+}
+CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+@dataclass(frozen=True)
+class Header:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    checksum: bytes
+
+
+def check_storable(tensor: torch.Tensor) -> None:
+    """Raise ``TypeError``/``ValueError`` if ``tensor`` cannot be stored."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"features must be a torch.Tensor, not {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"only dense (strided) tensors can be cached, not {tensor.layout}")
+    if tensor.dtype not in DTYPE_CODES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in DTYPE_CODES)
+        raise TypeError(f"dtype {tensor.dtype} cannot be cached; supported: {names}")
+    if tensor.dim() > MAX_NDIM:
+        raise ValueError(f"tensors of more than {MAX_NDIM} dims cannot be cached ({tensor.dim()})")
+
+
+def _prefix(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> bytes:
+    dims = list(shape) + [0] * (MAX_NDIM - len(shape))
+    return _PREFIX.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[dtype], len(shape), nbytes, *dims)
+
+
+def checksum(prefix: bytes, payload: memoryview | bytes) -> bytes:
+    h = xxhash.xxh3_128(prefix)
+    h.update(payload)
+    return h.digest()
+
+
+def encode(dtype: torch.dtype, shape: tuple[int, ...], payload: memoryview | bytes) -> bytes:
+    """Header plus payload as one bytes value (one copy of the payload)."""
+    nbytes = memoryview(payload).nbytes
+    prefix = _prefix(dtype, shape, nbytes)
+    return b"".join((prefix, checksum(prefix, payload), payload))
+
+
+def decode_header(value: memoryview | bytes) -> Header:
+    """Parse and validate a header against the value's real length. Raises CorruptEntryError."""
+    view = memoryview(value)
+    if view.nbytes < HEADER.size:
+        raise CorruptEntryError(f"value of {view.nbytes} bytes is shorter than a header")
+    magic, version, code, ndim, nbytes, *rest = HEADER.unpack_from(view)
+    dims, digest = rest[:MAX_NDIM], rest[MAX_NDIM]
+    if magic != MAGIC:
+        raise CorruptEntryError("bad magic")
+    if version != FORMAT_VERSION:
+        raise CorruptEntryError(f"format version {version}, expected {FORMAT_VERSION}")
+    if code not in CODE_DTYPES:
+        raise CorruptEntryError(f"unknown dtype code {code}")
+    if ndim > MAX_NDIM or any(dims[ndim:]):
+        raise CorruptEntryError(f"bad shape header (ndim {ndim})")
+    shape = tuple(dims[:ndim])
+    dtype = CODE_DTYPES[code]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if nbytes != view.nbytes - HEADER.size or math.prod(shape) * itemsize != nbytes:
+        raise CorruptEntryError(
+            f"length mismatch: header says {nbytes} bytes for {shape} of {dtype}, "
+            f"value holds {view.nbytes - HEADER.size}"
+        )
+    return Header(dtype=dtype, shape=shape, nbytes=nbytes, checksum=digest)
+
+
+def verify(value: memoryview | bytes) -> Header:
+    """Validate header and checksum of a whole value; return its header or raise."""
+    view = memoryview(value)
+    header = decode_header(view)
+    prefix = view[: _PREFIX.size]
+    if checksum(bytes(prefix), view[HEADER.size:]) != header.checksum:
+        raise CorruptEntryError("checksum mismatch")
+    return header
+
+
+def payload(value: memoryview | bytes) -> memoryview:
+    return memoryview(value)[HEADER.size:]

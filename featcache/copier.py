@@ -1,0 +1,132 @@
+"""Copies between the device and host, and the ordering that makes them safe.
+
+``CudaCopier`` runs device-to-host copies on one dedicated stream and host-to-device copies on
+another, ordered with events:
+- a D2H copy waits for the producer's event (recorded at ``put`` on the producer's stream), and the
+  source tensor is recorded on the copy stream so the caching allocator cannot reuse its memory
+  before the copy has read it;
+- an H2D copy allocates its destination on the H2D stream, waits for the host bytes' fence, and the
+  caller's current stream waits for the copy's event: the returned tensor is safe to use on the
+  caller's stream with no host synchronisation;
+- a tensor handed to a stream other than its producer's is recorded on that stream.
+
+``SyncCopier`` is the same interface on the CPU: copies are synchronous and fences are None.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a contiguous tensor as a flat uint8 view (no copy)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def owned_empty(nbytes: int, device: torch.device, pin: bool = False) -> torch.Tensor:
+    """A fresh uint8 buffer that any thread may write, in or out of inference mode."""
+    with torch.inference_mode(False):
+        return torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
+
+
+class SyncCopier:
+    """Copies for a cache whose device is the CPU: synchronous, no fences."""
+
+    pin = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def producer_fence(self) -> Any:
+        return None
+
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor, after: Any) -> Any:
+        dst.copy_(as_bytes(src))
+        return None
+
+    def to_device(
+        self, src: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], after: Any
+    ) -> tuple[torch.Tensor, Any]:
+        out = owned_empty(src.numel(), self.device)
+        out.copy_(src)  # a private copy: the host block may be reused once released
+        return out.view(dtype).view(shape), None
+
+    def ready(self, tensor: torch.Tensor, fence: Any) -> None:
+        return None
+
+    def wait(self, fence: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+class CudaCopier:
+    """Copies for a CUDA device on dedicated side streams, ordered by events (never a device-wide
+    synchronisation on the request path)."""
+
+    pin = True
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.d2h_stream = torch.cuda.Stream(device=device)
+        self.h2d_stream = torch.cuda.Stream(device=device)
+
+    def producer_fence(self) -> torch.cuda.Event:
+        """An event on the caller's current stream: the put tensor is complete after it."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor, after: Any) -> torch.cuda.Event:
+        """Start copying ``src`` into the pinned bytes ``dst``; the returned event marks the end."""
+        with torch.cuda.stream(self.d2h_stream):
+            if after is not None:
+                self.d2h_stream.wait_event(after)
+            dst.copy_(as_bytes(src), non_blocking=True)
+            src.record_stream(self.d2h_stream)
+            done = torch.cuda.Event()
+            done.record(self.d2h_stream)
+        return done
+
+    def to_device(
+        self, src: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], after: Any
+    ) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """Start copying host bytes to a new device tensor, ordered before the current stream's
+        next work. Returns the tensor and the copy's event (the fence for reusing ``src``)."""
+        current = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.h2d_stream):
+            if after is not None:
+                self.h2d_stream.wait_event(after)
+            out = owned_empty(src.numel(), self.device)
+            out.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.h2d_stream)
+        current.wait_event(done)
+        out.record_stream(current)
+        return out.view(dtype).view(shape), done
+
+    def ready(self, tensor: torch.Tensor, fence: Any) -> None:
+        """Make ``tensor`` (complete after ``fence``) safe to use on the caller's current stream."""
+        current = torch.cuda.current_stream(self.device)
+        if fence is not None:
+            current.wait_event(fence)
+        tensor.record_stream(current)
+
+    def wait(self, fence: Any) -> None:
+        """Block this (background) thread until ``fence`` has passed."""
+        if fence is not None:
+            fence.synchronize()
+
+    def synchronize(self) -> None:
+        self.d2h_stream.synchronize()
+        self.h2d_stream.synchronize()
+
+
+Copier = SyncCopier | CudaCopier
+
+
+def make_copier(device: torch.device) -> Copier:
+    return CudaCopier(device) if device.type == "cuda" else SyncCopier(device)

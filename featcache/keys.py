@@ -1,0 +1,185 @@
+"""Content keys: digests of a framed, ordered stream describing an image and how it was processed.
+
+The stream is, in order: a format tag and version, the namespace (the model identity), the
+preprocessing parameters (canonically encoded, dict keys sorted), then the image: its kind (PIL
+image, uint8 array or encoded bytes), its mode or dtype/shape, its size, its palette where the mode
+has one, and its bytes. Every field is framed (tag + length + bytes), so no two different inputs
+produce the same stream. Unknown parameter types raise ``TypeError``; nothing is pickled.
+
+Digests: ``xxh3_128`` (default, 16 bytes, fast, not collision-resistant against an adversary),
+``blake2b`` (32 bytes, cryptographic) and keyed ``blake2b`` (pass ``secret``): a client that does not
+know the secret can neither predict keys nor craft collisions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+KEY_FORMAT_VERSION = 1
+_MAGIC = b"featcache-key"
+ALGORITHMS = ("xxh3_128", "blake2b")
+
+
+class _Framer:
+    """Feeds tagged, length-prefixed fields into a hash object."""
+
+    def __init__(self, hasher: Any) -> None:
+        self._h = hasher
+
+    def field(self, tag: bytes, data: bytes | memoryview) -> None:
+        self._h.update(tag + struct.pack("<Q", len(data)))
+        self._h.update(data)
+
+    def value(self, v: Any) -> None:
+        # bool before int: bool is a subclass of int and True must differ from 1.
+        if v is None:
+            self.field(b"N", b"")
+        elif isinstance(v, bool):
+            self.field(b"?", b"\x01" if v else b"\x00")
+        elif isinstance(v, (int, np.integer)):
+            self.field(b"i", str(int(v)).encode())
+        elif isinstance(v, (float, np.floating)):
+            self.field(b"f", struct.pack("<d", float(v)))
+        elif isinstance(v, str):
+            self.field(b"s", v.encode("utf-8"))
+        elif isinstance(v, (bytes, bytearray)):
+            self.field(b"b", bytes(v))
+        elif isinstance(v, (list, tuple)):
+            self.field(b"[", struct.pack("<Q", len(v)))
+            for item in v:
+                self.value(item)
+        elif isinstance(v, Mapping):
+            self.mapping(v)
+        else:
+            raise TypeError(
+                f"cannot key a parameter of type {type(v).__name__}: use None, bool, int, float, "
+                "str, bytes, or lists/tuples/dicts of those"
+            )
+
+    def mapping(self, m: Mapping[Any, Any]) -> None:
+        for k in m:
+            if not isinstance(k, str):
+                raise TypeError(f"parameter names must be str, not {type(k).__name__}: {k!r}")
+        self.field(b"{", struct.pack("<Q", len(m)))
+        for k in sorted(m):
+            self.field(b"k", k.encode("utf-8"))
+            self.value(m[k])
+
+    def digest(self) -> bytes:
+        return bytes(self._h.digest())
+
+
+@dataclass(frozen=True)
+class KeyHasher:
+    """How keys are computed: the digest algorithm and, for keyed mode, the secret.
+
+    Keys made with different settings never match each other (the algorithm and whether a secret
+    is used are part of the stream), so changing the setting on a live store only causes misses.
+    """
+
+    algorithm: str = "xxh3_128"
+    secret: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown key algorithm {self.algorithm!r}; choose one of {ALGORITHMS}")
+        if self.secret is not None:
+            if self.algorithm != "blake2b":
+                raise ValueError("keyed mode needs algorithm='blake2b' (xxh3 is not a keyed MAC)")
+            if not isinstance(self.secret, bytes) or not 16 <= len(self.secret) <= 64:
+                raise ValueError("the secret must be 16 to 64 random bytes (e.g. os.urandom(32))")
+
+    def _framer(self) -> _Framer:
+        if self.algorithm == "xxh3_128":
+            hasher: Any = xxhash.xxh3_128()
+        elif self.secret is not None:
+            hasher = hashlib.blake2b(key=self.secret, digest_size=32)
+        else:
+            hasher = hashlib.blake2b(digest_size=32)
+        framer = _Framer(hasher)
+        framer.field(b"M", _MAGIC + struct.pack("<H", KEY_FORMAT_VERSION))
+        framer.field(b"A", (self.algorithm + ("+keyed" if self.secret else "")).encode())
+        return framer
+
+    def image_key(
+        self, image: Any, *, namespace: str = "", params: Mapping[str, Any] | None = None
+    ) -> bytes:
+        """Key of ``image`` as processed by model ``namespace`` with preprocessing ``params``."""
+        if not isinstance(namespace, str):
+            raise TypeError(f"namespace must be a str, not {type(namespace).__name__}")
+        framer = self._framer()
+        framer.field(b"n", namespace.encode("utf-8"))
+        framer.mapping(params or {})
+        _frame_image(framer, image)
+        return framer.digest()
+
+
+def _frame_image(framer: _Framer, image: Any) -> None:
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        data = memoryview(image).cast("B")
+        if data.nbytes == 0:
+            raise ValueError("cannot key an empty image (0 bytes)")
+        framer.field(b"E", data)  # encoded bytes, hashed as given: no decode
+        return
+    if isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or image.ndim not in (2, 3):
+            raise TypeError(
+                f"arrays must be uint8 HxW or HxWxC, got dtype {image.dtype} with {image.ndim} dims"
+            )
+        if image.size == 0:
+            raise ValueError(f"cannot key an empty image of shape {image.shape}")
+        arr = np.ascontiguousarray(image)
+        framer.field(b"D", struct.pack("<B", arr.ndim) + struct.pack(f"<{arr.ndim}Q", *arr.shape))
+        framer.field(b"P", memoryview(arr).cast("B"))
+        return
+    if _is_pil_image(image):
+        width, height = image.size
+        if width == 0 or height == 0:
+            raise ValueError(f"cannot key an empty image of size {image.size}")
+        framer.field(b"I", image.mode.encode() + struct.pack("<QQ", width, height))
+        palette = image.getpalette(rawmode=None) if image.mode in ("P", "PA") else None
+        if palette is not None:
+            framer.field(b"L", bytes(palette))
+        framer.field(b"P", image.tobytes())
+        return
+    raise TypeError(
+        f"cannot key an image of type {type(image).__name__}: pass a PIL image, a uint8 numpy "
+        "array (HxW or HxWxC) or the encoded bytes"
+    )
+
+
+def _is_pil_image(obj: Any) -> bool:
+    try:
+        from PIL import Image
+    except ImportError:  # PIL is optional: without it no object can be a PIL image
+        return False
+    return isinstance(obj, Image.Image)
+
+
+_DEFAULT = KeyHasher()
+
+
+def image_key(
+    image: Any,
+    *,
+    namespace: str = "",
+    params: Mapping[str, Any] | None = None,
+    algorithm: str = "xxh3_128",
+    secret: bytes | None = None,
+) -> bytes:
+    """Content key of an image for a model (``namespace``) and its preprocessing ``params``.
+
+    ``image`` is a PIL image, a uint8 numpy array (HxW or HxWxC) or raw encoded bytes (hashed as
+    given, not decoded). Equal inputs give equal keys in any process; any change of pixel, size,
+    mode, namespace or parameter value gives another key; the order of ``params`` does not matter.
+    ``algorithm="blake2b"`` gives a cryptographic digest; add ``secret`` for keyed mode.
+    """
+    hasher = _DEFAULT if (algorithm, secret) == ("xxh3_128", None) else KeyHasher(algorithm, secret)
+    return hasher.image_key(image, namespace=namespace, params=params)

@@ -1,0 +1,79 @@
+"""Eviction bookkeeping for an in-memory tier: LRU order, byte accounting and leases.
+
+The books hold keys and sizes only; the tier holds the values. Invariants:
+- ``used_bytes`` is the sum of the sizes of the keys held and never exceeds ``capacity_bytes``;
+- a key with a positive pin count (lent to an in-flight user) is never chosen as a victim.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+
+
+class LruBooks:
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self._sizes: OrderedDict[bytes, int] = OrderedDict()  # oldest first
+        self._pins: dict[bytes, int] = {}
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._sizes
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def touch(self, key: bytes) -> None:
+        self._sizes.move_to_end(key)
+
+    def victims_for(self, nbytes: int, replacing: bytes | None = None) -> list[bytes] | None:
+        """Oldest unpinned keys whose removal makes room for ``nbytes``, or None if impossible.
+
+        ``replacing`` is a key about to be overwritten: its size is counted as free.
+        """
+        if nbytes > self.capacity_bytes:
+            return None
+        free = self.capacity_bytes - self.used_bytes
+        if replacing is not None and replacing in self._sizes:
+            free += self._sizes[replacing]
+        victims: list[bytes] = []
+        for key in self.unpinned_oldest_first():
+            if free >= nbytes:
+                break
+            if key == replacing:
+                continue
+            victims.append(key)
+            free += self._sizes[key]
+        return victims if free >= nbytes else None
+
+    def unpinned_oldest_first(self) -> Iterator[bytes]:
+        return (k for k in self._sizes if not self._pins.get(k))
+
+    def add(self, key: bytes, nbytes: int) -> None:
+        self.remove(key)
+        if self.used_bytes + nbytes > self.capacity_bytes:
+            raise AssertionError("add() without room: call victims_for() and remove them first")
+        self._sizes[key] = nbytes
+        self.used_bytes += nbytes
+
+    def remove(self, key: bytes) -> int | None:
+        nbytes = self._sizes.pop(key, None)
+        if nbytes is not None:
+            self.used_bytes -= nbytes
+        return nbytes
+
+    def pin(self, key: bytes) -> None:
+        self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, key: bytes) -> None:
+        count = self._pins.get(key, 0) - 1
+        if count < 0:
+            raise AssertionError(f"unpin without pin for {key.hex()}")
+        if count:
+            self._pins[key] = count
+        else:
+            del self._pins[key]
+
+    def pinned(self, key: bytes) -> bool:
+        return bool(self._pins.get(key))

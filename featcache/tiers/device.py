@@ -1,0 +1,89 @@
+"""The device tier: features kept as tensors on the cache's device (a GPU, or the CPU without one).
+
+A put stores the caller's tensor itself (no copy); an entry is evicted oldest-first when room is
+needed, except entries pinned by a lease, which stay until released. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from ..lru import LruBooks
+from .base import Counters, Entry
+
+
+class DeviceTier:
+    name = "device"
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._books = LruBooks(capacity_bytes)
+        self._entries: dict[bytes, Entry] = {}
+        self._counters = Counters()
+        self._lock = threading.Lock()
+
+    @property
+    def used_bytes(self) -> int:
+        return self._books.used_bytes
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def get(self, key: bytes, pin: bool = False) -> Entry | None:
+        """The entry, or None; with ``pin`` the hit is pinned in the same step (a lease)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self._counters.misses += 1
+                return None
+            self._books.touch(key)
+            self._counters.hits += 1
+            if pin:
+                self._books.pin(key)
+            return entry
+
+    def put(self, key: bytes, entry: Entry, pin: bool = False) -> bool:
+        """Store ``entry``, evicting the oldest unpinned entries for room; False if it cannot fit.
+        With ``pin`` a stored entry is pinned in the same step (a lease)."""
+        with self._lock:
+            victims = self._books.victims_for(entry.nbytes, replacing=key)
+            if victims is None:
+                return False
+            for victim in victims:
+                self._remove(victim)
+                self._counters.evictions += 1
+            self._books.add(key, entry.nbytes)
+            self._entries[key] = entry
+            if pin:
+                self._books.pin(key)
+            return True
+
+    def discard(self, key: bytes) -> bool:
+        with self._lock:
+            return self._remove(key)
+
+    def _remove(self, key: bytes) -> bool:
+        self._books.remove(key)
+        return self._entries.pop(key, None) is not None
+
+    def pin(self, key: bytes) -> None:
+        with self._lock:
+            self._books.pin(key)
+
+    def unpin(self, key: bytes) -> None:
+        with self._lock:
+            self._books.unpin(key)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                **self._counters.as_dict(),
+                "entries": len(self._entries),
+                "bytes": self._books.used_bytes,
+                "capacity_bytes": self.capacity_bytes,
+            }
+
+    def close(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._books = LruBooks(self.capacity_bytes)
