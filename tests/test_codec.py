@@ -1,0 +1,86 @@
+import struct
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from featcache import codec
+from featcache.errors import CorruptEntryError
+
+
+def encode(t: torch.Tensor) -> bytes:
+    return codec.encode(t.dtype, tuple(t.shape), memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+
+
+@pytest.mark.parametrize("dtype", list(codec.DTYPE_CODES))
+def test_roundtrip_every_dtype(dtype):
+    t = (torch.randn(3, 5) * 4).to(dtype)
+    value = encode(t)
+    header = codec.verify(value)
+    back = torch.frombuffer(bytearray(codec.payload(value)), dtype=torch.uint8)
+    back = back.view(header.dtype).view(header.shape)
+    assert header.dtype == dtype and torch.equal(back.view(torch.uint8), t.view(torch.uint8))
+
+
+def test_header_size_is_fixed():
+    assert len(encode(torch.zeros(()))) == codec.HEADER.size + 4
+    assert len(encode(torch.zeros(0))) == codec.HEADER.size
+
+
+@pytest.mark.parametrize("where", ["magic", "version", "dtype", "shape", "payload", "checksum"])
+def test_any_flipped_byte_is_detected(where):
+    value = bytearray(encode(torch.arange(64, dtype=torch.float32)))
+    offset = {
+        "magic": 0, "version": 4, "dtype": 6, "shape": 16,
+        "checksum": codec.HEADER.size - 1, "payload": codec.HEADER.size + 10,
+    }[where]
+    value[offset] ^= 0x40
+    with pytest.raises(CorruptEntryError):
+        codec.verify(bytes(value))
+
+
+def test_truncated_values_are_detected():
+    value = encode(torch.arange(64, dtype=torch.float32))
+    for cut in (0, 10, codec.HEADER.size, len(value) - 1):
+        with pytest.raises(CorruptEntryError):
+            codec.verify(value[:cut])
+
+
+def test_header_declaring_more_than_the_value_holds_is_rejected_before_any_allocation():
+    prefix = codec._PREFIX.pack(codec.MAGIC, codec.FORMAT_VERSION, 1, 1, 1 << 40, 1 << 38, *[0] * 7)
+    with pytest.raises(CorruptEntryError, match="length mismatch"):
+        codec.decode_header(prefix + b"\0" * 16)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(min_size=0, max_size=300))
+def test_fuzzed_values_never_crash_the_reader(blob):
+    try:
+        codec.verify(blob)
+    except CorruptEntryError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(0, 0xFFFF), st.integers(0, 255), st.integers(0, 255),
+    st.integers(0, 2**64 - 1), st.lists(st.integers(0, 2**64 - 1), min_size=8, max_size=8),
+)
+def test_fuzzed_headers_with_valid_magic_never_crash(version, code, ndim, nbytes, dims):
+    head = struct.pack("<4sHBBQ8Q16s", codec.MAGIC, version, code, ndim, nbytes, *dims, b"\0" * 16)
+    try:
+        codec.verify(head + b"\0" * 64)
+    except CorruptEntryError:
+        pass
+
+
+def test_unstorable_tensors_are_refused():
+    with pytest.raises(TypeError, match="dtype"):
+        codec.check_storable(torch.zeros(2, dtype=torch.complex64))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        codec.check_storable([1, 2])
+    with pytest.raises(TypeError, match="dense"):
+        codec.check_storable(torch.eye(3).to_sparse())
+    with pytest.raises(ValueError, match="dims"):
+        codec.check_storable(torch.zeros([1] * 9))
