@@ -178,7 +178,7 @@ class DiskWriter(_Worker):
             for job in jobs:
                 self._copier.wait(job.entry.fence)
                 tensor = job.entry.tensor
-                data = memoryview(as_bytes(tensor).numpy())
+                data = as_bytes(tensor).numpy().data
                 puts.append((job.key, codec.encode(tensor.dtype, tuple(tensor.shape), data)))
             for op in batch:
                 if isinstance(op, tuple):

@@ -137,7 +137,7 @@ def _frame_image(framer: _Framer, image: Any) -> None:
             raise ValueError(f"cannot key an empty image of shape {image.shape}")
         arr = np.ascontiguousarray(image)
         framer.field(b"D", struct.pack("<B", arr.ndim) + struct.pack(f"<{arr.ndim}Q", *arr.shape))
-        framer.field(b"P", memoryview(arr).cast("B"))
+        framer.field(b"P", arr.data.cast("B"))
         return
     if _is_pil_image(image):
         width, height = image.size

@@ -175,7 +175,7 @@ class DiskTier:
     def put(self, key: bytes, entry: Entry) -> bool:
         """Synchronous write of one entry (the writer thread batches through ``write_batch``)."""
         data = entry.tensor.contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
-        value = codec.encode(entry.tensor.dtype, tuple(entry.tensor.shape), memoryview(data))
+        value = codec.encode(entry.tensor.dtype, tuple(entry.tensor.shape), data.data)
         return self.write_batch([(key, value)]) == 1
 
     # -- writes (writer thread only) -----------------------------------------------------------
