@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .codec import HEADER, check_storable
+from .codec import HEADER, check_meta, check_storable
 from .config import CacheConfig
 from .copier import as_bytes, make_copier, owned_empty
 from .demoter import Demoter, DiskWriter
@@ -45,13 +45,24 @@ log = logging.getLogger("featcache")
 
 
 class Lease:
-    """A tensor lent by the cache; its device entry stays resident until ``release``."""
+    """A tensor lent by the cache; its device entry stays resident until ``release``.
 
-    def __init__(self, cache: FeatureCache, key: bytes, tensor: torch.Tensor, pinned: bool) -> None:
+    ``tensor`` is ready on the acquiring thread's current stream; a user on another stream calls
+    ``ready()`` there first. ``meta`` is the metadata stored with the entry (b"" if none).
+    """
+
+    def __init__(self, cache: FeatureCache, key: bytes, entry: Entry, pinned: bool) -> None:
         self.key = key
-        self.tensor = tensor
+        self.tensor = entry.tensor
+        self.meta = entry.meta
+        self._fence = entry.fence
         self._cache = cache
         self._pinned = pinned
+
+    def ready(self) -> torch.Tensor:
+        """The tensor, made safe to use on the caller's current stream."""
+        self._cache._copier.ready(self.tensor, self._fence)
+        return self.tensor
 
     def release(self) -> None:
         if self._pinned:
@@ -113,22 +124,27 @@ class FeatureCache:
         self._closed = False
 
     # -- public API ----------------------------------------------------------------------------
-    def put(self, key: bytes, features: torch.Tensor) -> None:
+    def put(self, key: bytes, features: torch.Tensor, meta: bytes | None = None) -> None:
         """Store ``features`` under ``key``; returns at once (lower tiers fill in the background).
 
-        An entry larger than a tier's budget skips that tier; larger than all, it is not stored.
-        A put of an existing key replaces it.
+        ``meta``: optional small bytes (at most 64 KiB) stored and served with the tensor
+        (``Lease.meta``). An entry larger than a tier's budget skips that tier; larger than all,
+        it is not stored. A put of an existing key replaces it.
         """
         self._check_open()
         _check_key(key)
         check_storable(features)
+        meta_bytes = check_meta(meta)
         tensor = self._owned(features)
         nbytes = tensor.nbytes
         to_device = 0 < nbytes <= self._device.capacity_bytes or (
             nbytes == 0 and self._device.capacity_bytes > 0
         )
         to_host = self._host is not None and self._host.fits(nbytes)
-        to_disk = self._disk is not None and nbytes + HEADER.size <= self._disk.capacity_bytes
+        to_disk = (
+            self._disk is not None
+            and nbytes + HEADER.size + len(meta_bytes) <= self._disk.capacity_bytes
+        )
         if not (to_device or to_host or to_disk):
             self._count("not_stored")
             return
@@ -137,9 +153,9 @@ class FeatureCache:
         if self._host is not None:
             self._host.discard(key)  # a replaced value must not be served from below
         if to_device:
-            self._device.put(key, Entry(tensor, fence))
+            self._device.put(key, Entry(tensor, fence, meta=meta_bytes))
         if (to_host or to_disk) and self._demoter is not None:
-            self._demoter.submit(key, tensor, fence)
+            self._demoter.submit(key, tensor, fence, meta_bytes)
 
     def get(self, key: bytes) -> torch.Tensor | None:
         """The features stored under ``key`` on the cache's device, bit-identical, or None.
@@ -148,19 +164,23 @@ class FeatureCache:
         """
         self._check_open()
         _check_key(key)
-        tensor = self._lookup(key, pin=False)
-        self._count("hits" if tensor is not None else "misses")
-        return tensor
+        entry = self._lookup(key, pin=False)
+        self._count("hits" if entry is not None else "misses")
+        if entry is None:
+            return None
+        self._copier.ready(entry.tensor, entry.fence)
+        return entry.tensor
 
     def acquire(self, key: bytes) -> Lease | None:
         """Like ``get``, but the entry is pinned in the device tier until ``Lease.release()``."""
         self._check_open()
         _check_key(key)
-        tensor = self._lookup(key, pin=True)
-        self._count("hits" if tensor is not None else "misses")
-        if tensor is None:
+        entry = self._lookup(key, pin=True)
+        self._count("hits" if entry is not None else "misses")
+        if entry is None:
             return None
-        return Lease(self, key, tensor, pinned=self._device.capacity_bytes > 0)
+        self._copier.ready(entry.tensor, entry.fence)
+        return Lease(self, key, entry, pinned=self._device.capacity_bytes > 0)
 
     def lease(self, key: bytes) -> Lease | _NoLease:
         """``with cache.lease(key) as feats:`` -- feats is the tensor or None; pinned meanwhile."""
@@ -239,20 +259,19 @@ class FeatureCache:
         )
 
     # -- lookups and promotion -----------------------------------------------------------------
-    def _lookup(self, key: bytes, pin: bool) -> torch.Tensor | None:
+    def _lookup(self, key: bytes, pin: bool) -> Entry | None:
+        """The device-resident entry for ``key`` (promoted if it was lower), or None."""
         if self._device.capacity_bytes > 0:
             entry = self._device.get(key, pin=pin)
             if entry is not None:
-                self._copier.ready(entry.tensor, entry.fence)
-                return entry.tensor
+                return entry
         if self._demoter is not None:
             entry = self._demoter.pending(key)
             if entry is not None:
                 self._count("inflight_hits")
-                self._copier.ready(entry.tensor, entry.fence)
                 if self._device.capacity_bytes > 0:
                     self._device.put(key, entry, pin=pin)
-                return entry.tensor
+                return entry
         if self._host is not None:
             entry = self._host.get(key)  # its block comes retained
             if entry is not None:
@@ -261,7 +280,7 @@ class FeatureCache:
             return self._from_disk(key, pin)
         return None
 
-    def _from_disk(self, key: bytes, pin: bool) -> torch.Tensor | None:
+    def _from_disk(self, key: bytes, pin: bool) -> Entry | None:
         assert self._disk is not None and self._writer is not None
         pending = self._writer.pending(key)  # its block, if any, comes retained
         if pending is not None:
@@ -294,7 +313,7 @@ class FeatureCache:
             self._host.put(key, entry)
         return self._promote(key, entry, pin)
 
-    def _promote(self, key: bytes, entry: Entry, pin: bool) -> torch.Tensor:
+    def _promote(self, key: bytes, entry: Entry, pin: bool) -> Entry:
         """Copy a host entry to the device; release the caller's block reference once queued."""
         try:
             source = as_bytes(entry.tensor)
@@ -307,9 +326,10 @@ class FeatureCache:
                 assert self._host is not None
                 self._host.release(entry.block)
         self._count("promotions")
+        promoted = Entry(tensor, done, meta=entry.meta)
         if self._device.capacity_bytes > 0:
-            self._device.put(key, Entry(tensor, done), pin=pin)
-        return tensor
+            self._device.put(key, promoted, pin=pin)
+        return promoted
 
     # -- helpers -------------------------------------------------------------------------------
     def _owned(self, features: torch.Tensor) -> torch.Tensor:

@@ -29,8 +29,9 @@ from .errors import CorruptEntryError
 MAGIC = b"FCv\x00"
 FORMAT_VERSION = 1
 MAX_NDIM = 8
-_PREFIX = struct.Struct(f"<4sHBBQ{MAX_NDIM}Q")
-HEADER = struct.Struct(f"<4sHBBQ{MAX_NDIM}Q16s")
+MAX_META_BYTES = 64 * 1024
+_PREFIX = struct.Struct(f"<4sHBBIIQ{MAX_NDIM}Q")
+HEADER = struct.Struct(f"<4sHBBIIQ{MAX_NDIM}Q16s")
 
 DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4,
@@ -45,7 +46,12 @@ class Header:
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
+    meta_len: int
     checksum: bytes
+
+    @property
+    def payload_offset(self) -> int:
+        return HEADER.size + self.meta_len
 
 
 def check_storable(tensor: torch.Tensor) -> None:
@@ -61,22 +67,37 @@ def check_storable(tensor: torch.Tensor) -> None:
         raise ValueError(f"tensors of more than {MAX_NDIM} dims cannot be cached ({tensor.dim()})")
 
 
-def _prefix(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> bytes:
+def check_meta(meta: object) -> bytes:
+    if meta is None:
+        return b""
+    if not isinstance(meta, bytes):
+        raise TypeError(f"meta must be bytes or None, not {type(meta).__name__}")
+    if len(meta) > MAX_META_BYTES:
+        raise ValueError(f"meta is {len(meta)} bytes; at most {MAX_META_BYTES} are stored")
+    return meta
+
+
+def _prefix(dtype: torch.dtype, shape: tuple[int, ...], meta_len: int, nbytes: int) -> bytes:
     dims = list(shape) + [0] * (MAX_NDIM - len(shape))
-    return _PREFIX.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[dtype], len(shape), nbytes, *dims)
+    return _PREFIX.pack(
+        MAGIC, FORMAT_VERSION, DTYPE_CODES[dtype], len(shape), meta_len, 0, nbytes, *dims
+    )
 
 
-def checksum(prefix: bytes, payload: memoryview | bytes) -> bytes:
+def checksum(prefix: bytes, meta: memoryview | bytes, payload: memoryview | bytes) -> bytes:
     h = xxhash.xxh3_128(prefix)
+    h.update(meta)
     h.update(payload)
     return h.digest()
 
 
-def encode(dtype: torch.dtype, shape: tuple[int, ...], payload: memoryview | bytes) -> bytes:
-    """Header plus payload as one bytes value (one copy of the payload)."""
+def encode(
+    dtype: torch.dtype, shape: tuple[int, ...], payload: memoryview | bytes, meta: bytes = b""
+) -> bytes:
+    """Header, metadata and payload as one bytes value (one copy of the payload)."""
     nbytes = memoryview(payload).nbytes
-    prefix = _prefix(dtype, shape, nbytes)
-    return b"".join((prefix, checksum(prefix, payload), payload))
+    prefix = _prefix(dtype, shape, len(meta), nbytes)
+    return b"".join((prefix, checksum(prefix, meta, payload), meta, payload))
 
 
 def decode_header(value: memoryview | bytes) -> Header:
@@ -84,7 +105,7 @@ def decode_header(value: memoryview | bytes) -> Header:
     view = memoryview(value)
     if view.nbytes < HEADER.size:
         raise CorruptEntryError(f"value of {view.nbytes} bytes is shorter than a header")
-    magic, version, code, ndim, nbytes, *rest = HEADER.unpack_from(view)
+    magic, version, code, ndim, meta_len, reserved, nbytes, *rest = HEADER.unpack_from(view)
     dims, digest = rest[:MAX_NDIM], rest[MAX_NDIM]
     if magic != MAGIC:
         raise CorruptEntryError("bad magic")
@@ -94,26 +115,33 @@ def decode_header(value: memoryview | bytes) -> Header:
         raise CorruptEntryError(f"unknown dtype code {code}")
     if ndim > MAX_NDIM or any(dims[ndim:]):
         raise CorruptEntryError(f"bad shape header (ndim {ndim})")
+    if reserved != 0 or meta_len > MAX_META_BYTES:
+        raise CorruptEntryError(f"bad metadata header (meta_len {meta_len})")
     shape = tuple(dims[:ndim])
     dtype = CODE_DTYPES[code]
     itemsize = torch.empty((), dtype=dtype).element_size()
-    if nbytes != view.nbytes - HEADER.size or math.prod(shape) * itemsize != nbytes:
+    if nbytes != view.nbytes - HEADER.size - meta_len or math.prod(shape) * itemsize != nbytes:
         raise CorruptEntryError(
-            f"length mismatch: header says {nbytes} bytes for {shape} of {dtype}, "
+            f"length mismatch: header says {meta_len} + {nbytes} bytes for {shape} of {dtype}, "
             f"value holds {view.nbytes - HEADER.size}"
         )
-    return Header(dtype=dtype, shape=shape, nbytes=nbytes, checksum=digest)
+    return Header(dtype=dtype, shape=shape, nbytes=nbytes, meta_len=meta_len, checksum=digest)
 
 
 def verify(value: memoryview | bytes) -> Header:
     """Validate header and checksum of a whole value; return its header or raise."""
     view = memoryview(value)
     header = decode_header(view)
-    prefix = view[: _PREFIX.size]
-    if checksum(bytes(prefix), view[HEADER.size:]) != header.checksum:
+    prefix = bytes(view[: _PREFIX.size])
+    meta = view[HEADER.size : header.payload_offset]
+    if checksum(prefix, meta, view[header.payload_offset :]) != header.checksum:
         raise CorruptEntryError("checksum mismatch")
     return header
 
 
-def payload(value: memoryview | bytes) -> memoryview:
-    return memoryview(value)[HEADER.size:]
+def meta(value: memoryview | bytes, header: Header) -> bytes:
+    return bytes(memoryview(value)[HEADER.size : header.payload_offset])
+
+
+def payload(value: memoryview | bytes, header: Header) -> memoryview:
+    return memoryview(value)[header.payload_offset :]

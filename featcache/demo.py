@@ -130,7 +130,8 @@ def main(turns: int = 6, cache_dir: str | None = None, device: str | None = None
     model = TinyVisionEncoder().to(dev, dtype).eval()
     images = [make_image(seed) for seed in range(turns)]
     per_image = 256 * 1024 * torch.empty((), dtype=dtype).element_size()
-    budgets = dict(device_bytes=3 * per_image, host_bytes=4 * per_image, disk_bytes="256MiB")
+    budgets: dict[str, int] = dict(device_bytes=3 * per_image, host_bytes=4 * per_image,
+                                   disk_bytes=256 << 20)
     tmp = None if cache_dir else tempfile.TemporaryDirectory(prefix="featcache-demo-")
     path = cache_dir or tmp.name  # type: ignore[union-attr]
     print(f"featcache demo on {dev}: {turns}-turn chat resending its images; encoder "
@@ -139,11 +140,11 @@ def main(turns: int = 6, cache_dir: str | None = None, device: str | None = None
           f"host tier {format_bytes(budgets['host_bytes'])}, disk tier at {path}")
     identity = model.identity
     try:
-        with FeatureCache(device=dev, disk_path=path, **budgets) as cache:  # type: ignore[arg-type]
+        with FeatureCache(device=dev, disk_path=path, **budgets) as cache:
             first = run_chat(cache, model, images, dtype, identity)
             cache.flush()
         _print_turns("First run (a cold cache):", first)
-        with FeatureCache(device=dev, disk_path=path, **budgets) as cache:  # type: ignore[arg-type]
+        with FeatureCache(device=dev, disk_path=path, **budgets) as cache:
             second = run_chat(cache, model, images, dtype, identity)
             mismatches = check_bit_identical(cache, model, images, dtype, identity)
             stats = cache.stats()

@@ -43,6 +43,7 @@ class _Demotion:
     key: bytes
     tensor: torch.Tensor  # on the cache's device
     fence: Any  # producer's event
+    meta: bytes
 
 
 @dataclass(eq=False)
@@ -179,7 +180,8 @@ class DiskWriter(_Worker):
                 self._copier.wait(job.entry.fence)
                 tensor = job.entry.tensor
                 data = as_bytes(tensor).numpy().data
-                puts.append((job.key, codec.encode(tensor.dtype, tuple(tensor.shape), data)))
+                value = codec.encode(tensor.dtype, tuple(tensor.shape), data, job.entry.meta)
+                puts.append((job.key, value))
             for op in batch:
                 if isinstance(op, tuple):
                     (touches if op[0] == "touch" else discards).append(op[1])
@@ -214,8 +216,8 @@ class Demoter(_Worker):
         self._lock = threading.Lock()
         super().__init__("featcache-demoter", maxsize)
 
-    def submit(self, key: bytes, tensor: torch.Tensor, fence: Any) -> bool:
-        job = _Demotion(key, tensor, fence)
+    def submit(self, key: bytes, tensor: torch.Tensor, fence: Any, meta: bytes = b"") -> bool:
+        job = _Demotion(key, tensor, fence, meta)
         with self._lock:
             self._pending[key] = job
         if self._offer(job):
@@ -231,7 +233,7 @@ class Demoter(_Worker):
         """An entry put but not yet copied down: its device tensor and producer fence."""
         with self._lock:
             job = self._pending.get(key)
-            return None if job is None else Entry(job.tensor, job.fence)
+            return None if job is None else Entry(job.tensor, job.fence, meta=job.meta)
 
     def _forget(self, job: _Demotion) -> None:
         with self._lock:
@@ -257,7 +259,7 @@ class Demoter(_Worker):
                 self.host.count_drop()  # no block free: every one is busy with a copy
             return
         done = self._copier.to_host(tensor, dst, after=job.fence)
-        host_entry = Entry(dst.view(tensor.dtype).view(tensor.shape), done, block)
+        host_entry = Entry(dst.view(tensor.dtype).view(tensor.shape), done, block, job.meta)
         if block is not None:
             block.fence = done
             assert self.host is not None

@@ -227,3 +227,25 @@ def test_default_device_and_sizes():
         assert c.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
         assert c.stats()["host"]["capacity_bytes"] == 8 * MiB
         assert c.stats()["disk"]["capacity_bytes"] == 0  # no disk_path: no disk tier
+
+
+def test_metadata_is_served_with_the_tensor_from_every_tier(tmp_path):
+    meta = b'{"image_tokens": 3328, "image_token_id": 151667}'
+    path = tmp_path / "s"
+    with FeatureCache(device="cpu", device_bytes=MiB, host_bytes=MiB, disk_path=path,
+                      disk_bytes=8 * MiB) as c:
+        c.put(key(1), feats(1), meta=meta)
+        c.put(key(2), feats(2))
+        with c.lease(key(1)):
+            pass
+        lease = c.acquire(key(1))
+        assert lease.meta == meta and c.acquire(key(2)).meta == b""
+        c.flush()
+        c._device.discard(key(1))
+        assert c.acquire(key(1)).meta == meta  # host tier
+    with FeatureCache(device="cpu", device_bytes=MiB, host_bytes=MiB, disk_path=path,
+                      disk_bytes=8 * MiB) as c:
+        lease = c.acquire(key(1))  # disk tier
+        assert lease.meta == meta and torch.equal(lease.ready(), feats(1))
+    with pytest.raises(TypeError, match="meta must be bytes"):
+        FeatureCache(device="cpu").put(key(3), feats(3), meta="text")

@@ -9,8 +9,9 @@ from featcache import codec
 from featcache.errors import CorruptEntryError
 
 
-def encode(t: torch.Tensor) -> bytes:
-    return codec.encode(t.dtype, tuple(t.shape), memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+def encode(t: torch.Tensor, meta: bytes = b"") -> bytes:
+    data = t.reshape(-1).view(torch.uint8).numpy().data
+    return codec.encode(t.dtype, tuple(t.shape), data, meta)
 
 
 @pytest.mark.parametrize("dtype", list(codec.DTYPE_CODES))
@@ -18,21 +19,37 @@ def test_roundtrip_every_dtype(dtype):
     t = (torch.randn(3, 5) * 4).to(dtype)
     value = encode(t)
     header = codec.verify(value)
-    back = torch.frombuffer(bytearray(codec.payload(value)), dtype=torch.uint8)
+    back = torch.frombuffer(bytearray(codec.payload(value, header)), dtype=torch.uint8)
     back = back.view(header.dtype).view(header.shape)
     assert header.dtype == dtype and torch.equal(back.view(torch.uint8), t.view(torch.uint8))
 
 
 def test_header_size_is_fixed():
+    assert codec.HEADER.size == 104
     assert len(encode(torch.zeros(()))) == codec.HEADER.size + 4
     assert len(encode(torch.zeros(0))) == codec.HEADER.size
+
+
+def test_metadata_roundtrip_and_checksum():
+    value = encode(torch.arange(4, dtype=torch.int32), meta=b'{"image_tokens": 256}')
+    header = codec.verify(value)
+    assert codec.meta(value, header) == b'{"image_tokens": 256}'
+    assert bytes(codec.payload(value, header)) == torch.arange(4, dtype=torch.int32).numpy().tobytes()
+    flipped = bytearray(value)
+    flipped[codec.HEADER.size + 3] ^= 1  # a metadata byte
+    with pytest.raises(CorruptEntryError, match="checksum"):
+        codec.verify(bytes(flipped))
+    with pytest.raises(ValueError, match="at most"):
+        codec.check_meta(b"x" * (codec.MAX_META_BYTES + 1))
+    with pytest.raises(TypeError, match="bytes"):
+        codec.check_meta("text")
 
 
 @pytest.mark.parametrize("where", ["magic", "version", "dtype", "shape", "payload", "checksum"])
 def test_any_flipped_byte_is_detected(where):
     value = bytearray(encode(torch.arange(64, dtype=torch.float32)))
     offset = {
-        "magic": 0, "version": 4, "dtype": 6, "shape": 16,
+        "magic": 0, "version": 4, "dtype": 6, "shape": 24,
         "checksum": codec.HEADER.size - 1, "payload": codec.HEADER.size + 10,
     }[where]
     value[offset] ^= 0x40
@@ -48,7 +65,8 @@ def test_truncated_values_are_detected():
 
 
 def test_header_declaring_more_than_the_value_holds_is_rejected_before_any_allocation():
-    prefix = codec._PREFIX.pack(codec.MAGIC, codec.FORMAT_VERSION, 1, 1, 1 << 40, 1 << 38, *[0] * 7)
+    prefix = codec._PREFIX.pack(
+        codec.MAGIC, codec.FORMAT_VERSION, 1, 1, 0, 0, 1 << 40, 1 << 38, *[0] * 7)
     with pytest.raises(CorruptEntryError, match="length mismatch"):
         codec.decode_header(prefix + b"\0" * 16)
 
@@ -64,11 +82,12 @@ def test_fuzzed_values_never_crash_the_reader(blob):
 
 @settings(max_examples=300, deadline=None)
 @given(
-    st.integers(0, 0xFFFF), st.integers(0, 255), st.integers(0, 255),
+    st.integers(0, 0xFFFF), st.integers(0, 255), st.integers(0, 255), st.integers(0, 2**32 - 1),
     st.integers(0, 2**64 - 1), st.lists(st.integers(0, 2**64 - 1), min_size=8, max_size=8),
 )
-def test_fuzzed_headers_with_valid_magic_never_crash(version, code, ndim, nbytes, dims):
-    head = struct.pack("<4sHBBQ8Q16s", codec.MAGIC, version, code, ndim, nbytes, *dims, b"\0" * 16)
+def test_fuzzed_headers_with_valid_magic_never_crash(version, code, ndim, meta_len, nbytes, dims):
+    head = struct.pack(
+        "<4sHBBIIQ8Q16s", codec.MAGIC, version, code, ndim, meta_len, 0, nbytes, *dims, b"\0" * 16)
     try:
         codec.verify(head + b"\0" * 64)
     except CorruptEntryError:

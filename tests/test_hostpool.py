@@ -24,7 +24,7 @@ def test_blocks_never_overlap_and_capacity_holds():
             live.append(block)
         assert pool.allocated_bytes <= pool.capacity_bytes
         spans = sorted((b.slab, b.offset, b.offset + b.size) for b in live)
-        for (s1, _, e1), (s2, b2, _) in zip(spans, spans[1:]):
+        for (s1, _, e1), (s2, b2, _) in zip(spans, spans[1:], strict=False):
             assert s1 != s2 or e1 <= b2
         assert pool.block_bytes == sum(b.size for b in live)
     for block in live:

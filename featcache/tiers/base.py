@@ -14,7 +14,7 @@ STAT_FIELDS = ("hits", "misses", "evictions", "drops", "corrupt", "errors")
 
 @dataclass(eq=False)
 class Entry:
-    """A stored tensor and the fence its bytes are ready after.
+    """A stored tensor (with its metadata bytes) and the fence its bytes are ready after.
 
     ``fence`` is a ``torch.cuda.Event`` recorded after the work that produced ``tensor`` (the
     producer's stream for the device tier, the copy stream for the host tier), or None when the
@@ -24,6 +24,7 @@ class Entry:
     tensor: torch.Tensor
     fence: Any = None
     block: Block | None = None
+    meta: bytes = b""  # the caller's small metadata record, stored and served with the tensor
 
     @property
     def nbytes(self) -> int:

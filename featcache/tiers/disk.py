@@ -159,9 +159,10 @@ class DiskTier:
                     if self._on_corrupt is not None:
                         self._on_corrupt(key)
                     return None
+                meta = codec.meta(value, header)
                 dst = alloc(header.nbytes) if alloc is not None else _fresh(header.nbytes)
                 if header.nbytes:
-                    src = np.frombuffer(codec.payload(value), dtype=np.uint8)
+                    src = np.frombuffer(codec.payload(value, header), dtype=np.uint8)
                     dst[: header.nbytes].numpy()[:] = src
         except lmdb.Error as e:
             log.warning("featcache: disk read of %s failed: %s", key.hex(), e)
@@ -170,12 +171,12 @@ class DiskTier:
             return None
         self._count("hits")
         typed = dst[: header.nbytes].view(header.dtype).view(header.shape)
-        return Entry(typed)
+        return Entry(typed, meta=meta)
 
     def put(self, key: bytes, entry: Entry) -> bool:
         """Synchronous write of one entry (the writer thread batches through ``write_batch``)."""
         data = entry.tensor.contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
-        value = codec.encode(entry.tensor.dtype, tuple(entry.tensor.shape), data.data)
+        value = codec.encode(entry.tensor.dtype, tuple(entry.tensor.shape), data.data, entry.meta)
         return self.write_batch([(key, value)]) == 1
 
     # -- writes (writer thread only) -----------------------------------------------------------
