@@ -44,8 +44,13 @@ class DeviceTier:
 
     def put(self, key: bytes, entry: Entry, pin: bool = False) -> bool:
         """Store ``entry``, evicting the oldest unpinned entries for room; False if it cannot fit.
-        With ``pin`` a stored entry is pinned in the same step (a lease)."""
+
+        With ``pin`` the key is pinned in the same step (a lease), stored or not, so every lease
+        unpins exactly what it pinned; a pin on a key that could not be stored only keeps a later
+        put of that key resident until the lease ends."""
         with self._lock:
+            if pin:
+                self._books.pin(key)
             victims = self._books.victims_for(entry.nbytes, replacing=key)
             if victims is None:
                 return False
@@ -54,8 +59,6 @@ class DeviceTier:
                 self._counters.evictions += 1
             self._books.add(key, entry.nbytes)
             self._entries[key] = entry
-            if pin:
-                self._books.pin(key)
             return True
 
     def discard(self, key: bytes) -> bool:

@@ -1,0 +1,126 @@
+"""featcache for lmdeploy 0.18's PyTorch engine: ``pipeline()`` and ``wrap()``.
+
+    from featcache.lmdeploy import pipeline
+    pipe = pipeline("OpenGVLab/InternVL2_5-2B", backend_config=PytorchEngineConfig(
+        enable_prefix_caching=True))             # same arguments as lmdeploy.pipeline
+    pipe(("describe", image))
+
+Supported architectures: InternVL (``InternVLChatModel``), InternVL-HF
+(``InternVLForConditionalGeneration``), Qwen2-VL and Qwen2.5-VL, on the PyTorch engine with one GPU
+per engine (tp=1, the in-process executor). Anything else passes through untouched, with one log
+line. See docs/lmdeploy.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from ..cache import FeatureCache
+from .engine import KeyedInputProcessor, keep_prefix_caching
+from .frontend import SECTION, install_frontend
+from .identity import model_identity
+from .models import SPECS, patch_model_class
+from .refs import FeatRef
+
+__all__ = ["SECTION", "SPECS", "FeatRef", "default_cache", "pipeline", "wrap"]
+
+log = logging.getLogger("featcache")
+
+DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "featcache")
+
+
+def default_cache() -> FeatureCache:
+    """The cache ``pipeline(cache=None)`` builds.
+
+    device tier: 4% of the GPU's free memory, at most 2 GiB (lmdeploy takes most of the rest for
+    its KV cache); host tier: 10% of RAM, at most 8 GiB; disk tier: ``$FEATCACHE_DIR`` or
+    ``~/.cache/featcache``, 32 GiB or half the free space there, whichever is smaller.
+    """
+    device_bytes = 0
+    if torch.cuda.is_available():
+        device_bytes = min(2 << 30, int(torch.cuda.mem_get_info()[0] * 0.04))
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    path = os.environ.get("FEATCACHE_DIR", DEFAULT_DIR)
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.statvfs(path)
+    disk_bytes = min(32 << 30, st.f_bavail * st.f_frsize // 2)
+    return FeatureCache(device_bytes=device_bytes, host_bytes=min(8 << 30, ram // 10),
+                        disk_path=path, disk_bytes=disk_bytes)
+
+
+def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: str | None = None,
+             **pipeline_kwargs: Any) -> Any:
+    """``lmdeploy.pipeline(model_path, **pipeline_kwargs)`` with featcache wrapped in.
+
+    Same arguments and return type. ``cache=None`` builds ``default_cache()`` (closed with the
+    pipeline). ``enable_prefix_caching=True`` in a ``PytorchEngineConfig`` stays on for the
+    supported models (lmdeploy alone turns it off for them).
+    """
+    import lmdeploy
+
+    owned = cache is None
+    cache = cache if cache is not None else default_cache()
+    backend_config = pipeline_kwargs.get("backend_config")
+    wanted = bool(getattr(backend_config, "enable_prefix_caching", False)) and isinstance(
+        backend_config, lmdeploy.PytorchEngineConfig)
+    try:
+        with keep_prefix_caching(wanted, supported=set(SPECS)):
+            pipe = lmdeploy.pipeline(model_path, **pipeline_kwargs)
+    except BaseException:
+        if owned:
+            cache.close()
+        raise
+    wrap(pipe, cache, namespace=namespace)
+    if owned:
+        close = pipe.close
+
+        def close_both() -> None:
+            close()
+            cache.close()
+
+        pipe.close = close_both
+    return pipe
+
+
+def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None) -> Any:
+    """Install featcache on a pipeline built by ``lmdeploy.pipeline``; returns ``pipe``.
+
+    A pipeline built without featcache has had prefix caching switched off by lmdeploy for these
+    models; build it with ``featcache.lmdeploy.pipeline`` to keep it on.
+    """
+    from lmdeploy import PytorchEngineConfig
+
+    engine = pipe.async_engine
+    encoder = getattr(engine, "vl_encoder", None)
+    if encoder is None or encoder.model is None:
+        log.info("featcache: %s is not a vision-language pipeline; nothing to cache", pipe)
+        return pipe
+    hf_config = encoder.model.hf_config
+    arch = hf_config.architectures[0]
+    spec = SPECS.get(arch)
+    if not isinstance(engine.backend_config, PytorchEngineConfig):
+        log.warning("featcache: the TurboMind backend is not cached yet; %s passes through", arch)
+        return pipe
+    if spec is None or getattr(hf_config, "flash_mode", None):
+        log.warning("featcache: architecture %s is not cached; it passes through untouched", arch)
+        return pipe
+    if engine.backend_config.tp > 1:
+        raise ValueError(
+            "featcache supports the PyTorch engine with tp=1 (one GPU per engine, run in "
+            "process); for several GPUs run one tp=1 pipeline per GPU over a shared disk_path")
+    inner = getattr(engine.engine, "input_processor", None)
+    if inner is None:
+        raise ValueError(
+            "featcache needs the in-process PyTorch engine (enable_mp_engine=False, tp=1)")
+    namespace = namespace or model_identity(
+        encoder.model.model_path, arch, encoder.mm_feature_dtype, extra={})
+    patch_model_class(spec)
+    install_frontend(encoder.model, cache, namespace)
+    engine.engine.input_processor = KeyedInputProcessor(inner)
+    pipe.featcache = cache
+    log.info("featcache: caching %s image features (namespace %s)", arch, namespace)
+    return pipe

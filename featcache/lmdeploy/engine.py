@@ -1,0 +1,72 @@
+"""The engine hooks: carry each image's key into the engine, and keep prefix caching on.
+
+- ``KeyedInputProcessor`` wraps the engine's input processor (``Engine.input_processor``): after
+  lmdeploy builds its ``MultiModalData`` per image, the image's ``FeatRef`` goes into ``meta`` (for
+  the model hook) and its featcache key, as hex, into ``content_hash``. With prefix caching on,
+  lmdeploy then skips its sha256 over the pixels (``ensure_multimodal_content_hashes`` fills only
+  missing hashes), and the block trie tells images apart by their content keys: two different
+  images never share KV, a repeated image reuses it.
+- ``keep_prefix_caching`` undoes ``VLAsyncEngine``'s switch-off of prefix caching for the models
+  featcache keys (it sets ``enable_prefix_caching = False`` before building the engine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from .refs import REF_KEY
+
+log = logging.getLogger("featcache")
+
+
+class KeyedInputProcessor:
+    """Delegates to lmdeploy's input processor, then tags its MultiModalData with featcache keys."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def preprocess_input(self, input_ids: Any, input_multimodals: Any = None, **kwargs: Any) -> Any:
+        result = self.inner.preprocess_input(input_ids, input_multimodals, **kwargs)
+        if not input_multimodals or not hasattr(result, "input_multimodals"):
+            return result
+        images = (result.input_multimodals or {}).get("image", [])
+        if len(images) != len(input_multimodals):
+            return result  # not one MultiModalData per item: leave the request to lmdeploy alone
+        for source, data in zip(input_multimodals, images, strict=True):
+            ref = source.get(REF_KEY)
+            if ref is None:
+                continue
+            data.meta = dict(data.meta or {}, **{REF_KEY: ref})
+            data.content_hash = "featcache:" + ref.key.hex()
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@contextlib.contextmanager
+def keep_prefix_caching(wanted: bool, supported: set[str]) -> Iterator[None]:
+    """While building a pipeline, keep ``enable_prefix_caching`` as the caller asked for it, for
+    the ``supported`` architectures (those featcache keys)."""
+    from lmdeploy.serve.core.async_engine import AsyncEngine
+
+    original = AsyncEngine.__init__
+
+    def __init__(self: Any, *args: Any, backend_config: Any = None, **kwargs: Any) -> None:
+        encoder = getattr(self, "vl_encoder", None)  # VLAsyncEngine sets it before this runs
+        model = getattr(encoder, "model", None)
+        arch = getattr(getattr(model, "hf_config", None), "architectures", [None])[0]
+        if (wanted and arch in supported and backend_config is not None
+                and not backend_config.enable_prefix_caching):
+            backend_config.enable_prefix_caching = True
+            log.info("featcache: prefix caching kept on (images are keyed by content)")
+        original(self, *args, backend_config=backend_config, **kwargs)
+
+    AsyncEngine.__init__ = __init__  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        AsyncEngine.__init__ = original  # type: ignore[method-assign]

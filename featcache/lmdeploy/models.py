@@ -1,0 +1,179 @@
+"""The model hook: serve cached features inside lmdeploy's PyTorch model forward.
+
+lmdeploy 0.18 runs the vision tower inside the model's forward, over the images of every sequence
+in the step concatenated into one call, then ``masked_scatter``s the result into the token
+embeddings in image order. For each supported class we wrap, at class level:
+
+- ``prepare_inputs_for_generation``: images whose ``MultiModalData.meta`` holds a hit ``FeatRef``
+  are taken out of the step's vision inputs (they carry no pixels), so lmdeploy's own prepare
+  builds the vision call for the misses only. The step's plan (each image in order: hit or miss,
+  and its token count) is left for the vision wrapper. When every image hit, the forward still
+  has to reach the vision call, so the spec's placeholder arguments are filled in.
+- the vision call (a method or submodule named by the spec, wrapped per instance on first use):
+  runs the real vision model on the misses, splits its output per image (by token count), puts
+  each miss's features in the cache (on the engine's stream: no host copy), and returns the
+  features of every image in order: hits from their leases, misses from the output.
+
+Classes whose instances never see a ``FeatRef`` behave exactly as before. Invariant: the vision
+model runs only on images that missed; the returned features have exactly one row per image token.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .frontend import SECTION
+from .refs import REF_KEY, FeatRef
+
+log = logging.getLogger("featcache")
+
+
+def _empty(device: torch.device) -> torch.Tensor:
+    return torch.empty(0, device=device)
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Where one architecture's vision call lives and what its forward needs to reach it."""
+
+    module: str  # lmdeploy.pytorch.models.<module>
+    cls: str  # the top-level model class
+    vision: str  # the vision call: a method name or a submodule attribute
+    submodule: bool  # True: ``vision`` names an nn.Module attribute; False: a method
+    placeholders: dict[str, Callable[[torch.device], Any]]  # forward kwargs when every image hit
+
+
+SPECS: dict[str, ArchSpec] = {
+    "InternVLChatModel": ArchSpec(
+        "internvl", "InternVLChatModel", "extract_feature", False, {"pixel_values": _empty}),
+    "InternVLForConditionalGeneration": ArchSpec(
+        "internvl3_hf", "InternVLForConditionalGeneration", "get_image_features", False,
+        {"pixel_values": _empty}),
+    "Qwen2VLForConditionalGeneration": ArchSpec(
+        "qwen2_vl", "Qwen2VLForConditionalGeneration", "visual", True,
+        {"pixel_values": _empty, "vis_cu_seqlens": _empty,
+         "vis_pos_emb": lambda d: (_empty(d), _empty(d))}),
+    "Qwen2_5_VLForConditionalGeneration": ArchSpec(
+        "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "visual", True,
+        {"pixel_values": _empty, "vis_cu_seqlens": _empty, "vis_pos_emb": _empty,
+         "window_index": _empty, "cu_window_seqlens": _empty}),
+}
+
+
+@dataclass
+class _Plan:
+    refs: list[FeatRef | None]  # one per image of the step, in token order
+    tokens: list[int]  # image tokens of each
+
+
+_step = threading.local()  # the plan of the step being run on this thread (the engine loop)
+
+
+def patch_model_class(spec: ArchSpec) -> type:
+    """Wrap ``prepare_inputs_for_generation`` of the spec's class (idempotent)."""
+    cls = getattr(importlib.import_module(f"lmdeploy.pytorch.models.{spec.module}"), spec.cls)
+    cls = getattr(cls, "__wrapped__", cls)
+    original = cls.prepare_inputs_for_generation
+    if getattr(original, "_featcache", False):
+        return cls
+
+    def prepare_inputs_for_generation(self: Any, past_key_values: Any, inputs_embeds: Any = None,
+                                      context: Any = None) -> dict[str, Any]:
+        _step.plan = None
+        images = _step_images(context)
+        refs = [(d.meta or {}).get(REF_KEY) for d in images]
+        if not any(refs):
+            return original(self, past_key_values, inputs_embeds, context)
+        _ensure_vision_wrapper(self, spec)
+        hit = [r is not None and r.hit for r in refs]
+        saved = context.input_multimodals
+        if any(hit):
+            kept = [{**mm, "image": [d for d in mm.get("image", []) if not _is_hit(d)]}
+                    if mm else mm for mm in saved]
+            context.input_multimodals = None if all(hit) else kept
+        try:
+            inputs = original(self, past_key_values, inputs_embeds, context)
+        finally:
+            context.input_multimodals = saved
+        if all(hit):
+            device = context.input_ids.device
+            for name, make in spec.placeholders.items():
+                inputs[name] = make(device)
+            inputs["image_mask"] = context.input_ids == images[0].meta["image_token_id"]
+        _step.plan = _Plan(refs, [d.end - d.start for d in images])
+        return inputs
+
+    prepare_inputs_for_generation._featcache = True  # type: ignore[attr-defined]
+    prepare_inputs_for_generation.__wrapped__ = original  # type: ignore[attr-defined]
+    cls.prepare_inputs_for_generation = prepare_inputs_for_generation
+    return cls
+
+
+def _step_images(context: Any) -> list[Any]:
+    mms = getattr(context, "input_multimodals", None) if context is not None else None
+    if not mms:
+        return []
+    return [d for mm in mms if mm for d in (mm.get("image") or [])]
+
+
+def _is_hit(data: Any) -> bool:
+    ref = (data.meta or {}).get(REF_KEY)
+    return ref is not None and ref.hit
+
+
+def _ensure_vision_wrapper(model: Any, spec: ArchSpec) -> None:
+    owner = getattr(model, spec.vision) if spec.submodule else model
+    attr = "forward" if spec.submodule else spec.vision
+    current = getattr(owner, attr)
+    if getattr(current, "_featcache", False):
+        return
+
+    def vision(*args: Any, **kwargs: Any) -> torch.Tensor:
+        plan = getattr(_step, "plan", None)
+        _step.plan = None
+        if plan is None:
+            return current(*args, **kwargs)
+        return _serve(plan, lambda: current(*args, **kwargs))
+
+    vision._featcache = True  # type: ignore[attr-defined]
+    setattr(owner, attr, vision)
+
+
+def _serve(plan: _Plan, run_vision: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The features of every image of the step, in order, as [image tokens, hidden]."""
+    misses = [(ref, n) for ref, n in zip(plan.refs, plan.tokens, strict=True)
+              if ref is None or not ref.hit]
+    pieces: list[torch.Tensor] = []
+    cache = next(ref.cache for ref in plan.refs if ref is not None)
+    if misses:
+        out = run_vision()
+        flat = out.reshape(-1, out.shape[-1])
+        sizes = [n for _, n in misses]
+        if sum(sizes) != flat.shape[0]:
+            raise RuntimeError(
+                f"featcache: the vision model returned {flat.shape[0]} feature rows for images "
+                f"of {sizes} tokens; this model's output does not split per image")
+        pieces = list(flat.split(sizes))
+        for (ref, _), piece in zip(misses, pieces, strict=True):
+            if ref is not None:
+                ref.cache.put(ref.key, piece, meta=ref.meta)
+        cache.count(SECTION, "vision_images", len(misses))
+        cache.count(SECTION, "vision_calls")
+    cache.count(SECTION, "vision_skipped", len(plan.refs) - len(misses))
+    parts = []
+    miss_pieces = iter(pieces)
+    for ref, n in zip(plan.refs, plan.tokens, strict=True):
+        if ref is not None and ref.hit:
+            assert ref.lease is not None
+            features = ref.lease.ready()
+            parts.append(features.reshape(n, -1))
+        else:
+            parts.append(next(miss_pieces))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
