@@ -120,6 +120,7 @@ class FeatureCache:
             if self._host is not None or self._writer is not None else None
         )
         self._counts: Counter[str] = Counter()
+        self._events: dict[str, Counter[str]] = {}  # counters of integrations, by section
         self._counts_lock = threading.Lock()
         self._closed = False
 
@@ -212,10 +213,19 @@ class FeatureCache:
         if self._demoter is not None and not self._closed:
             self._demoter.flush()
 
+    def count(self, section: str, event: str, n: int = 1) -> None:
+        """Count an integration's event; it appears as ``stats()[section][event]``."""
+        if section in ("device", "host", "disk", "cache"):
+            raise ValueError(f"section {section!r} is reserved for the cache's own counters")
+        with self._counts_lock:
+            self._events.setdefault(section, Counter())[event] += n
+
     def stats(self) -> dict[str, dict[str, int]]:
-        """Per-tier counters and sizes (``device``, ``host``, ``disk``) plus cache-wide ones."""
+        """Per-tier counters and sizes (``device``, ``host``, ``disk``), cache-wide ones
+        (``cache``), and one section per integration that counted events (e.g. ``lmdeploy``)."""
         with self._counts_lock:
             counts = dict(self._counts)
+            events = {section: dict(c) for section, c in self._events.items()}
         demoter = self._demoter
         return {
             "device": self._device.stats(),
@@ -230,6 +240,7 @@ class FeatureCache:
                 "worker_errors": sum(w.errors for w in self._workers()),
                 "workers_alive": int(all(w.alive for w in self._workers())),
             },
+            **events,
         }
 
     def close(self) -> None:
