@@ -130,7 +130,9 @@ class FeatureCache:
 
         ``meta``: optional small bytes (at most 64 KiB) stored and served with the tensor
         (``Lease.meta``). An entry larger than a tier's budget skips that tier; larger than all,
-        it is not stored. A put of an existing key replaces it.
+        it is not stored. A put of an existing key replaces it: no tier serves the old value
+        afterwards, including the tiers the new value skips, is dropped from, or has not yet
+        reached (a put that does not reach the disk deletes the key there).
         """
         self._check_open()
         _check_key(key)
@@ -148,15 +150,17 @@ class FeatureCache:
         )
         if not (to_device or to_host or to_disk):
             self._count("not_stored")
+            self._remove(key)  # replaced by nothing: the old value must not be served
             return
         self._count("puts")
         fence = self._copier.producer_fence()
-        if self._host is not None:
-            self._host.discard(key)  # a replaced value must not be served from below
-        if to_device:
-            self._device.put(key, Entry(tensor, fence, meta=meta_bytes))
-        if (to_host or to_disk) and self._demoter is not None:
-            self._demoter.submit(key, tensor, fence, meta_bytes)
+        if not (to_device and self._device.put(key, Entry(tensor, fence, meta=meta_bytes))):
+            self._device.discard(key)
+        if self._demoter is not None:
+            if to_host or to_disk:  # replaces the host entry now, the disk value in queue order
+                self._demoter.submit(key, tensor, fence, meta_bytes, to_disk=to_disk)
+            else:
+                self._demoter.cancel(key)
 
     def get(self, key: bytes) -> torch.Tensor | None:
         """The features stored under ``key`` on the cache's device, bit-identical, or None.
@@ -191,22 +195,28 @@ class FeatureCache:
         """Whether any tier (or the way down) holds ``key``; counts nothing, promotes nothing."""
         if not isinstance(key, bytes) or self._closed:
             return False
-        return (
+        if (
             self._device.contains(key)
             or (self._demoter is not None and self._demoter.pending(key) is not None)
             or (self._host is not None and self._host.contains(key))
-            or (self._disk is not None and self._disk.contains(key))
-        )
+        ):
+            return True
+        if self._disk is None or self._writer is None:
+            return False
+        queued, pending = self._writer.pending(key)
+        if pending is not None:
+            self._release(pending)
+        return pending is not None if queued else self._disk.contains(key)
 
     def discard(self, key: bytes) -> None:
-        """Remove ``key`` from every tier (from disk asynchronously, through the writer)."""
+        """Remove ``key`` from every tier (from disk asynchronously, through the writer).
+
+        A put of ``key`` still on its way down is cancelled, or deleted after it lands: no tier
+        serves the key afterwards, also after a reopen.
+        """
         self._check_open()
         _check_key(key)
-        self._device.discard(key)
-        if self._host is not None:
-            self._host.discard(key)
-        if self._writer is not None:
-            self._writer.discard(key)
+        self._remove(key)
 
     def flush(self) -> None:
         """Wait until every pending copy and disk write is done."""
@@ -293,10 +303,12 @@ class FeatureCache:
 
     def _from_disk(self, key: bytes, pin: bool) -> Entry | None:
         assert self._disk is not None and self._writer is not None
-        pending = self._writer.pending(key)  # its block, if any, comes retained
+        queued, pending = self._writer.pending(key)  # its block, if any, comes retained
         if pending is not None:
             self._count("inflight_hits")
             return self._promote(key, pending, pin)
+        if queued:
+            return None  # a discard is queued: what the disk holds is stale
         blocks: list[Block] = []
 
         def alloc(nbytes: int) -> torch.Tensor:
@@ -343,6 +355,17 @@ class FeatureCache:
         return promoted
 
     # -- helpers -------------------------------------------------------------------------------
+    def _remove(self, key: bytes) -> None:
+        """Drop ``key`` from the device tier and (through the demoter) from every tier below."""
+        self._device.discard(key)
+        if self._demoter is not None:
+            self._demoter.cancel(key)
+
+    def _release(self, entry: Entry) -> None:
+        if entry.block is not None:
+            assert self._host is not None
+            self._host.release(entry.block)
+
     def _owned(self, features: torch.Tensor) -> torch.Tensor:
         """The tensor the device tier keeps: on the cache's device, dense, owning its storage."""
         tensor = features.detach()

@@ -1,14 +1,20 @@
 """The stored value format: a fixed header followed by the tensor's raw bytes. No pickle.
 
-Header (little-endian, ``HEADER.size`` = 96 bytes)::
+Value = header + metadata (``meta_len`` bytes) + payload (``nbytes`` bytes).
+Header (little-endian, ``HEADER.size`` = 104 bytes)::
 
     magic      4s   b"FCv\\x00"
-    version    u16  FORMAT_VERSION
+    version    u16  FORMAT_VERSION (2; version 1 had a 96-byte header and no metadata)
     dtype      u8   code from DTYPE_CODES
     ndim       u8   0..MAX_NDIM
+    meta_len   u32  metadata length, 0..MAX_META_BYTES
+    reserved   u32  0
     nbytes     u64  payload length
     shape      8 x u64 (unused dims are 0)
-    checksum   16s  xxh3-128 over the header fields above and the payload
+    checksum   16s  xxh3-128 over the header fields above, the metadata and the payload
+
+Any change to this layout bumps FORMAT_VERSION (and the disk store's FORMAT_TAG), so that a store
+written in an older layout is refused at open rather than read as corrupt entries.
 
 ``decode_header`` validates everything it can without the payload and never trusts a length it
 has not checked against the real value length, so a hostile header cannot make a reader allocate
@@ -27,7 +33,7 @@ import xxhash
 from .errors import CorruptEntryError
 
 MAGIC = b"FCv\x00"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAX_NDIM = 8
 MAX_META_BYTES = 64 * 1024
 _PREFIX = struct.Struct(f"<4sHBBIIQ{MAX_NDIM}Q")

@@ -3,17 +3,28 @@
 Every entry put in the cache is copied down (write-through) in the background:
 
     put --(bounded queue)--> demotion thread: D2H copy into a host block, on the copy stream
-        --(bounded queue)--> disk-writer thread: wait for the copy, encode, one LMDB txn per batch
+        --(queue, puts bounded)--> disk-writer thread: wait for the copy, encode, one LMDB txn
+                                   per batch, applying puts, touches and discards in queue order
 
-Overflow policy: both queues are bounded. When one is full the new job is dropped (counted as a
-``drop`` on the tier it was headed for) instead of blocking ``put``; the entry stays in the tiers
-above. Each queue keeps an in-flight map (key -> data being moved) so a ``get`` sees entries that
-are still on their way down (read-your-writes). ``flush`` waits for both queues; ``close`` drains and
-joins. No polling: threads block on their queues.
+Overload policy: the demotion queue holds at most ``demote_queue_entries`` jobs and the writer's
+queue at most ``disk_queue_entries`` pending puts (discards and touches are tiny and always
+queued). A job over the limit is dropped (counted as a ``drop`` on the tier it was headed for)
+instead of blocking ``put``; the entry stays in the tiers above.
 
-A job that raises is logged (once per thread) and counted as an error; the thread keeps going. If a
-thread dies anyway, ``alive`` turns False, later jobs are dropped and counted, and the request path
-is unaffected.
+Invariants:
+- the disk never keeps a value older than the last put or discard of its key: a put that does
+  not reach the disk (dropped, failed, too big) queues a discard of its key instead, in order;
+- a later put or a discard of a key cancels a demotion of that key not yet handed down. Both
+  take the demoter's lock, and the demotion thread checks for cancellation under that lock right
+  before it hands the host copy to the host tier and the writer: so a discard either cancels a
+  put or lands after it in the writer's queue;
+- each queue keeps an in-flight map (key -> its latest queued job) so a ``get`` sees entries
+  still on their way down (read-your-writes) and never reads a disk value with a discard queued.
+
+``flush`` waits for both queues; ``close`` drains and joins. No polling: threads block on their
+queues. A job that raises is logged (once per thread) and counted as an error; the thread keeps
+going. If a thread dies anyway, ``alive`` turns False, later jobs are dropped and counted, and
+the request path is unaffected.
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -30,7 +41,7 @@ from . import codec
 from .copier import Copier, as_bytes, owned_empty
 from .hostpool import Block, HostPool
 from .tiers.base import Entry
-from .tiers.disk import DiskTier
+from .tiers.disk import DiskOp, DiskTier
 from .tiers.host import HostTier
 
 log = logging.getLogger("featcache")
@@ -44,6 +55,8 @@ class _Demotion:
     tensor: torch.Tensor  # on the cache's device
     fence: Any  # producer's event
     meta: bytes
+    to_disk: bool  # False: the entry is too large for the disk; its key is deleted there
+    cancelled: bool = False  # set under the demoter's lock by a later put or a discard of key
 
 
 @dataclass(eq=False)
@@ -52,11 +65,19 @@ class _DiskPut:
     entry: Entry  # host bytes (a retained pool block, or a staging buffer) and the copy's fence
 
 
+@dataclass(eq=False)
+class _DiskMark:
+    """A discard or an LRU touch of ``key``, applied in queue order with the puts."""
+
+    kind: Literal["discard", "touch"]
+    key: bytes
+
+
 class _Worker:
-    """A daemon thread draining a bounded queue; shared plumbing of the two stages."""
+    """A daemon thread draining a queue (bounded if ``maxsize`` > 0); shared plumbing."""
 
     def __init__(self, name: str, maxsize: int) -> None:
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, maxsize))
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=maxsize)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._logged = False
         self.errors = 0
@@ -87,12 +108,16 @@ class _Worker:
                     return
                 self._handle(item)
             except Exception:  # a failed job must not kill the stage
-                self.errors += 1
-                if not self._logged:
-                    self._logged = True
-                    log.exception("featcache: %s failed a job (logged once)", self._thread.name)
+                self._failed()
             finally:
                 self._queue.task_done()
+
+    def _failed(self) -> None:
+        """Count the exception being handled; log the first one."""
+        self.errors += 1
+        if not self._logged:
+            self._logged = True
+            log.exception("featcache: %s failed a job (logged once)", self._thread.name)
 
     def _handle(self, item: Any) -> None:
         raise NotImplementedError
@@ -108,46 +133,73 @@ class _Worker:
 
 
 class DiskWriter(_Worker):
-    """The single writer of a disk tier: batches puts, touches and discards into transactions."""
+    """The single writer of a disk tier: batches puts, touches and discards into transactions.
+
+    Its queue is unbounded, but at most ``max_puts`` puts are pending (queued or being written)
+    at a time: a put over the limit is dropped, and a discard of its key is queued instead.
+    """
 
     BATCH_ENTRIES = 32
     BATCH_BYTES = 256 << 20
 
-    def __init__(self, disk: DiskTier, copier: Copier, pool: HostPool | None, maxsize: int) -> None:
+    def __init__(self, disk: DiskTier, copier: Copier, pool: HostPool | None, max_puts: int) -> None:
         self.disk = disk
         self._copier = copier
         self._pool = pool  # the host pool whose blocks pending puts reference, if any
-        self._pending: dict[bytes, _DiskPut] = {}
+        self._max_puts = max(1, max_puts)
+        self._puts = 0  # puts queued or being written
+        self._latest: dict[bytes, _DiskPut | _DiskMark] = {}  # key -> its last queued put/discard
         self._lock = threading.Lock()
-        super().__init__("featcache-disk-writer", maxsize)
+        super().__init__("featcache-disk-writer", 0)
 
     def submit(self, key: bytes, entry: Entry) -> bool:
+        """Queue a put of ``entry`` (the writer takes over its block reference); False if dropped,
+        in which case a discard of ``key`` is queued instead."""
         job = _DiskPut(key, entry)
         with self._lock:
-            self._pending[key] = job
-        if self._offer(job):
-            return True
-        self._done(job)
+            if self._puts < self._max_puts and self._enqueue(job):
+                self._puts += 1
+                return True
+            self._enqueue(_DiskMark("discard", key))
+        self._release(job)
         self.disk.count_drops()
         return False
 
     def touch(self, key: bytes) -> None:
-        self._offer(("touch", key))  # recency only: losing one under load is harmless
+        """Record a use of ``key`` (recency only)."""
+        with self._lock:
+            self._enqueue(_DiskMark("touch", key))
 
     def discard(self, key: bytes) -> None:
-        # Dropped under load, a corrupt value stays until the next read finds it again.
-        self._offer(("discard", key))
-
-    def pending(self, key: bytes) -> Entry | None:
-        """A put not yet written, with an extra reference on its block that the caller releases."""
+        """Delete ``key`` from disk after every put of it queued so far."""
         with self._lock:
-            job = self._pending.get(key)
-            if job is None:
-                return None
-            if job.entry.block is not None:
+            self._enqueue(_DiskMark("discard", key))
+
+    def _enqueue(self, item: _DiskPut | _DiskMark) -> bool:
+        # Under self._lock: the in-flight map and the queue order agree.
+        if not self._offer(item):
+            return False
+        if not (isinstance(item, _DiskMark) and item.kind == "touch"):
+            self._latest[item.key] = item
+        return True
+
+    def pending(self, key: bytes) -> tuple[bool, Entry | None]:
+        """What the queue will leave on disk for ``key``.
+
+        ``(False, None)``: nothing queued for it. ``(True, entry)``: a put not yet written, with
+        an extra reference on its block that the caller releases. ``(True, None)``: a discard is
+        queued, so the value on disk, if any, must not be served.
+        """
+        with self._lock:
+            item = self._latest.get(key)
+            if item is None:
+                return False, None
+            if isinstance(item, _DiskMark):
+                return True, None
+            if item.entry.block is not None:
                 assert self._pool is not None
-                self._pool.retain(job.entry.block)
-            return job.entry
+                self._pool.retain(item.entry.block)
+            return True, item.entry
 
     def _handle(self, item: Any) -> None:
         batch = [item]
@@ -170,30 +222,39 @@ class DiskWriter(_Worker):
             for _ in batch[1:]:
                 self._queue.task_done()
 
-    def _write(self, batch: list[Any]) -> None:
-        puts: list[tuple[bytes, bytes]] = []
-        touches: list[bytes] = []
-        discards: list[bytes] = []
-        jobs = [job for job in batch if isinstance(job, _DiskPut)]
+    def _write(self, batch: list[_DiskPut | _DiskMark]) -> None:
+        ops: list[DiskOp] = []
         try:
-            for job in jobs:
-                self._copier.wait(job.entry.fence)
-                tensor = job.entry.tensor
-                data = as_bytes(tensor).numpy().data
-                value = codec.encode(tensor.dtype, tuple(tensor.shape), data, job.entry.meta)
-                puts.append((job.key, value))
-            for op in batch:
-                if isinstance(op, tuple):
-                    (touches if op[0] == "touch" else discards).append(op[1])
-            self.disk.write_batch(puts, touches, discards)
+            for item in batch:
+                if isinstance(item, _DiskMark):
+                    ops.append(DiskOp(item.kind, item.key))
+                    continue
+                try:
+                    self._copier.wait(item.entry.fence)
+                    tensor = item.entry.tensor
+                    data = as_bytes(tensor).numpy().data
+                    value = codec.encode(tensor.dtype, tuple(tensor.shape), data, item.entry.meta)
+                except Exception:  # this put is lost: its key's older value must go too
+                    self._failed()
+                    self.disk.count_drops()
+                    ops.append(DiskOp("discard", item.key))
+                else:
+                    ops.append(DiskOp("put", item.key, value))
+            self.disk.write_batch(ops)
         finally:
-            for job in jobs:
-                self._done(job)
+            for item in batch:
+                self._done(item)
 
-    def _done(self, job: _DiskPut) -> None:
+    def _done(self, item: _DiskPut | _DiskMark) -> None:
         with self._lock:
-            if self._pending.get(job.key) is job:
-                del self._pending[job.key]
+            if self._latest.get(item.key) is item:
+                del self._latest[item.key]
+            if isinstance(item, _DiskPut):
+                self._puts -= 1
+        if isinstance(item, _DiskPut):
+            self._release(item)
+
+    def _release(self, job: _DiskPut) -> None:
         if job.entry.block is not None:
             assert self._pool is not None
             self._pool.release(job.entry.block)
@@ -214,20 +275,43 @@ class Demoter(_Worker):
         self.writer = writer
         self._pending: dict[bytes, _Demotion] = {}
         self._lock = threading.Lock()
-        super().__init__("featcache-demoter", maxsize)
+        super().__init__("featcache-demoter", max(1, maxsize))
 
-    def submit(self, key: bytes, tensor: torch.Tensor, fence: Any, meta: bytes = b"") -> bool:
-        job = _Demotion(key, tensor, fence, meta)
+    def submit(
+        self, key: bytes, tensor: torch.Tensor, fence: Any, meta: bytes = b"", to_disk: bool = True
+    ) -> bool:
+        """Queue ``tensor`` for the tiers below, replacing what they hold for ``key`` (the host
+        entry goes now; the disk value when the put lands). False if the queue is full: the job
+        is dropped and the key deleted below (``cancel``)."""
+        job = _Demotion(key, tensor, fence, meta, to_disk)
         with self._lock:
-            self._pending[key] = job
-        if self._offer(job):
-            return True
-        self._forget(job)
+            self._cancel(key)
+            if self._offer(job):
+                self._pending[key] = job
+                return True
+            if self.writer is not None:
+                self.writer.discard(key)
         if self.host is not None and self.host.fits(tensor.nbytes):
             self.host.count_drop()
-        if self.writer is not None:
+        if self.writer is not None and to_disk:
             self.writer.disk.count_drops()
         return False
+
+    def cancel(self, key: bytes) -> None:
+        """Remove ``key`` below the device tier: a demotion not yet handed down is cancelled,
+        the host entry dropped, and a disk delete queued after any put of it already queued."""
+        with self._lock:
+            self._cancel(key)
+            if self.writer is not None:
+                self.writer.discard(key)
+
+    def _cancel(self, key: bytes) -> None:
+        # Under self._lock.
+        job = self._pending.pop(key, None)
+        if job is not None:
+            job.cancelled = True
+        if self.host is not None:
+            self.host.discard(key)
 
     def pending(self, key: bytes) -> Entry | None:
         """An entry put but not yet copied down: its device tensor and producer fence."""
@@ -235,39 +319,57 @@ class Demoter(_Worker):
             job = self._pending.get(key)
             return None if job is None else Entry(job.tensor, job.fence, meta=job.meta)
 
-    def _forget(self, job: _Demotion) -> None:
-        with self._lock:
-            if self._pending.get(job.key) is job:
-                del self._pending[job.key]
-
     def _handle(self, job: _Demotion) -> None:
+        handed = False
         try:
-            self._demote(job)
+            handed = self._demote(job)
         finally:
-            self._forget(job)
+            with self._lock:
+                if self._pending.get(job.key) is job:
+                    del self._pending[job.key]
+                if not handed and not job.cancelled and self.writer is not None:
+                    self.writer.discard(job.key)  # the put did not reach the disk: no older value
 
-    def _demote(self, job: _Demotion) -> None:
+    def _demote(self, job: _Demotion) -> bool:
+        """Copy the job down; True if it was handed to the tiers below (or cancelled)."""
         tensor = job.tensor
         nbytes = tensor.nbytes
         block: Block | None = self.host.reserve(nbytes) if self.host is not None else None
         if block is not None:
             dst = block.view(nbytes)
-        elif self.writer is not None:
+        elif self.writer is not None and job.to_disk:
             dst = owned_empty(nbytes, torch.device("cpu"), pin=self._copier.pin)  # staging
         else:
             if self.host is not None and self.host.fits(nbytes):
                 self.host.count_drop()  # no block free: every one is busy with a copy
-            return
-        done = self._copier.to_host(tensor, dst, after=job.fence)
+            return False
+        try:
+            done = self._copier.to_host(tensor, dst, after=job.fence)
+        except BaseException:
+            if block is not None:
+                assert self.host is not None
+                self.host.release(block)
+            raise
         host_entry = Entry(dst.view(tensor.dtype).view(tensor.shape), done, block, job.meta)
         if block is not None:
             block.fence = done
-            assert self.host is not None
+        with self._lock:
+            if job.cancelled:
+                if block is not None:
+                    assert self.host is not None
+                    self.host.release(block)
+                return True
+            if block is not None:
+                assert self.host is not None
+                if self.writer is not None and job.to_disk:
+                    self.host.pool.retain(block)  # the disk write reads it after the tier may evict
+                self.host.put(job.key, host_entry)
             if self.writer is not None:
-                self.host.pool.retain(block)  # the disk write reads it after the tier may evict
-            self.host.put(job.key, host_entry)
-        if self.writer is not None:
-            self.writer.submit(job.key, host_entry)
+                if job.to_disk:
+                    self.writer.submit(job.key, host_entry)
+                else:
+                    self.writer.discard(job.key)
+        return True
 
     def flush(self) -> None:
         self.join_queue()

@@ -249,3 +249,45 @@ def test_metadata_is_served_with_the_tensor_from_every_tier(tmp_path):
         assert lease.meta == meta and torch.equal(lease.ready(), feats(1))
     with pytest.raises(TypeError, match="meta must be bytes"):
         FeatureCache(device="cpu").put(key(3), feats(3), meta="text")
+
+
+def test_discard_cancels_a_put_still_on_its_way_down(tmp_path):
+    path = tmp_path / "s"
+    c = FeatureCache(device="cpu", device_bytes=MiB, host_bytes=MiB,
+                     disk_path=path, disk_bytes=8 * MiB)
+    gate = _Gate(c._copier)
+    c.put(key(0), feats(0))
+    assert gate.entered.wait(10)  # the demoter is copying key 0
+    c.put(key(1), feats(1))  # queued behind it
+    c.put(key(2), feats(2))
+    for k in (key(0), key(1), key(2)):
+        c.discard(k)
+    c.put(key(2), feats(3))  # put, discard, put again: the last put wins
+    assert key(0) not in c and key(1) not in c and c.get(key(1)) is None
+    gate.open.set()
+    c.flush()
+    assert key(0) not in c and key(1) not in c
+    s = c.stats()
+    assert (s["host"]["entries"], s["disk"]["entries"]) == (1, 1)
+    c.close()
+    with FeatureCache(device="cpu", device_bytes=0, host_bytes=0,
+                      disk_path=path, disk_bytes=8 * MiB) as again:
+        assert again.get(key(0)) is None and again.get(key(1)) is None
+        assert torch.equal(again.get(key(2)), feats(3))
+
+
+def test_a_put_too_large_for_the_device_replaces_the_device_entry():
+    with FeatureCache(device="cpu", device_bytes=64 * 1024, host_bytes=MiB) as c:
+        c.put(key(1), feats(1))  # 32 KiB: on the device
+        c.put(key(1), feats(2, n=256))  # 128 KiB: host only
+        assert torch.equal(c.get(key(1)), feats(2, n=256))
+        c.flush()
+        assert torch.equal(c.get(key(1)), feats(2, n=256))
+
+
+def test_a_put_too_large_for_every_tier_removes_the_old_value():
+    with FeatureCache(device="cpu", device_bytes=64 * 1024, host_bytes=0) as c:
+        c.put(key(1), feats(1))
+        c.put(key(1), feats(2, n=256))  # fits nowhere: not stored, and the old value is gone
+        assert c.stats()["cache"]["not_stored"] == 1
+        assert c.get(key(1)) is None and key(1) not in c

@@ -1,21 +1,34 @@
 """The disk tier: values in an LMDB environment at a directory, shared by processes, persistent.
 
 Layout (named databases of one environment):
-- ``data``: key -> value (``codec`` header + raw tensor bytes);
-- ``meta``: key -> (last use in ns since the epoch, value length);
-- ``lru``:  (last use, big-endian) + key -> b"", the eviction order, oldest first;
+- ``data``: key -> value (``codec`` header + metadata + raw tensor bytes);
+- ``meta``: key -> (last use stamp in ns since the epoch, value length);
+- ``lru``:  (last use stamp, big-endian) + key -> b"", the eviction order, oldest first;
 - ``info``: b"format" -> FORMAT_TAG, b"used_bytes" -> u64, the sum of the value lengths.
 
 Invariants (each write transaction keeps them):
 - a value, its meta and lru records and ``used_bytes`` change in the same transaction, so the
   accounting survives crashes and is shared by every process that opens the directory;
-- ``used_bytes`` <= the budget of the process that last wrote: a put evicts oldest first to fit;
+- ``used_bytes`` <= the budget of the process that last wrote: opening a store for writing and
+  every write batch evict oldest first until it holds (a put evicts to make room for itself);
+- within a batch, operations apply in the order given; each put and touch gets its own stamp,
+  later than every stamp already stored, so LRU order is use order;
+- a put that does not land (larger than the budget, or its transaction failed) leaves no older
+  value of its key behind: a failed batch is followed by one that deletes its keys;
 - no read trusts a value: ``codec.verify`` checks header and checksum, a bad value is reported
-  through ``on_corrupt`` (the writer deletes it) and the read is a miss.
+  through ``on_corrupt`` (the writer deletes it) and the read is a miss;
+- no LMDB error escapes a public method: reads become misses (or 0), writes become drops; each is
+  counted in ``errors`` and the first one is logged.
+
+The map size does not depend on the budget (``map_size_for``): it is virtual address space only,
+so processes with different budgets share a directory and a store written with a larger budget
+can be reopened with a smaller one. The budget is enforced by ``used_bytes`` alone.
 
 Writes happen only in the demoter's disk-writer thread (``write_batch``). Reads come from any
 thread, each in a short read transaction; bytes are copied out before it ends. A reopened store
-finds its entries through these tables, without a scan of payloads.
+finds its entries through these tables, without a scan of payloads. Reader slots left by killed
+processes are cleared (``reader_check``) at open and before each write batch, so they cannot pin
+freed pages.
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Literal, NamedTuple
 
 import lmdb
 import numpy as np
@@ -37,16 +51,30 @@ from .base import Counters, Entry
 
 log = logging.getLogger("featcache")
 
-FORMAT_TAG = b"featcache-lmdb-1"
+FORMAT_TAG = b"featcache-lmdb-2"
 _META = struct.Struct("<QQ")
 _STAMP = struct.Struct(">Q")
 _U64 = struct.Struct("<Q")
 MAX_KEY_BYTES = 511  # LMDB's default key size limit
+MIN_MAP_BYTES = 1 << 40
 
 
-def map_size_for(capacity_bytes: int) -> int:
-    """LMDB's map size for a budget: room for B-tree pages and pages freed but not yet reusable."""
-    return capacity_bytes + capacity_bytes // 2 + (64 << 20)
+def map_size_for(capacity_bytes: int, file_bytes: int = 0) -> int:
+    """LMDB's map size: generous and, in practice, the same for every budget.
+
+    It only reserves virtual address space (the file grows as pages are used), and a map larger
+    than any process's data file means no ``MDB_MAP_FULL`` after reopening with a smaller budget
+    and no ``MDB_MAP_RESIZED`` when another process grows the file.
+    """
+    return max(MIN_MAP_BYTES, 2 * capacity_bytes + file_bytes)
+
+
+class DiskOp(NamedTuple):
+    """One step of a write batch: a ``put`` of an encoded value, a ``touch`` or a ``discard``."""
+
+    kind: Literal["put", "touch", "discard"]
+    key: bytes
+    value: bytes = b""
 
 
 class DiskTier:
@@ -68,6 +96,7 @@ class DiskTier:
         self._on_corrupt = on_corrupt
         self._counters = Counters()
         self._lock = threading.Lock()
+        self._logged = False
         self._open()
 
     # -- environment ---------------------------------------------------------------------------
@@ -86,8 +115,12 @@ class DiskTier:
                     "fix its permissions or open it read-only"
                 )
         try:
+            file_bytes = os.path.getsize(os.path.join(self.path, "data.mdb"))
+        except OSError:
+            file_bytes = 0
+        try:
             self._env = lmdb.open(
-                self.path, map_size=map_size_for(self.capacity_bytes), max_dbs=4,
+                self.path, map_size=map_size_for(self.capacity_bytes, file_bytes), max_dbs=4,
                 readonly=self.readonly, sync=self._sync, metasync=False, writemap=False,
                 readahead=False, meminit=False, max_readers=1024, mode=0o600,
                 create=not self.readonly,
@@ -96,6 +129,7 @@ class DiskTier:
             raise StoreOpenError(f"cannot open the LMDB store at {self.path!r}: {e}") from e
         self._pid = os.getpid()
         create = not self.readonly
+        self._reader_check()
         try:
             self._data = self._env.open_db(b"data", create=create)
             self._meta = self._env.open_db(b"meta", create=create)
@@ -105,6 +139,8 @@ class DiskTier:
             self._env.close()
             raise StoreFormatError(f"{self.path!r} is not a featcache store ({e})") from e
         self._check_format()
+        if not self.readonly:
+            self._apply_budget()
 
     def _check_format(self) -> None:
         with self._env.begin(db=self._info, write=not self.readonly) as txn:
@@ -120,6 +156,20 @@ class DiskTier:
                 f"{FORMAT_TAG!r}: purge it (featcache purge) or point disk_path elsewhere"
             )
 
+    def _apply_budget(self) -> None:
+        """Evict oldest first until the store fits this process's budget (it may have been
+        written with a larger one)."""
+        if self.used_bytes > self.capacity_bytes:
+            self.write_batch(())
+
+    def _reader_check(self) -> None:
+        """Free the reader slots of dead processes: a slot left by a process killed inside a
+        read transaction would keep every page freed since from being reused."""
+        try:
+            self._env.reader_check()
+        except lmdb.Error as e:
+            self._failed("check of stale readers", e)
+
     def _environment(self) -> lmdb.Environment:
         # An environment must never be used across fork(): a child reopens its own.
         if os.getpid() != self._pid:
@@ -128,14 +178,23 @@ class DiskTier:
 
     @property
     def used_bytes(self) -> int:
-        with self._environment().begin(db=self._info) as txn:
-            raw = txn.get(b"used_bytes")
+        """The bytes of all values stored, as the books say (0 if they cannot be read)."""
+        try:
+            with self._environment().begin(db=self._info) as txn:
+                raw = txn.get(b"used_bytes")
+        except lmdb.Error as e:
+            self._failed("read of used_bytes", e)
+            return 0
         return _U64.unpack(raw)[0] if raw else 0
 
     # -- reads ---------------------------------------------------------------------------------
     def contains(self, key: bytes) -> bool:
-        with self._environment().begin(db=self._data, buffers=True) as txn:
-            return txn.get(key) is not None
+        try:
+            with self._environment().begin(db=self._data, buffers=True) as txn:
+                return txn.get(key) is not None
+        except lmdb.Error as e:
+            self._failed(f"lookup of {key.hex()}", e)
+            return False
 
     def get(
         self, key: bytes, alloc: Callable[[int], torch.Tensor] | None = None
@@ -165,8 +224,7 @@ class DiskTier:
                     src = np.frombuffer(codec.payload(value, header), dtype=np.uint8)
                     dst[: header.nbytes].numpy()[:] = src
         except lmdb.Error as e:
-            log.warning("featcache: disk read of %s failed: %s", key.hex(), e)
-            self._count("errors")
+            self._failed(f"read of {key.hex()}", e)
             self._count("misses")
             return None
         self._count("hits")
@@ -177,56 +235,86 @@ class DiskTier:
         """Synchronous write of one entry (the writer thread batches through ``write_batch``)."""
         data = entry.tensor.contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
         value = codec.encode(entry.tensor.dtype, tuple(entry.tensor.shape), data.data, entry.meta)
-        return self.write_batch([(key, value)]) == 1
+        return self.write_batch([DiskOp("put", key, value)]) == 1
 
     # -- writes (writer thread only) -----------------------------------------------------------
-    def write_batch(
-        self,
-        puts: Sequence[tuple[bytes, bytes]],
-        touches: Sequence[bytes] = (),
-        discards: Sequence[bytes] = (),
-    ) -> int:
-        """Apply discards, LRU touches and puts in one transaction; return how many puts landed.
+    def write_batch(self, ops: Sequence[DiskOp]) -> int:
+        """Apply ``ops`` in order in one transaction, then evict down to the budget; return how
+        many puts landed.
 
-        A put larger than the budget is skipped. When the transaction fails (map or file system
-        full, I/O error) nothing of it lands: its puts are counted as drops and the store stays as
-        it was.
+        A put larger than the budget does not land and deletes the key's older value. When the
+        transaction fails (file system full, I/O error) nothing of it lands: its puts are counted
+        as drops, and a second transaction deletes the keys of its puts and discards so that no
+        older value of theirs is served later.
         """
+        try:
+            stored = self._write(ops)
+        except lmdb.Error as e:
+            puts = sum(op.kind == "put" for op in ops)
+            self._failed(f"write of {len(ops)} operations ({puts} puts)", e)
+            self.count_drops(puts)
+            deletes = [DiskOp("discard", op.key) for op in ops if op.kind != "touch"]
+            if deletes:
+                try:
+                    self._write(deletes)
+                except lmdb.Error as e2:
+                    self._failed(f"delete of {len(deletes)} keys after a failed write", e2)
+            return 0
+        return stored
+
+    def _write(self, ops: Sequence[DiskOp]) -> int:
+        """One write transaction for ``ops`` (see ``write_batch``); raises ``lmdb.Error``."""
         stored = 0
         evicted = 0
-        now = time.time_ns()
-        try:
-            with self._environment().begin(write=True) as txn:
-                used = _U64.unpack(txn.get(b"used_bytes", db=self._info) or _U64.pack(0))[0]
-                for key in discards:
-                    used -= self._delete(txn, key)
-                for key in touches:
-                    self._touch(txn, key, now)
-                cursor = txn.cursor(db=self._lru)
-                for key, value in puts:
-                    size = len(value)
+        env = self._environment()
+        self._reader_check()
+        with env.begin(write=True) as txn:
+            used = _U64.unpack(txn.get(b"used_bytes", db=self._info) or _U64.pack(0))[0]
+            cursor = txn.cursor(db=self._lru)
+            last = _STAMP.unpack(bytes(cursor.key())[: _STAMP.size])[0] if cursor.last() else 0
+            stamp = max(time.time_ns(), last + 1) - 1  # each put and touch takes the next one
+            for op in ops:
+                if op.kind == "discard":
+                    used -= self._delete(txn, op.key)
+                elif op.kind == "touch":
+                    stamp += 1
+                    self._touch(txn, op.key, stamp)
+                else:
+                    used -= self._delete(txn, op.key)
+                    size = len(op.value)
                     if size > self.capacity_bytes:
                         continue
-                    used -= self._delete(txn, key)
-                    while used + size > self.capacity_bytes and cursor.first():
-                        victim = bytes(cursor.key())[_STAMP.size :]
-                        used -= self._delete(txn, victim)
+                    while used + size > self.capacity_bytes:
+                        freed = self._evict_oldest(txn, cursor)
+                        if freed is None:
+                            break
+                        used -= freed
                         evicted += 1
-                    txn.put(key, value, db=self._data)
-                    txn.put(key, _META.pack(now, size), db=self._meta)
-                    txn.put(_STAMP.pack(now) + key, b"", db=self._lru)
+                    stamp += 1
+                    txn.put(op.key, op.value, db=self._data)
+                    txn.put(op.key, _META.pack(stamp, size), db=self._meta)
+                    txn.put(_STAMP.pack(stamp) + op.key, b"", db=self._lru)
                     used += size
                     stored += 1
-                txn.put(b"used_bytes", _U64.pack(used), db=self._info)
-        except lmdb.Error as e:
-            log.warning("featcache: disk write of %d entries failed and was dropped: %s", len(puts), e)
-            with self._lock:
-                self._counters.drops += len(puts)
-                self._counters.errors += 1
-            return 0
+            while used > self.capacity_bytes:
+                freed = self._evict_oldest(txn, cursor)
+                if freed is None:
+                    break
+                used -= freed
+                evicted += 1
+            txn.put(b"used_bytes", _U64.pack(max(used, 0)), db=self._info)
         with self._lock:
             self._counters.evictions += evicted
         return stored
+
+    def _evict_oldest(self, txn: lmdb.Transaction, cursor: lmdb.Cursor) -> int | None:
+        """Delete the least recently used entry; return its bytes, or None if there is none."""
+        if not cursor.first():
+            return None
+        record = bytes(cursor.key())
+        freed = self._delete(txn, record[_STAMP.size :])
+        txn.delete(record, db=self._lru)  # gone already unless the books disagreed: progress
+        return freed
 
     def _delete(self, txn: lmdb.Transaction, key: bytes) -> int:
         """Remove key's records; return the bytes it accounted for (0 if absent)."""
@@ -240,21 +328,28 @@ class DiskTier:
         txn.delete(_STAMP.pack(stamp) + key, db=self._lru)
         return size
 
-    def _touch(self, txn: lmdb.Transaction, key: bytes, now: int) -> None:
+    def _touch(self, txn: lmdb.Transaction, key: bytes, stamp: int) -> None:
         meta = txn.get(key, db=self._meta)
         if meta is None:
             return
-        stamp, size = _META.unpack(meta)
-        txn.delete(_STAMP.pack(stamp) + key, db=self._lru)
-        txn.put(_STAMP.pack(now) + key, b"", db=self._lru)
-        txn.put(key, _META.pack(now, size), db=self._meta)
+        old, size = _META.unpack(meta)
+        txn.delete(_STAMP.pack(old) + key, db=self._lru)
+        txn.put(_STAMP.pack(stamp) + key, b"", db=self._lru)
+        txn.put(key, _META.pack(stamp, size), db=self._meta)
 
     def discard(self, key: bytes) -> bool:
-        """Synchronous delete (tools and tests; the cache routes deletes through its writer)."""
-        with self._environment().begin(write=True) as txn:
-            used = _U64.unpack(txn.get(b"used_bytes", db=self._info) or _U64.pack(0))[0]
-            freed = self._delete(txn, key)
-            txn.put(b"used_bytes", _U64.pack(used - freed), db=self._info)
+        """Synchronous delete (tools and tests; the cache routes deletes through its writer).
+
+        Returns whether a value was deleted (False also when the store could not be written).
+        """
+        try:
+            with self._environment().begin(write=True) as txn:
+                used = _U64.unpack(txn.get(b"used_bytes", db=self._info) or _U64.pack(0))[0]
+                freed = self._delete(txn, key)
+                txn.put(b"used_bytes", _U64.pack(max(used - freed, 0)), db=self._info)
+        except lmdb.Error as e:
+            self._failed(f"delete of {key.hex()}", e)
+            return False
         return freed > 0
 
     # -- books ---------------------------------------------------------------------------------
@@ -262,13 +357,31 @@ class DiskTier:
         with self._lock:
             setattr(self._counters, name, getattr(self._counters, name) + 1)
 
+    def _failed(self, what: str, error: lmdb.Error) -> None:
+        """Count an LMDB failure; log the first one (later ones at debug level)."""
+        with self._lock:
+            self._counters.errors += 1
+            first, self._logged = not self._logged, True
+        if first:
+            log.warning(
+                "featcache: disk %s at %s failed: %s (later LMDB errors are counted in "
+                "stats()['disk']['errors'], not logged)", what, self.path, error,
+            )
+        else:
+            log.debug("featcache: disk %s failed: %s", what, error)
+
     def count_drops(self, n: int = 1) -> None:
         with self._lock:
             self._counters.drops += n
 
     def entries(self) -> int:
-        with self._environment().begin() as txn:
-            return int(txn.stat(self._data)["entries"])
+        """How many values are stored (0 if the store cannot be read)."""
+        try:
+            with self._environment().begin() as txn:
+                return int(txn.stat(self._data)["entries"])
+        except lmdb.Error as e:
+            self._failed("count of entries", e)
+            return 0
 
     def stats(self) -> dict[str, int]:
         entries, used = self.entries(), self.used_bytes
