@@ -28,3 +28,13 @@ def test_pinned_entries_survive_and_others_are_evicted_oldest_first():
     assert tier.contains(b"a") and not tier.contains(b"c") and not tier.contains(b"d")
     stats = tier.stats()
     assert stats["bytes"] <= stats["capacity_bytes"] and stats["evictions"] == 3
+
+
+def test_a_lease_released_after_the_cache_closed_is_harmless():
+    from featcache import FeatureCache
+
+    cache = FeatureCache(device="cpu", device_bytes=1 << 20, host_bytes=0)
+    cache.put(b"k" * 16, torch.ones(4))
+    lease = cache.acquire(b"k" * 16)
+    cache.close()
+    lease.release()  # e.g. a request that outlived the pipeline: no error

@@ -21,6 +21,7 @@ class DeviceTier:
         self._entries: dict[bytes, Entry] = {}
         self._counters = Counters()
         self._lock = threading.Lock()
+        self._closed = False
 
     @property
     def used_bytes(self) -> int:
@@ -75,7 +76,8 @@ class DeviceTier:
 
     def unpin(self, key: bytes) -> None:
         with self._lock:
-            self._books.unpin(key)
+            if not self._closed:  # leases may outlive the cache; closing dropped every pin
+                self._books.unpin(key)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -88,5 +90,6 @@ class DeviceTier:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._entries.clear()
             self._books = LruBooks(self.capacity_bytes)
