@@ -106,6 +106,29 @@ def encode(
     return b"".join((prefix, checksum(prefix, meta, payload), meta, payload))
 
 
+PAYLOAD_ALIGN = 64  # bytes; where a framed payload starts inside its buffer
+
+
+def frame_offsets(meta_len: int) -> tuple[int, int]:
+    """(value start, payload start) in a buffer laid out for ``encode_in_place``: the payload is
+    ``PAYLOAD_ALIGN``-aligned and header + metadata fit right before it."""
+    payload_start = -(-(HEADER.size + meta_len) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
+    return payload_start - HEADER.size - meta_len, payload_start
+
+
+def encode_in_place(
+    frame: memoryview, dtype: torch.dtype, shape: tuple[int, ...], meta: bytes = b""
+) -> None:
+    """Write header and metadata into the head of ``frame``, whose tail already holds the payload:
+    ``frame`` becomes the whole value with no copy of the payload (``encode``'s twin)."""
+    lead = HEADER.size + len(meta)
+    payload = frame[lead:]
+    prefix = _prefix(dtype, shape, len(meta), payload.nbytes)
+    frame[: _PREFIX.size] = prefix
+    frame[_PREFIX.size : HEADER.size] = checksum(prefix, meta, payload)
+    frame[HEADER.size : lead] = meta
+
+
 def decode_header(value: memoryview | bytes) -> Header:
     """Parse and validate a header against the value's real length. Raises CorruptEntryError."""
     view = memoryview(value)

@@ -231,9 +231,7 @@ class DiskWriter(_Worker):
                     continue
                 try:
                     self._copier.wait(item.entry.fence)
-                    tensor = item.entry.tensor
-                    data = as_bytes(tensor).numpy().data
-                    value = codec.encode(tensor.dtype, tuple(tensor.shape), data, item.entry.meta)
+                    value = self._value(item.entry)
                 except Exception:  # this put is lost: its key's older value must go too
                     self._failed()
                     self.disk.count_drops()
@@ -244,6 +242,17 @@ class DiskWriter(_Worker):
         finally:
             for item in batch:
                 self._done(item)
+
+    @staticmethod
+    def _value(entry: Entry) -> memoryview | bytes:
+        """The disk value of a host entry: written in place into its frame when it has one."""
+        tensor = entry.tensor
+        if entry.frame is None:
+            data = as_bytes(tensor).numpy().data
+            return codec.encode(tensor.dtype, tuple(tensor.shape), data, entry.meta)
+        frame = entry.frame.numpy().data
+        codec.encode_in_place(frame, tensor.dtype, tuple(tensor.shape), entry.meta)
+        return frame
 
     def _done(self, item: _DiskPut | _DiskMark) -> None:
         with self._lock:
@@ -334,15 +343,19 @@ class Demoter(_Worker):
         """Copy the job down; True if it was handed to the tiers below (or cancelled)."""
         tensor = job.tensor
         nbytes = tensor.nbytes
-        block: Block | None = self.host.reserve(nbytes) if self.host is not None else None
+        # Room for the disk value's header + metadata before the payload: no copy to write it.
+        start, offset = codec.frame_offsets(len(job.meta))
+        block: Block | None = (
+            self.host.reserve(offset + nbytes) if self.host is not None else None)
         if block is not None:
-            dst = block.view(nbytes)
+            buffer = block.tensor
         elif self.writer is not None and job.to_disk:
-            dst = owned_empty(nbytes, torch.device("cpu"), pin=self._copier.pin)  # staging
+            buffer = owned_empty(offset + nbytes, torch.device("cpu"), pin=self._copier.pin)
         else:
             if self.host is not None and self.host.fits(nbytes):
                 self.host.count_drop()  # no block free: every one is busy with a copy
             return False
+        dst = buffer[offset : offset + nbytes]
         try:
             done = self._copier.to_host(tensor, dst, after=job.fence)
         except BaseException:
@@ -350,7 +363,8 @@ class Demoter(_Worker):
                 assert self.host is not None
                 self.host.release(block)
             raise
-        host_entry = Entry(dst.view(tensor.dtype).view(tensor.shape), done, block, job.meta)
+        host_entry = Entry(dst.view(tensor.dtype).view(tensor.shape), done, block, job.meta,
+                           frame=buffer[start : offset + nbytes])
         if block is not None:
             block.fence = done
         with self._lock:

@@ -291,3 +291,20 @@ def test_a_put_too_large_for_every_tier_removes_the_old_value():
         c.put(key(1), feats(2, n=256))  # fits nowhere: not stored, and the old value is gone
         assert c.stats()["cache"]["not_stored"] == 1
         assert c.get(key(1)) is None and key(1) not in c
+
+
+def test_disk_values_are_written_from_the_host_block_without_a_copy(tmp_path, monkeypatch):
+    from featcache import codec
+
+    copies = []
+    monkeypatch.setattr(codec, "encode", lambda *a, **k: copies.append(1) or b"")
+    with FeatureCache(device="cpu", device_bytes=MiB, host_bytes=MiB, disk_path=tmp_path / "s",
+                      disk_bytes=8 * MiB) as c:
+        c.put(key(1), feats(1), meta=b"meta")
+        c.flush()
+        assert copies == []  # framed in place, not encode()d into a new bytes object
+        c._device.discard(key(1))
+        c._host.discard(key(1))
+        lease = c.acquire(key(1))
+        assert torch.equal(lease.tensor, feats(1)) and lease.meta == b"meta"
+        assert c.stats()["disk"]["hits"] == 1

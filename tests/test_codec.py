@@ -103,3 +103,17 @@ def test_unstorable_tensors_are_refused():
         codec.check_storable(torch.eye(3).to_sparse())
     with pytest.raises(ValueError, match="dims"):
         codec.check_storable(torch.zeros([1] * 9))
+
+
+@pytest.mark.parametrize("meta", [b"", b'{"image_tokens": 256}', b"m" * 1000])
+def test_encoding_in_place_gives_the_same_value_as_encode(meta):
+    t = torch.randn(7, 33).to(torch.bfloat16)
+    payload = t.reshape(-1).view(torch.uint8)
+    start, offset = codec.frame_offsets(len(meta))
+    assert offset % codec.PAYLOAD_ALIGN == 0 and offset - start == codec.HEADER.size + len(meta)
+    buffer = torch.zeros(offset + payload.numel(), dtype=torch.uint8)
+    buffer[offset:] = payload
+    frame = buffer[start:].numpy().data
+    codec.encode_in_place(frame, t.dtype, tuple(t.shape), meta)
+    assert bytes(frame) == encode(t, meta)
+    assert codec.verify(frame).shape == (7, 33)

@@ -91,7 +91,7 @@ class Frontend:
         count(SECTION, "preprocess_skipped", len(hits))
 
         if not hits:
-            messages = self.original(messages)
+            messages = self.original(list(messages))  # a copy: the fallback needs the original
             self._tag_misses(_preprocessed(messages), keys)
             return messages
         missed = [i for i in range(len(items)) if i not in hits]

@@ -19,12 +19,15 @@ class Entry:
     ``fence`` is a ``torch.cuda.Event`` recorded after the work that produced ``tensor`` (the
     producer's stream for the device tier, the copy stream for the host tier), or None when the
     bytes are ready now. ``block`` is the host-pool block behind ``tensor`` (host tier only).
+    ``frame``, when set, is the disk value's buffer: ``tensor``'s bytes preceded by room for the
+    header and metadata, so the disk writer writes it without copying the payload.
     """
 
     tensor: torch.Tensor
     fence: Any = None
     block: Block | None = None
     meta: bytes = b""  # the caller's small metadata record, stored and served with the tensor
+    frame: torch.Tensor | None = None  # uint8: room for header + meta, then ``tensor``'s bytes
 
     @property
     def nbytes(self) -> int:

@@ -74,7 +74,7 @@ class DiskOp(NamedTuple):
 
     kind: Literal["put", "touch", "discard"]
     key: bytes
-    value: bytes = b""
+    value: bytes | memoryview = b""
 
 
 class DiskTier:
