@@ -68,11 +68,11 @@ class VisionCounter:
         return out
 
 
-def build(kind: str, model: str, prefix: bool, cache: Any = None) -> Any:
+def build(kind: str, model: str, prefix: bool, cache: Any = None, eager: bool = True) -> Any:
     from lmdeploy import PytorchEngineConfig
     from lmdeploy import pipeline as plain_pipeline
 
-    cfg = PytorchEngineConfig(session_len=8192, cache_max_entry_count=0.05, eager_mode=True,
+    cfg = PytorchEngineConfig(session_len=8192, cache_max_entry_count=0.05, eager_mode=eager,
                               enable_prefix_caching=prefix)
     if kind == "plain":
         return plain_pipeline(model, backend_config=cfg, log_level="ERROR")
@@ -233,14 +233,15 @@ def bench(model: str, size: tuple[int, int], n: int) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as tmp:
             cache = FeatureCache(device="cuda", device_bytes="2GiB", host_bytes="4GiB",
                                  disk_path=tmp, disk_bytes="8GiB") if kind == "fc" else None
-            pipe = build(kind, model, True, cache)
+            pipe = build(kind, model, True, cache, eager=False)  # CUDA graphs, as deployed
             res: dict[str, Any] = {}
             timed([(f"warm {i}", image(900 + i, size)) for i in range(3)], pipe, gen)
             same = image(1, size)
             res["a_same_image_fresh_context"] = summary(
                 timed([(f"question {i}: what is in the picture?", same) for i in range(n)], pipe, gen))
             chat_walls: list[list[float]] = [[] for _ in range(4)]
-            for c in range(max(2, n // 4)):
+            chat_cached: list[list[int]] = [[] for _ in range(4)]
+            for c in range(max(3, n // 3)):
                 im = image(100 + c, size)
                 hist: list[dict[str, Any]] = []
                 for turn in range(4):
@@ -253,8 +254,11 @@ def bench(model: str, size: tuple[int, int], n: int) -> dict[str, Any]:
                     t = time.perf_counter()
                     out = pipe([hist], gen_config=gen)[0]
                     chat_walls[turn].append((time.perf_counter() - t) * 1e3)
+                    chat_cached[turn].append(out.cached_tokens)
                     hist.append(dict(role="assistant", content=out.text or "x"))
             res["b_multi_turn"] = {f"turn_{i + 1}": summary(w) for i, w in enumerate(chat_walls)}
+            res["b_cached_tokens_by_turn"] = chat_cached
+            res["b_input_tokens_turn_4"] = out.input_token_len
             res["c_distinct_images"] = summary(
                 timed([(f"question {i}: what is in the picture?", image(200 + i, size))
                        for i in range(n)], pipe, gen))
@@ -328,10 +332,107 @@ def ratios(plain: dict[str, Any], fc: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def profile(model: str, size: tuple[int, int], n: int) -> dict[str, Any]:
+    """Where the time of a request goes, per configuration: plain, plain with prefix caching forced
+    on, featcache with prefix caching off and on. Wall time, lmdeploy's request preprocessing
+    (template, tokenizer, image preprocessing) and cached prompt tokens, for (a) and (b)."""
+    import lmdeploy
+    from lmdeploy import GenerationConfig
+
+    from featcache import FeatureCache
+    from featcache.lmdeploy.engine import keep_prefix_caching
+    from featcache.lmdeploy.models import SPECS
+
+    gen = GenerationConfig(max_new_tokens=1, do_sample=False)
+    out: dict[str, Any] = {}
+    for name in ("plain", "plain_prefix", "featcache_noprefix", "featcache_prefix"):
+        cfg = lmdeploy.PytorchEngineConfig(session_len=8192, cache_max_entry_count=0.05,
+                                           eager_mode=True, enable_prefix_caching=True)
+        tmp = tempfile.mkdtemp()
+        cache = None
+        if name.startswith("featcache"):
+            from featcache.lmdeploy import pipeline as fc_pipeline
+
+            cfg.enable_prefix_caching = name.endswith("_prefix")
+            cache = FeatureCache(device="cuda", device_bytes="2GiB", host_bytes="4GiB",
+                                 disk_path=tmp, disk_bytes="8GiB")
+            pipe = fc_pipeline(model, backend_config=cfg, cache=cache, log_level="ERROR")
+        else:
+            with keep_prefix_caching(name == "plain_prefix", set(SPECS)):
+                pipe = lmdeploy.pipeline(model, backend_config=cfg, log_level="ERROR")
+        engine = pipe.async_engine
+        spent: dict[str, list[float]] = {"request_preprocess_ms": [], "vision_preprocess_ms": []}
+        original_pre = engine.preprocess
+
+        async def timed_pre(*a: Any, _f: Any = original_pre, _s: Any = spent, **k: Any) -> Any:
+            t = time.perf_counter()
+            r = await _f(*a, **k)
+            _s["request_preprocess_ms"].append((time.perf_counter() - t) * 1e3)
+            return r
+
+        engine.preprocess = timed_pre
+        vm = engine.vl_encoder.model
+        original_vm = vm.preprocess
+
+        def timed_vm(messages: Any, _f: Any = original_vm, _s: Any = spent) -> Any:
+            t = time.perf_counter()
+            r = _f(messages)
+            _s["vision_preprocess_ms"].append((time.perf_counter() - t) * 1e3)
+            return r
+
+        vm.preprocess = timed_vm
+        timed([(f"warm {i}", image(900 + i, size)) for i in range(2)], pipe, gen)
+        for v in spent.values():
+            v.clear()
+        same = image(1, size)
+        walls, cached = [], []
+        for i in range(n):
+            t = time.perf_counter()
+            o = pipe((f"question {i}: what is in the picture?", same), gen_config=gen)
+            walls.append((time.perf_counter() - t) * 1e3)
+            cached.append(o.cached_tokens)
+        res: dict[str, Any] = {"a_wall": summary(walls), "a_cached_tokens": cached,
+                               **{f"a_{k}": round(statistics.median(v), 2) for k, v in spent.items()}}
+        for v in spent.values():
+            v.clear()
+        turns: list[list[float]] = [[] for _ in range(4)]
+        turn_cached: list[list[int]] = [[] for _ in range(4)]
+        for c in range(3):
+            im = image(100 + c, size)
+            hist: list[dict[str, Any]] = []
+            for turn in range(4):
+                if turn == 0:
+                    hist.append(dict(role="user", content=[
+                        dict(type="text", text=f"chat {c}: describe this"),
+                        dict(type="image_data", image_data=dict(data=im))]))
+                else:
+                    hist.append(dict(role="user", content=f"and what about detail {turn}?"))
+                t = time.perf_counter()
+                o = pipe([hist], gen_config=gen)[0]
+                turns[turn].append((time.perf_counter() - t) * 1e3)
+                turn_cached[turn].append(o.cached_tokens)
+                hist.append(dict(role="assistant", content=o.text or "x"))
+        res["b_wall_median_by_turn"] = [round(statistics.median(w), 2) for w in turns]
+        res["b_cached_tokens_by_turn"] = turn_cached
+        res["b_input_tokens_last"] = o.input_token_len
+        res.update({f"b_{k}": round(statistics.median(v), 2) for k, v in spent.items() if v})
+        if cache is not None:
+            res["lmdeploy_stats"] = cache.stats().get("lmdeploy")
+        pipe.close()
+        if cache is not None:
+            cache.close()
+        del pipe
+        gc.collect()
+        torch.cuda.empty_cache()
+        out[name] = res
+        print(f"[e2e] PROFILE {name}: {json.dumps(res)}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["check", "bench"])
+    parser.add_argument("mode", choices=["check", "bench", "profile"])
     parser.add_argument("--model", required=True)
     parser.add_argument("--json")
     parser.add_argument("--n", type=int, default=10, help="requests per series (bench)")
@@ -345,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
               and v["prefix"]["safe"] and v["prefix"]["reused"])
     else:
         w, h = (int(x) for x in args.size.split("x"))
-        results = bench(args.model, (w, h), args.n)
+        results = (bench if args.mode == "bench" else profile)(args.model, (w, h), args.n)
         ok = True
     if args.json:
         with open(args.json, "w") as f:
