@@ -100,9 +100,10 @@ def test_put_and_hits_never_synchronize_the_request_path(cache):
 
 
 def test_promotion_is_safe_on_the_callers_stream_while_blocks_are_reused(tmp_path):
-    # a host tier of 2 entries: every promotion's block is rewritten soon after
-    with FeatureCache(device="cuda", device_bytes=0, host_bytes=4 * MiB,
-                      host_slab_bytes=4 * MiB) as c:
+    # a host tier of 2 entries (2 MiB each, plus the room each block keeps for the disk header):
+    # every promotion's block is rewritten soon after
+    with FeatureCache(device="cuda", device_bytes=0, host_bytes=4 * MiB + 8192,
+                      host_slab_bytes=4 * MiB + 8192) as c:
         values = [torch.full((1024, 1024), float(i), device="cuda", dtype=torch.bfloat16)
                   for i in range(6)]
         for i, v in enumerate(values):
