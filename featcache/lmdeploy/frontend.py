@@ -79,10 +79,12 @@ class Frontend:
             lease = self.cache.acquire(key)
             if lease is None:
                 continue
-            if not lease.meta:  # features stored without what the engine needs: a miss
-                lease.release()
+            try:
+                hit = decode_item(lease.meta)
+            except Exception:  # no record, or one this version cannot read: a miss (the
+                lease.release()  # model's put will replace the entry)
+                self.cache.count(SECTION, "unreadable_meta")
                 continue
-            hit = decode_item(lease.meta)
             hit[REF_KEY] = FeatRef(self.cache, key, lease.meta, lease)
             hits[index] = hit
         count(SECTION, "images", len(items))

@@ -1,0 +1,217 @@
+"""Tiny, download-free InternVL-HF and Qwen2-VL checkpoints for the lmdeploy CPU tests.
+
+``build(root, arch)`` writes what lmdeploy 0.18's frontend and its PyTorch input processors read
+from a checkpoint: ``config.json`` (float32, ``architectures`` set explicitly), a byte-level BPE
+tokenizer with the model's special tokens, and the processor configs. No weights are written:
+nothing on the CPU runs a model forward (the engine and the vision towers need CUDA), and lmdeploy's
+``ImageEncoder`` for the PyTorch backend never loads them. Shapes follow
+``shared/device/make_tiny_vlm.py`` (the GPU check builds its checkpoints with it):
+
+- InternVL-HF: 56 px tiles, patch 14, pixel shuffle 0.5 -> 4 image tokens a tile, up to 4 crops
+  plus a thumbnail per image;
+- Qwen2-VL: patch 14, merge 2, ``min_pixels`` 56*56, ``max_pixels`` 28*28*64.
+
+Without torchvision. transformers (every version lmdeploy 0.18 accepts) loads a *video* processor
+as part of ``InternVLProcessor`` / ``Qwen2VLProcessor``, and its video processors need torchvision,
+which has no PyPI build that loads beside the CPU torch these tests run on. So the checkpoints
+name a processor class that is the real one minus its video processor (``NoVideo*Processor``:
+the same ``__init__``, tokens and image processor; ``get_attributes`` leaves out
+``video_processor``), registered with ``AutoProcessor`` by ``register_processors()``. The image
+processors are transformers' PIL ones (``GotOcr2ImageProcessorPil``, ``Qwen2VLImageProcessorPil``):
+lmdeploy's ``VisionModel.preprocess`` runs unchanged on top of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from typing import Any
+
+INTERNVL = "InternVLForConditionalGeneration"
+QWEN2VL = "Qwen2VLForConditionalGeneration"
+DIRS = {INTERNVL: "internvl_hf_tiny", QWEN2VL: "qwen2vl_tiny"}
+
+_LLM = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096)
+
+_registered = False
+_built: dict[str, str] = {}
+
+
+def checkpoint(arch: str, tmp_path_factory: Any) -> str:
+    """The tiny checkpoint of ``arch``, built once per test session (in pytest's tmp dir)."""
+    if arch not in _built:
+        register_processors()
+        _built[arch] = build(str(tmp_path_factory.mktemp("lmdeploy_tiny")), arch)
+    return _built[arch]
+
+
+def noise_image(width: int, height: int, seed: int = 0) -> Any:
+    """A random RGB PIL image (pixel content matters to the keys and the preprocessing)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
+
+
+def image_item(image: Any, **params: Any) -> dict[str, Any]:
+    """An OpenAI-style content item for a PIL image, with per-image parameters."""
+    return {"type": "image_data", "image_data": {"data": image, **params}}
+
+
+def messages(*items: dict[str, Any], text: str = "describe") -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [{"type": "text", "text": text}, *items]}]
+
+
+class PromptPath:
+    """lmdeploy's real PyTorch-backend prompt path (``ImageEncoder`` + ``MultimodalProcessor``) for
+    one tiny checkpoint; ``calls`` records the images (as ``PIL.Image.size``) that each call of the
+    model's own ``preprocess`` was given."""
+
+    def __init__(self, path: str, dtype: str = "float16") -> None:
+        from lmdeploy.messages import PytorchEngineConfig
+        from lmdeploy.model import get_chat_template
+        from lmdeploy.serve.processors.multimodal import MultimodalProcessor
+        from lmdeploy.tokenizer import Tokenizer
+        from lmdeploy.vl.engine import ImageEncoder
+
+        # float16: InternVL-HF's pixel_values are cast to it, Qwen2-VL's stay float32 (as on a GPU);
+        # 'bfloat16' would ask CUDA whether bf16 works
+        self.encoder = ImageEncoder(path, "pytorch", backend_config=PytorchEngineConfig(dtype=dtype))
+        self.model = self.encoder.model
+        self.processor = MultimodalProcessor(Tokenizer(path), get_chat_template(path, None),
+                                             vl_encoder=self.encoder, backend="pytorch")
+        self.calls: list[list[tuple[int, int]]] = []
+        original = self.model.preprocess
+
+        def preprocess(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            self.calls.append([data.size for _, data, _ in self.model.collect_multimodal_items(messages)])
+            return original(messages)
+
+        self.model.preprocess = preprocess
+
+    def prompt(self, msgs: list[dict[str, Any]]) -> dict[str, Any]:
+        """What ``VLAsyncEngine`` hands the engine for ``msgs``: prompt, input_ids, per-image dicts."""
+        return asyncio.run(self.processor.get_prompt_input(msgs, do_preprocess=True))
+
+    def close(self) -> None:
+        self.encoder.executor.shutdown(wait=True)
+
+
+def register_processors() -> None:
+    """Make ``AutoProcessor`` resolve the checkpoints' ``NoVideo*Processor`` names (idempotent).
+
+    Registered under a private config class, so no real model's processor lookup changes."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AutoProcessor, InternVLProcessor, PretrainedConfig, Qwen2VLProcessor
+
+    def without_video(base: type) -> type:
+        @classmethod  # type: ignore[misc]
+        def get_attributes(cls: type) -> list[str]:
+            return [a for a in base.get_attributes() if a != "video_processor"]
+
+        return type(f"NoVideo{base.__name__}", (base,), {
+            "get_attributes": get_attributes, "__module__": __name__,
+            "__doc__": f"{base.__name__} without a video processor (which needs torchvision)."})
+
+    for base in (InternVLProcessor, Qwen2VLProcessor):
+        key = type(f"_{base.__name__}Key", (PretrainedConfig,), {"model_type": f"featcache-{base.__name__}"})
+        AutoProcessor.register(key, without_video(base), exist_ok=True)
+    _registered = True
+
+
+def build(root: str, arch: str) -> str:
+    """Write the tiny checkpoint of ``arch`` under ``root``; returns its directory."""
+    out = os.path.join(root, DIRS[arch])
+    os.makedirs(out, exist_ok=True)
+    {INTERNVL: _internvl_hf, QWEN2VL: _qwen2vl}[arch](out)
+    return out
+
+
+def _tokenizer(special: list[str], **kwargs: Any) -> Any:
+    """Byte-level BPE without merges (every byte is one token), the special tokens appended."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import Qwen2TokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(special)
+    return Qwen2TokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                              **kwargs)
+
+
+def _finish(out: str, cfg: Any, arch: str, tok: Any, processor: dict[str, Any]) -> None:
+    """config.json (float32, architectures explicit), generation and processor configs."""
+    cfg.architectures = [arch]
+    cfg.save_pretrained(out)
+    path = os.path.join(out, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["architectures"] = [arch]
+    for d in (config, config.get("text_config")):
+        if isinstance(d, dict):
+            d["dtype"] = d["torch_dtype"] = "float32"
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
+        json.dump(dict(eos_token_id=eos, pad_token_id=pad, bos_token_id=pad), f, indent=2)
+    with open(os.path.join(out, "processor_config.json"), "w") as f:
+        json.dump(processor, f, indent=2)
+
+
+def _internvl_hf(out: str) -> None:
+    from transformers import GotOcr2ImageProcessorPil, InternVLConfig
+
+    tok = _tokenizer(
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>"],
+        extra_special_tokens={"start_image_token": "<img>", "end_image_token": "</img>",
+                              "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"})
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
+        "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+        "<IMG_CONTEXT>\n{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.save_pretrained(out)
+    GotOcr2ImageProcessorPil(size={"height": 56, "width": 56}, crop_to_patches=True, min_patches=1,
+                             max_patches=4).save_pretrained(out)
+    cfg = InternVLConfig(
+        vision_config=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=256, image_size=[56, 56], patch_size=[14, 14]),
+        text_config=dict(model_type="qwen2", vocab_size=len(tok), architectures=["Qwen2ForCausalLM"],
+                         tie_word_embeddings=False, bos_token_id=tok.pad_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **_LLM),
+        image_token_id=tok.convert_tokens_to_ids("<IMG_CONTEXT>"), image_seq_length=4,
+        downsample_ratio=0.5, tie_word_embeddings=False)
+    _finish(out, cfg, INTERNVL, tok,
+            {"processor_class": "NoVideoInternVLProcessor", "image_seq_length": 4})
+
+
+def _qwen2vl(out: str) -> None:
+    from transformers import Qwen2VLConfig, Qwen2VLImageProcessorPil
+
+    tok = _tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
+                      "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.save_pretrained(out)
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 64).save_pretrained(out)
+    ids = tok.convert_tokens_to_ids
+    cfg = Qwen2VLConfig(
+        vocab_size=len(tok), rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]},
+        vision_config=dict(depth=2, embed_dim=128, hidden_size=_LLM["hidden_size"], num_heads=2,
+                           mlp_ratio=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                           in_chans=3),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.pad_token_id,
+        tie_word_embeddings=False, **_LLM)
+    _finish(out, cfg, QWEN2VL, tok, {"processor_class": "NoVideoQwen2VLProcessor"})
