@@ -119,7 +119,7 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None) -> Any
     namespace = namespace or model_identity(
         encoder.model.model_path, arch, encoder.mm_feature_dtype, extra={})
     patch_model_class(spec)
-    install_frontend(encoder.model, cache, namespace)
+    install_frontend(encoder.model, cache, namespace, engine.prompt_processor)
     engine.engine.input_processor = KeyedInputProcessor(inner)
     pipe.featcache = cache
     log.info("featcache: caching %s image features (namespace %s)", arch, namespace)

@@ -3,7 +3,9 @@
 Installed on the instance ``VisionModel.preprocess(messages)`` of lmdeploy's ``ImageEncoder``
 (it runs on the encoder's worker thread, off the engine loop). For each image of a request:
 
-- key it (``image_key`` over the decoded image, the model identity and the image's parameters);
+- key it (``image_key`` over the decoded image, the model identity and the image's parameters;
+  images that came as data URLs or files are keyed by their encoded bytes before decoding, and
+  their hits arrive already resolved: see ``sources``);
 - ``acquire`` it from the cache: a device hit is free; a host or disk hit is promoted here, on
   this thread. A hit becomes a per-image dict rebuilt from the entry's metadata with a 0-row
   ``pixel_values`` placeholder, plus a ``FeatRef`` holding the lease;
@@ -18,12 +20,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 from ..cache import FeatureCache
 from ..keys import image_key
 from .refs import REF_KEY, FeatRef, decode_item, encode_item
+from .sources import KEY_INFO, CachedImage, encoded_bytes, install_sources, source_of
 
 log = logging.getLogger("featcache")
 SECTION = "lmdeploy"
@@ -31,12 +35,16 @@ SECTION = "lmdeploy"
 Preprocess = Callable[[list[dict[str, Any]]], list[dict[str, Any]]]
 
 
-def install_frontend(vision_model: Any, cache: FeatureCache, namespace: str) -> None:
-    """Replace ``vision_model.preprocess`` (an instance attribute shadowing the method)."""
+def install_frontend(vision_model: Any, cache: FeatureCache, namespace: str,
+                     prompt_processor: Any = None) -> None:
+    """Replace ``vision_model.preprocess`` (an instance attribute shadowing the method) and, given
+    lmdeploy's ``MultimodalProcessor``, resolve encoded image sources before it decodes them."""
     original: Preprocess = vision_model.preprocess
     if getattr(original, "_featcache", False):
         raise RuntimeError("featcache is already installed on this pipeline")
     frontend = Frontend(cache, original, namespace)
+    if prompt_processor is not None:
+        install_sources(prompt_processor, frontend)
 
     @functools.wraps(original)
     def preprocess(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -58,20 +66,78 @@ class Frontend:
         try:
             return self._preprocess(messages)
         except Exception:
-            self.cache.count(SECTION, "frontend_errors")
-            if not self._logged:
-                self._logged = True
-                log.exception("featcache: frontend failed; preprocessing without the cache")
-            return self.original(messages)
+            self._failed("frontend failed; preprocessing without the cache")
+            return self.original(_decoded(messages))
+
+    def _failed(self, what: str) -> None:
+        self.cache.count(SECTION, "frontend_errors")
+        if not self._logged:
+            self._logged = True
+            # the traceback as text: a record holding the exception would keep its frames, and
+            # with them the request's leases, alive for as long as a handler keeps the record
+            log.error("featcache: %s (logged once)\n%s", what, traceback.format_exc())
+
+    def resolve_sources(self, messages: list[dict[str, Any]],
+                        media_io_kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+        """Key data-URL and file images by their bytes; hits become ``CachedImage`` items (no
+        decode), misses are decoded here and carry their key. Returns new messages (the caller's
+        are left as they are); on any failure, the original messages (lmdeploy decodes them)."""
+        try:
+            return [self._resolve_message(m, media_io_kwargs.get("image", {})) for m in messages]
+        except Exception:
+            self._failed("resolving encoded image sources failed; lmdeploy decodes them")
+            return messages
+
+    def _resolve_message(self, message: Any, io_kwargs: dict[str, Any]) -> Any:
+        content = message.get("content") if isinstance(message, dict) else None
+        if message.get("role") not in ("user", "tool") or not isinstance(content, list):
+            return message
+        return dict(message, content=[self._resolve_item(x, io_kwargs) for x in content])
+
+    def _resolve_item(self, item: Any, io_kwargs: dict[str, Any]) -> Any:
+        found = source_of(item) if isinstance(item, dict) else None
+        raw = encoded_bytes(found[0]) if found is not None else None
+        if found is None or raw is None:
+            return item
+        params = found[1]
+        try:
+            key = image_key(raw, namespace=self.namespace, params=params)
+        except (TypeError, ValueError):
+            return item  # not keyable here: lmdeploy decodes it, the frontend decides
+        self.cache.count(SECTION, "source_keyed")
+        lease = self.cache.acquire(key)
+        if lease is not None:
+            try:
+                decode_item(lease.meta)
+            except Exception:
+                lease.release()
+                self.cache.count(SECTION, "unreadable_meta")
+            else:
+                ref = FeatRef(self.cache, key, lease.meta, lease)
+                data: Any = CachedImage(ref, raw, io_kwargs)
+                return {"type": "image_data", "image_data": {"data": data, **params}}
+        from lmdeploy.vl.media.image import ImageMediaIO
+
+        data = ImageMediaIO(**io_kwargs).load_bytes(raw)  # as lmdeploy's parser would
+        data.info[KEY_INFO] = key
+        return {"type": "image_data", "image_data": {"data": data, **params}}
 
     def _preprocess(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         items = _image_items(messages)
         if items is None:  # a video or other modality: not ours, leave the request alone
-            return self.original(messages)
+            return self.original(_decoded(messages))
         count = self.cache.count
         hits: dict[int, dict[str, Any]] = {}  # item index -> its per-image dict
         keys: list[bytes | None] = []
         for index, (_, _, item) in enumerate(items):
+            if isinstance(item["data"], CachedImage):  # resolved from its bytes: a hit already
+                ref = item["data"].ref
+                keys.append(ref.key)
+                hit = decode_item(ref.meta)
+                hit[REF_KEY] = ref
+                hits[index] = hit
+                count(SECTION, "decode_skipped")
+                continue
             key = self._key(item)
             keys.append(key)
             if key is None:
@@ -108,6 +174,9 @@ class Frontend:
         return messages
 
     def _key(self, item: dict[str, Any]) -> bytes | None:
+        info = getattr(item["data"], "info", None)
+        if isinstance(info, dict) and isinstance(info.get(KEY_INFO), bytes):
+            return info[KEY_INFO]  # keyed by its encoded bytes before it was decoded
         params = {k: v for k, v in item.items() if k not in ("type", "data")}
         try:
             return image_key(item["data"], namespace=self.namespace, params=params)
@@ -160,6 +229,17 @@ def _without(
             message = dict(message, content=[x for c, x in enumerate(content) if (m, c) not in gone])
         out.append(message)
     return out
+
+
+def _decoded(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with every ``CachedImage`` decoded, for lmdeploy's own preprocessing."""
+    def item(x: Any) -> Any:
+        if isinstance(x, dict) and isinstance(x.get("data"), CachedImage):
+            return dict(x, data=x["data"].decode())
+        return x
+
+    return [dict(m, content=[item(x) for x in m["content"]])
+            if isinstance(m, dict) and isinstance(m.get("content"), list) else m for m in messages]
 
 
 def _preprocessed(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,0 +1,109 @@
+"""Encoded sources: images sent as base64 data URLs or local files are keyed by their bytes.
+
+lmdeploy decodes every ``image_url`` (a data URL, a file path, an http URL) into a PIL image before
+preprocessing; decoding a 1344x1008 PNG costs tens of milliseconds, and keying the decoded pixels
+costs more. For data URLs and files featcache reads the encoded bytes instead (base64-decoding a
+data URL is the only work), keys them with ``image_key(bytes, namespace, params)``, and looks them
+up *before* lmdeploy's parser runs (on the event loop's default executor, as lmdeploy's own parsing):
+
+- a hit becomes an ``image_data`` item holding a ``CachedImage`` (its ``FeatRef`` and lease, and
+  the bytes for a fallback): lmdeploy's parser passes ``image_data`` through untouched and the
+  frontend serves it with no decoding, no pixel hashing and no preprocessing;
+- a miss is decoded here, exactly as lmdeploy would (``ImageMediaIO.load_bytes``), and handed on
+  as an ``image_data`` PIL image that carries its key in ``image.info``, so its features are
+  stored under the bytes' key.
+
+http(s) URLs are left to lmdeploy (fetching them is lmdeploy's business, with its own security
+checks). The same picture sent as a PIL image and as encoded bytes gets two keys (two entries),
+never a wrong answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+from urllib.request import url2pathname
+
+from .refs import FeatRef
+
+KEY_INFO = "featcache_key"  # image.info entry carrying the bytes' key of a decoded miss
+_IMAGE_TYPES = ("image_url", "image")
+
+
+class CachedImage:
+    """An image whose features are cached: stands in for the decoded image until preprocessing."""
+
+    __slots__ = ("media_io_kwargs", "raw", "ref")
+
+    def __init__(self, ref: FeatRef, raw: bytes, media_io_kwargs: dict[str, Any]) -> None:
+        self.ref = ref
+        self.raw = raw
+        self.media_io_kwargs = media_io_kwargs
+
+    def decode(self) -> Any:
+        """The PIL image lmdeploy would have decoded (for a fallback to plain preprocessing)."""
+        from lmdeploy.vl.media.image import ImageMediaIO
+
+        return ImageMediaIO(**self.media_io_kwargs).load_bytes(self.raw)
+
+
+def encoded_bytes(source: str) -> bytes | None:
+    """The encoded image behind a base64 data URL or a local file, or None for anything else
+    (http URLs, malformed data URLs: lmdeploy handles and reports those itself)."""
+    spec = urlparse(source)
+    if spec.scheme.startswith("http"):
+        return None
+    if spec.scheme == "data":
+        head, _, data = (spec.path or "").partition(",")
+        media_type, _, encoding = head.partition(";")
+        if not data or encoding != "base64":
+            return None
+        try:
+            import pybase64
+
+            return bytes(pybase64.b64decode(data))
+        except ImportError:
+            return base64.b64decode(data)
+    if spec.scheme == "file" or os.path.exists(source) or os.path.exists(spec.path):
+        path = Path(url2pathname((spec.netloc or "") + (spec.path or "")))
+        try:
+            return path.read_bytes()
+        except OSError:
+            return None  # lmdeploy will raise its own error for it
+    return None
+
+
+def source_of(item: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """(source string, per-image params) of an ``image_url``/``image`` item, as lmdeploy's parser
+    reads them, or None if the item carries no string source."""
+    kind = item.get("type")
+    if kind not in _IMAGE_TYPES:
+        return None
+    value = item.get(kind, {})
+    if isinstance(value, dict):
+        params = dict(value)
+        source = params.pop("url", None) or params.pop("data", None)
+    else:
+        params = {k: v for k, v in item.items() if k not in ("type", kind)}
+        source = value
+    return (source, params) if isinstance(source, str) else None
+
+
+def install_sources(prompt_processor: Any, frontend: Any) -> None:
+    """Wrap ``prompt_processor.async_parse_multimodal_item`` (an instance attribute shadowing
+    lmdeploy's static method) so encoded sources are resolved before lmdeploy parses them."""
+    original = prompt_processor.async_parse_multimodal_item
+
+    async def async_parse_multimodal_item(messages: Any, media_io_kwargs: Any = None,
+                                          allowed_media_domains: Any = None) -> Any:
+        if isinstance(messages, list):
+            loop = asyncio.get_running_loop()
+            messages = await loop.run_in_executor(
+                None, frontend.resolve_sources, messages, media_io_kwargs or {})
+        return await original(messages, media_io_kwargs, allowed_media_domains)
+
+    prompt_processor.async_parse_multimodal_item = async_parse_multimodal_item

@@ -1,0 +1,170 @@
+"""Images sent as data URLs or files: keyed by their encoded bytes, hits never decoded.
+
+Runs lmdeploy's real prompt path (MultimodalProcessor + ImageEncoder) on the tiny checkpoints, with
+featcache's frontend installed together with its source resolver, as ``featcache.lmdeploy.wrap``
+installs them. Needs lmdeploy 0.18 (requirements/lmdeploy-cpu.txt); skipped without.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import gc
+import io
+
+import pytest
+import torch
+
+_SKIP = ("lmdeploy is not installed; for these tests: "
+         "pip install --no-deps lmdeploy==0.18.0 -r requirements/lmdeploy-cpu.txt")
+pytest.importorskip("lmdeploy", minversion="0.18", reason=_SKIP)
+pytest.importorskip("lmdeploy.vl.engine", reason=_SKIP)
+
+import lmdeploy_tiny as tiny  # noqa: E402
+from lmdeploy.vl.media.image import ImageMediaIO  # noqa: E402
+
+from featcache import FeatureCache, image_key  # noqa: E402
+from featcache.lmdeploy.frontend import SECTION, Frontend, install_frontend  # noqa: E402
+from featcache.lmdeploy.refs import REF_KEY  # noqa: E402
+from featcache.lmdeploy.sources import encoded_bytes, source_of  # noqa: E402
+
+HIDDEN = 256
+
+
+def png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(raw: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(raw).decode()
+
+
+def url_item(url: str, **params) -> dict:
+    return {"type": "image_url", "image_url": {"url": url, **params}}
+
+
+class Rig:
+    def __init__(self, arch: str, path: str) -> None:
+        self.cache = FeatureCache(device="cpu", device_bytes="64MiB", host_bytes=0)
+        self.namespace = f"test:{arch}"
+        self.plain = tiny.PromptPath(path)
+        self.cached = tiny.PromptPath(path)
+        install_frontend(self.cached.model, self.cache, self.namespace, self.cached.processor)
+
+    def close(self) -> None:
+        self.plain.close()
+        self.cached.close()
+        gc.collect()
+        self.cache.close()
+
+    def store(self, out: dict) -> None:
+        """What the model does with the features of the misses."""
+        for item in out["multimodal"]:
+            ref = item[REF_KEY]
+            if not ref.hit:
+                self.cache.put(ref.key, torch.randn(int(item["image_tokens"]), HIDDEN), meta=ref.meta)
+
+    def counters(self) -> dict[str, int]:
+        stats = self.cache.stats().get(SECTION, {})
+        return {k: v for k, v in stats.items() if v}
+
+
+@pytest.fixture(params=[tiny.INTERNVL, tiny.QWEN2VL], ids=["internvl_hf", "qwen2vl"])
+def rig(request, tmp_path_factory):
+    r = Rig(request.param, tiny.checkpoint(request.param, tmp_path_factory))
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def decodes(monkeypatch):
+    """Counts image decodes (lmdeploy's and featcache's both go through ImageMediaIO.load_bytes
+    or load_file)."""
+    calls = []
+    load_bytes, load_file = ImageMediaIO.load_bytes, ImageMediaIO.load_file
+    monkeypatch.setattr(ImageMediaIO, "load_bytes",
+                        lambda self, data: calls.append("bytes") or load_bytes(self, data))
+    monkeypatch.setattr(ImageMediaIO, "load_file",
+                        lambda self, path: calls.append("file") or load_file(self, path))
+    return calls
+
+
+def assert_same_prompt(got: dict, want: dict) -> None:
+    assert got["prompt"] == want["prompt"] and got["input_ids"] == want["input_ids"]
+    assert [m["offset"] for m in got["multimodal"]] == [m["offset"] for m in want["multimodal"]]
+    for g, w in zip(got["multimodal"], want["multimodal"], strict=True):
+        assert int(g["image_tokens"]) == int(w["image_tokens"])
+
+
+@pytest.mark.parametrize("sent_as", ["data_url", "file"])
+def test_a_repeated_encoded_image_is_neither_decoded_nor_preprocessed(rig, decodes, tmp_path,
+                                                                        sent_as):
+    raw = png(tiny.noise_image(100, 80, seed=3))
+    if sent_as == "file":
+        (tmp_path / "img.png").write_bytes(raw)
+        source = str(tmp_path / "img.png")
+    else:
+        source = data_url(raw)
+    msgs = tiny.messages(url_item(source))
+    untouched = copy.deepcopy(msgs)
+
+    first = rig.cached.prompt(msgs)
+    assert decodes == ["bytes"] and len(rig.cached.calls) == 1  # decoded once (by featcache)
+    ref = first["multimodal"][0][REF_KEY]
+    assert ref.key == image_key(raw, namespace=rig.namespace, params={})  # keyed by its bytes
+    assert_same_prompt(first, rig.plain.prompt(msgs))
+    rig.store(first)
+    decodes.clear()
+
+    second = rig.cached.prompt(msgs)
+    assert decodes == []  # no decode, no pixel hashing
+    assert len(rig.cached.calls) == 1  # no preprocessing
+    hit = second["multimodal"][0]
+    assert hit[REF_KEY].hit and hit[REF_KEY].key == ref.key and hit["pixel_values"].shape[0] == 0
+    assert_same_prompt(second, rig.plain.prompt(msgs))
+    assert msgs == untouched  # the caller's messages are left as they were
+    counters = rig.counters()
+    assert counters["source_keyed"] == 2 and counters["decode_skipped"] == 1
+    assert counters["hits"] == 1 and counters["misses"] == 1
+
+
+def test_per_image_params_are_part_of_the_bytes_key(rig):
+    raw = png(tiny.noise_image(64, 64, seed=4))
+    first = rig.cached.prompt(tiny.messages(url_item(data_url(raw))))
+    rig.store(first)
+    other = rig.cached.prompt(tiny.messages(url_item(data_url(raw), max_pixels=28 * 28 * 32)))
+    assert not other["multimodal"][0][REF_KEY].hit
+
+
+def test_a_failure_after_resolving_still_serves_the_request(rig, monkeypatch):
+    raw = png(tiny.noise_image(90, 70, seed=5))
+    msgs = tiny.messages(url_item(data_url(raw)))
+    rig.store(rig.cached.prompt(msgs))
+
+    def broken(self, messages):
+        raise RuntimeError("frontend on fire")
+
+    monkeypatch.setattr(Frontend, "_preprocess", broken)
+    out = rig.cached.prompt(msgs)  # the hit was resolved from its bytes; the fallback decodes it
+    assert_same_prompt(out, rig.plain.prompt(msgs))
+    assert rig.counters()["frontend_errors"] == 1
+    del out
+    gc.collect()
+    assert not rig.cache._device._books.pinned(image_key(raw, namespace=rig.namespace, params={}))
+
+
+def test_sources_featcache_leaves_to_lmdeploy():
+    assert encoded_bytes("http://example.com/a.png") is None
+    assert encoded_bytes("https://example.com/a.png") is None
+    assert encoded_bytes("data:image/png;charset=utf-8,abc") is None  # not base64: lmdeploy's call
+    assert encoded_bytes("data:image/png;base64,") is None
+    assert encoded_bytes("/no/such/file.png") is None
+    assert encoded_bytes("data:image/png;base64," + base64.b64encode(b"xyz").decode()) == b"xyz"
+    assert source_of({"type": "image_url", "image_url": {"url": "u", "detail": "low"}}) == (
+        "u", {"detail": "low"})
+    assert source_of({"type": "image", "image": "u", "max_dynamic_patch": 2}) == (
+        "u", {"max_dynamic_patch": 2})
+    assert source_of({"type": "image_data", "image_data": {"data": "x"}}) is None
+    assert source_of({"type": "text", "text": "hi"}) is None
