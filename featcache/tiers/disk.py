@@ -127,6 +127,7 @@ class DiskTier:
             )
         except lmdb.Error as e:
             raise StoreOpenError(f"cannot open the LMDB store at {self.path!r}: {e}") from e
+        self._check_file()
         self._pid = os.getpid()
         create = not self.readonly
         self._reader_check()
@@ -141,6 +142,25 @@ class DiskTier:
         self._check_format()
         if not self.readonly:
             self._apply_budget()
+
+    def _check_file(self) -> None:
+        """Refuse a data file shorter than the pages its meta page says are in use (a truncated
+        copy, a file system that lost its tail): LMDB maps the file and would fault (SIGBUS, the
+        process dies) on the first read of a page past its end."""
+        try:
+            info, page = self._env.info(), self._env.stat()["psize"]
+            # Read after the meta page: a writer grows the file before its meta page names a page.
+            file_bytes = os.path.getsize(os.path.join(self.path, "data.mdb"))
+        except (lmdb.Error, OSError) as e:
+            self._env.close()
+            raise StoreOpenError(f"cannot open the LMDB store at {self.path!r}: {e}") from e
+        needed = (info["last_pgno"] + 1) * page
+        if file_bytes < needed:
+            self._env.close()
+            raise StoreOpenError(
+                f"the store at {self.path!r} is damaged: data.mdb holds {file_bytes} bytes but "
+                f"its pages need {needed} (truncated?); move it away or delete it"
+            )
 
     def _check_format(self) -> None:
         with self._env.begin(db=self._info, write=not self.readonly) as txn:
