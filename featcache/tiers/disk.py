@@ -18,7 +18,10 @@ Invariants (each write transaction keeps them):
 - no read trusts a value: ``codec.verify`` checks header and checksum, a bad value is reported
   through ``on_corrupt`` (the writer deletes it) and the read is a miss;
 - no LMDB error escapes a public method: reads become misses (or 0), writes become drops; each is
-  counted in ``errors`` and the first one is logged.
+  counted in ``errors`` and the first one is logged;
+- no damaged book record stops the store: a malformed meta or lru record is skipped or deleted,
+  a stamp past 2**63 is ignored, and ``used_bytes`` is recounted from the meta table whenever it
+  is missing, malformed or proven wrong (negative, or over budget with nothing left to evict).
 
 The map size does not depend on the budget (``map_size_for``): it is virtual address space only,
 so processes with different budgets share a directory and a store written with a larger budget
@@ -200,12 +203,11 @@ class DiskTier:
     def used_bytes(self) -> int:
         """The bytes of all values stored, as the books say (0 if they cannot be read)."""
         try:
-            with self._environment().begin(db=self._info) as txn:
-                raw = txn.get(b"used_bytes")
+            with self._environment().begin() as txn:
+                return self._used(txn)
         except lmdb.Error as e:
             self._failed("read of used_bytes", e)
             return 0
-        return _U64.unpack(raw)[0] if raw else 0
 
     # -- reads ---------------------------------------------------------------------------------
     def contains(self, key: bytes) -> bool:
@@ -269,7 +271,7 @@ class DiskTier:
         """
         try:
             stored = self._write(ops)
-        except lmdb.Error as e:
+        except Exception as e:  # LMDB's errors, and anything else that aborts the transaction
             puts = sum(op.kind == "put" for op in ops)
             self._failed(f"write of {len(ops)} operations ({puts} puts)", e)
             self.count_drops(puts)
@@ -277,7 +279,7 @@ class DiskTier:
             if deletes:
                 try:
                     self._write(deletes)
-                except lmdb.Error as e2:
+                except Exception as e2:
                     self._failed(f"delete of {len(deletes)} keys after a failed write", e2)
             return 0
         return stored
@@ -289,26 +291,27 @@ class DiskTier:
         env = self._environment()
         self._reader_check()
         with env.begin(write=True) as txn:
-            used = _U64.unpack(txn.get(b"used_bytes", db=self._info) or _U64.pack(0))[0]
+            used = self._used(txn)
             cursor = txn.cursor(db=self._lru)
-            last = _STAMP.unpack(bytes(cursor.key())[: _STAMP.size])[0] if cursor.last() else 0
+            last = _stamp_of(bytes(cursor.key())) if cursor.last() else 0
             stamp = max(time.time_ns(), last + 1) - 1  # each put and touch takes the next one
             for op in ops:
                 if op.kind == "discard":
-                    used -= self._delete(txn, op.key)
+                    used = self._less(txn, used, self._delete(txn, op.key))
                 elif op.kind == "touch":
                     stamp += 1
                     self._touch(txn, op.key, stamp)
                 else:
-                    used -= self._delete(txn, op.key)
+                    used = self._less(txn, used, self._delete(txn, op.key))
                     size = len(op.value)
                     if size > self.capacity_bytes:
                         continue
                     while used + size > self.capacity_bytes:
                         freed = self._evict_oldest(txn, cursor)
-                        if freed is None:
+                        if freed is None:  # nothing left, yet over budget: the books were wrong
+                            used = self._recount(txn)
                             break
-                        used -= freed
+                        used = self._less(txn, used, freed)
                         evicted += 1
                     stamp += 1
                     txn.put(op.key, op.value, db=self._data)
@@ -318,11 +321,12 @@ class DiskTier:
                     stored += 1
             while used > self.capacity_bytes:
                 freed = self._evict_oldest(txn, cursor)
-                if freed is None:
+                if freed is None:  # as above
+                    used = self._recount(txn)
                     break
-                used -= freed
+                used = self._less(txn, used, freed)
                 evicted += 1
-            txn.put(b"used_bytes", _U64.pack(max(used, 0)), db=self._info)
+            txn.put(b"used_bytes", _U64.pack(used), db=self._info)
         with self._lock:
             self._counters.evictions += evicted
         return stored
@@ -332,27 +336,28 @@ class DiskTier:
         if not cursor.first():
             return None
         record = bytes(cursor.key())
-        freed = self._delete(txn, record[_STAMP.size :])
+        freed = self._delete(txn, record[_STAMP.size :]) if len(record) > _STAMP.size else 0
         txn.delete(record, db=self._lru)  # gone already unless the books disagreed: progress
         return freed
 
     def _delete(self, txn: lmdb.Transaction, key: bytes) -> int:
         """Remove key's records; return the bytes it accounted for (0 if absent)."""
-        meta = txn.get(key, db=self._meta)
-        if meta is None:
-            txn.delete(key, db=self._data)  # a value without meta would be unaccounted: drop it
+        meta = _meta_of(txn.get(key, db=self._meta))
+        if meta is None:  # a value without (valid) meta would be unaccounted: drop it
+            txn.delete(key, db=self._data)
+            txn.delete(key, db=self._meta)  # its lru record, if any, is evicted in its turn
             return 0
-        stamp, size = _META.unpack(meta)
+        stamp, size = meta
         txn.delete(key, db=self._data)
         txn.delete(key, db=self._meta)
         txn.delete(_STAMP.pack(stamp) + key, db=self._lru)
         return size
 
     def _touch(self, txn: lmdb.Transaction, key: bytes, stamp: int) -> None:
-        meta = txn.get(key, db=self._meta)
+        meta = _meta_of(txn.get(key, db=self._meta))
         if meta is None:
             return
-        old, size = _META.unpack(meta)
+        old, size = meta
         txn.delete(_STAMP.pack(old) + key, db=self._lru)
         txn.put(_STAMP.pack(stamp) + key, b"", db=self._lru)
         txn.put(key, _META.pack(stamp, size), db=self._meta)
@@ -364,20 +369,48 @@ class DiskTier:
         """
         try:
             with self._environment().begin(write=True) as txn:
-                used = _U64.unpack(txn.get(b"used_bytes", db=self._info) or _U64.pack(0))[0]
                 freed = self._delete(txn, key)
-                txn.put(b"used_bytes", _U64.pack(max(used - freed, 0)), db=self._info)
+                used = self._less(txn, self._used(txn), freed)
+                txn.put(b"used_bytes", _U64.pack(used), db=self._info)
         except lmdb.Error as e:
             self._failed(f"delete of {key.hex()}", e)
             return False
         return freed > 0
 
     # -- books ---------------------------------------------------------------------------------
+    def _used(self, txn: lmdb.Transaction) -> int:
+        """``used_bytes`` as recorded, or recounted if the record is missing or malformed."""
+        raw = txn.get(b"used_bytes", db=self._info)
+        if raw is not None and len(raw) == _U64.size:
+            return int(_U64.unpack(raw)[0])
+        return self._recount(txn)
+
+    def _less(self, txn: lmdb.Transaction, used: int, freed: int) -> int:
+        """``used - freed``, recounted if that is negative (a damaged size was subtracted)."""
+        return used - freed if used >= freed else self._recount(txn)
+
+    def _recount(self, txn: lmdb.Transaction) -> int:
+        """The sum of the value sizes in the meta table (the books proved wrong: repair them)."""
+        with self._lock:
+            self._counters.extra["recounts"] = self._counters.extra.get("recounts", 0) + 1
+            first = self._counters.extra["recounts"] == 1
+        if first:
+            log.warning(
+                "featcache: the byte count of the disk store at %s was missing or wrong; "
+                "recounted from its records (later recounts are counted in "
+                "stats()['disk']['recounts'])", self.path,
+            )
+        total = 0
+        for _, raw in txn.cursor(db=self._meta):
+            meta = _meta_of(raw)
+            total += meta[1] if meta is not None else 0
+        return total
+
     def _count(self, name: str) -> None:
         with self._lock:
             setattr(self._counters, name, getattr(self._counters, name) + 1)
 
-    def _failed(self, what: str, error: lmdb.Error) -> None:
+    def _failed(self, what: str, error: Exception) -> None:
         """Count an LMDB failure; log the first one (later ones at debug level)."""
         with self._lock:
             self._counters.errors += 1
@@ -416,6 +449,23 @@ class DiskTier:
     def close(self) -> None:
         if os.getpid() == self._pid:
             self._env.close()
+
+
+def _meta_of(raw: bytes | memoryview | None) -> tuple[int, int] | None:
+    """(stamp, size) of a meta record, or None if absent or malformed."""
+    if raw is None or len(raw) != _META.size:
+        return None
+    stamp, size = _META.unpack(raw)
+    return int(stamp), int(size)
+
+
+def _stamp_of(record: bytes) -> int:
+    """The stamp of an lru record; 0 for a malformed one or a stamp past 2**63 (centuries
+    ahead: damage, and new stamps must stay below 2**64)."""
+    if len(record) <= _STAMP.size:
+        return 0
+    stamp = int(_STAMP.unpack(record[: _STAMP.size])[0])
+    return stamp if stamp < 1 << 63 else 0
 
 
 def _fresh(nbytes: int) -> torch.Tensor:
