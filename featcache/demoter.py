@@ -24,7 +24,8 @@ Invariants:
 ``flush`` waits for both queues; ``close`` drains and joins. No polling: threads block on their
 queues. A job that raises is logged (once per thread) and counted as an error; the thread keeps
 going. If a thread dies anyway, ``alive`` turns False, later jobs are dropped and counted, and
-the request path is unaffected.
+the request path is unaffected; a discard the dead writer cannot apply stays in its in-flight
+map, so the disk never serves that key's older value again in this process.
 """
 
 from __future__ import annotations
@@ -178,6 +179,11 @@ class DiskWriter(_Worker):
     def _enqueue(self, item: _DiskPut | _DiskMark) -> bool:
         # Under self._lock: the in-flight map and the queue order agree.
         if not self._offer(item):
+            if isinstance(item, _DiskMark) and item.kind == "discard":
+                # Only a dead thread refuses a discard (the queue is unbounded): the delete
+                # can never run, so it stays in the in-flight map and the disk's value of the
+                # key is never served again by this process.
+                self._latest[item.key] = item
             return False
         if not (isinstance(item, _DiskMark) and item.kind == "touch"):
             self._latest[item.key] = item
