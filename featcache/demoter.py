@@ -23,9 +23,10 @@ Invariants:
 
 ``flush`` waits for both queues; ``close`` drains and joins. No polling: threads block on their
 queues. A job that raises is logged (once per thread) and counted as an error; the thread keeps
-going. If a thread dies anyway, ``alive`` turns False, later jobs are dropped and counted, and
-the request path is unaffected; a discard the dead writer cannot apply stays in its in-flight
-map, so the disk never serves that key's older value again in this process.
+going. If a thread dies anyway, that is logged (critical) and counted, ``alive`` turns False,
+later jobs are dropped and counted, and the request path is unaffected; a discard the dead
+writer cannot apply stays in its in-flight map, so the disk never serves that key's older value
+again in this process.
 """
 
 from __future__ import annotations
@@ -110,6 +111,14 @@ class _Worker:
                 self._handle(item)
             except Exception:  # a failed job must not kill the stage
                 self._failed()
+            except BaseException:  # this ends the thread: say so once, where users look
+                self.errors += 1
+                log.critical(
+                    "featcache: %s stopped (a job raised a BaseException): later work for it "
+                    "is dropped and counted; stats()['cache']['workers_alive'] is 0",
+                    self._thread.name, exc_info=True,
+                )
+                raise
             finally:
                 self._queue.task_done()
 
