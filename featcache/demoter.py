@@ -7,9 +7,10 @@ Every entry put in the cache is copied down (write-through) in the background:
                                    per batch, applying puts, touches and discards in queue order
 
 Overload policy: the demotion queue holds at most ``demote_queue_entries`` jobs and the writer's
-queue at most ``disk_queue_entries`` pending puts (discards and touches are tiny and always
-queued). A job over the limit is dropped (counted as a ``drop`` on the tier it was headed for)
-instead of blocking ``put``; the entry stays in the tiers above.
+queue at most ``disk_queue_entries`` pending puts (discards are tiny and always queued). A job
+over the limit is dropped (counted as a ``drop`` on the tier it was headed for) instead of
+blocking ``put``; the entry stays in the tiers above. LRU touches (recency hints of disk reads)
+are skipped while the writer's queue holds ``TOUCH_QUEUE_LIMIT`` jobs.
 
 Invariants:
 - the disk never keeps a value older than the last put or discard of its key: a put that does
@@ -151,6 +152,7 @@ class DiskWriter(_Worker):
 
     BATCH_ENTRIES = 32
     BATCH_BYTES = 256 << 20
+    TOUCH_QUEUE_LIMIT = 1024  # touches are skipped while the queue holds this many jobs
 
     def __init__(self, disk: DiskTier, copier: Copier, pool: HostPool | None, max_puts: int) -> None:
         self.disk = disk
@@ -160,6 +162,7 @@ class DiskWriter(_Worker):
         self._puts = 0  # puts queued or being written
         self._latest: dict[bytes, _DiskPut | _DiskMark] = {}  # key -> its last queued put/discard
         self._lock = threading.Lock()
+        self.touches_skipped = 0
         super().__init__("featcache-disk-writer", 0)
 
     def submit(self, key: bytes, entry: Entry) -> bool:
@@ -176,7 +179,11 @@ class DiskWriter(_Worker):
         return False
 
     def touch(self, key: bytes) -> None:
-        """Record a use of ``key`` (recency only)."""
+        """Record a use of ``key`` (recency only). Skipped while ``TOUCH_QUEUE_LIMIT`` jobs are
+        queued (a stuck or slow disk): reads must not grow the queue without bound."""
+        if self._queue.qsize() >= self.TOUCH_QUEUE_LIMIT:
+            self.touches_skipped += 1
+            return
         with self._lock:
             self._enqueue(_DiskMark("touch", key))
 
