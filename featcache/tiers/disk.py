@@ -14,7 +14,9 @@ Invariants (each write transaction keeps them):
 - within a batch, operations apply in the order given; each put and touch gets its own stamp,
   later than every stamp already stored, so LRU order is use order;
 - a put that does not land (larger than the budget, or its transaction failed) leaves no older
-  value of its key behind: a failed batch is followed by one that deletes its keys;
+  value of its key behind: a failed batch is followed by one that deletes its keys; if that one
+  fails too (a full disk), the keys are remembered as unclean: reads of them miss in this
+  process, and every later batch deletes them first until one commits;
 - no read trusts a value: ``codec.verify`` checks header and checksum, a bad value is reported
   through ``on_corrupt`` (the writer deletes it) and the read is a miss;
 - no LMDB error escapes a public method: reads become misses (or 0), writes become drops; each is
@@ -100,6 +102,7 @@ class DiskTier:
         self._counters = Counters()
         self._lock = threading.Lock()
         self._logged = False
+        self._unclean: set[bytes] = set()  # keys whose older value a failed delete left behind
         self._open()
 
     # -- environment ---------------------------------------------------------------------------
@@ -211,6 +214,8 @@ class DiskTier:
 
     # -- reads ---------------------------------------------------------------------------------
     def contains(self, key: bytes) -> bool:
+        if self._is_unclean(key):
+            return False
         try:
             with self._environment().begin(db=self._data, buffers=True) as txn:
                 return txn.get(key) is not None
@@ -225,6 +230,9 @@ class DiskTier:
 
         A missing, corrupt or unreadable value is a miss.
         """
+        if self._is_unclean(key):
+            self._count("misses")
+            return None
         try:
             with self._environment().begin(db=self._data, buffers=True) as txn:
                 value = txn.get(key)
@@ -267,21 +275,30 @@ class DiskTier:
         A put larger than the budget does not land and deletes the key's older value. When the
         transaction fails (file system full, I/O error) nothing of it lands: its puts are counted
         as drops, and a second transaction deletes the keys of its puts and discards so that no
-        older value of theirs is served later.
+        older value of theirs is served later. Should that fail too, the keys are unclean: reads
+        miss them, and the next batches delete them first.
         """
+        with self._lock:
+            unclean = list(self._unclean)
+        ops = [*(DiskOp("discard", k) for k in unclean), *ops]
         try:
             stored = self._write(ops)
         except Exception as e:  # LMDB's errors, and anything else that aborts the transaction
             puts = sum(op.kind == "put" for op in ops)
             self._failed(f"write of {len(ops)} operations ({puts} puts)", e)
             self.count_drops(puts)
+            stored = 0
             deletes = [DiskOp("discard", op.key) for op in ops if op.kind != "touch"]
             if deletes:
                 try:
                     self._write(deletes)
                 except Exception as e2:
                     self._failed(f"delete of {len(deletes)} keys after a failed write", e2)
-            return 0
+                    with self._lock:
+                        self._unclean.update(op.key for op in deletes)
+                    return 0
+        with self._lock:
+            self._unclean.difference_update(unclean)
         return stored
 
     def _write(self, ops: Sequence[DiskOp]) -> int:
@@ -376,6 +393,10 @@ class DiskTier:
             self._failed(f"delete of {key.hex()}", e)
             return False
         return freed > 0
+
+    def _is_unclean(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._unclean
 
     # -- books ---------------------------------------------------------------------------------
     def _used(self, txn: lmdb.Transaction) -> int:
