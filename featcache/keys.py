@@ -4,7 +4,8 @@ The stream is, in order: a format tag and version, the namespace (the model iden
 preprocessing parameters (canonically encoded, dict keys sorted), then the image: its kind (PIL
 image, uint8 array or encoded bytes), its mode or dtype/shape, its size, its palette where the mode
 has one, and its bytes. Every field is framed (tag + length + bytes), so no two different inputs
-produce the same stream. Unknown parameter types raise ``TypeError``; nothing is pickled.
+produce the same stream. Unknown parameter types raise ``TypeError``; nothing is pickled. A PIL
+image that fails to decode (a lazily opened, truncated or broken file) raises ``ValueError``.
 
 Digests: ``xxh3_128`` (default, 16 bytes, fast, not collision-resistant against an adversary),
 ``blake2b`` (32 bytes, cryptographic) and keyed ``blake2b`` (pass ``secret``): a client that does not
@@ -143,6 +144,10 @@ def _frame_image(framer: _Framer, image: Any) -> None:
         width, height = image.size
         if width == 0 or height == 0:
             raise ValueError(f"cannot key an empty image of size {image.size}")
+        try:
+            image.load()  # an image opened lazily (Image.open) is decoded here, not earlier
+        except (OSError, SyntaxError, EOFError) as e:  # PIL's errors for damaged image data
+            raise ValueError(f"cannot key a PIL image that does not decode: {e}") from e
         framer.field(b"I", image.mode.encode() + struct.pack("<QQ", width, height))
         palette = image.getpalette(rawmode=None) if image.mode in ("P", "PA") else None
         if palette is not None:
