@@ -1,0 +1,357 @@
+"""Prometheus metrics of a ``FeatureCache``: counters and gauges from ``stats()``, plus a latency
+histogram of lookups once the cache is ``instrument``-ed.
+
+    from featcache import metrics
+    metrics.instrument(cache)        # optional: times cache.get / cache.acquire (and lease)
+    text = metrics.render(cache)     # Prometheus text exposition format 0.0.4, no dependency
+    metrics.register(cache)          # or: a collector in prometheus_client's registry
+
+What is exported (all per process, since the cache was built; ``tier`` is device, host or disk):
+
+- ``featcache_tier_{hits,misses,evictions,drops,corrupt,errors}_total{tier}`` counters and
+  ``featcache_tier_{entries,bytes,capacity_bytes}{tier}`` gauges (``stats()[tier]``; other
+  numbers a tier reports are exported as ``featcache_tier_<name>{tier}``, untyped);
+- ``featcache_lookups_total{result="hit"|"miss"}``, ``featcache_{puts,not_stored,inflight_hits,
+  promotions,worker_errors}_total`` counters, ``featcache_{demote,disk}_queue_depth`` and
+  ``featcache_workers_alive`` gauges (``stats()["cache"]``; other keys: ``featcache_<name>``,
+  untyped);
+- ``featcache_<section>_<event>_total`` counters for each integration section of ``stats()``
+  (e.g. ``featcache_lmdeploy_hits_total`` from ``stats()["lmdeploy"]["hits"]``);
+- ``featcache_lookup_seconds{method="get"|"acquire",result="hit"|"miss"}``: a histogram of the
+  time ``get``/``acquire`` took in the caller's thread (a ``lease`` is an ``acquire``). Lookups
+  return without waiting for the device copy of a promoted entry (it is ordered on the caller's
+  stream), so this is the time the caller's thread spent, not the time until the data is on the
+  GPU. Only present after ``instrument(cache)``.
+
+Invariants: every number comes from one ``stats()`` call (and one histogram snapshot) per
+render/collect, so the values of one scrape are those ``stats()`` returned; metric names and label
+values are sanitised/escaped as the text format requires; nothing here changes the cache's
+behaviour except ``instrument``, which only wraps the two lookup methods of that instance.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from .tiers.base import STAT_FIELDS
+
+if TYPE_CHECKING:
+    from .cache import FeatureCache
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Lookup latency buckets, seconds: a device hit takes microseconds, a disk hit milliseconds.
+BUCKETS: tuple[float, ...] = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0,
+)
+TIERS = ("device", "host", "disk")
+_CORE_SECTIONS = (*TIERS, "cache")
+_RECORDER_ATTR = "_featcache_metrics_recorder"
+
+Kind = Literal["counter", "gauge", "histogram", "untyped"]
+Labels = tuple[tuple[str, str], ...]
+
+_TIER_GAUGES = {
+    "entries": "Entries the tier holds.",
+    "bytes": "Bytes the tier holds (what its budget counts).",
+    "capacity_bytes": "The tier's byte budget (0: disabled).",
+}
+_TIER_COUNTERS = {
+    "hits": "Lookups the tier answered.",
+    "misses": "Lookups the tier did not answer.",
+    "evictions": "Entries the tier evicted to stay within its budget.",
+    "drops": "Writes to the tier dropped (queue full, failed transaction).",
+    "corrupt": "Stored values that failed validation (dropped, served as misses).",
+    "errors": "Failures of the tier's storage (e.g. LMDB errors), each a miss or a drop.",
+}
+_CACHE_COUNTERS = {
+    "puts": "put() calls that stored the entry in at least one tier.",
+    "not_stored": "put() calls whose entry fit no tier.",
+    "inflight_hits": "Lookups answered from entries still on their way to a lower tier.",
+    "promotions": "Entries copied up from the host or disk tier to the device.",
+    "worker_errors": "Background jobs (demotion, disk writes) that raised.",
+}
+_CACHE_GAUGES = {
+    "demote_queue": ("featcache_demote_queue_depth", "Device-to-host copies waiting."),
+    "disk_queue": ("featcache_disk_queue_depth", "Disk writes waiting."),
+    "workers_alive": ("featcache_workers_alive", "1 if every background thread is alive."),
+}
+_SKIPPED_CACHE = ("gets", "hits", "misses")  # exported as featcache_lookups_total{result}
+
+
+@dataclass(frozen=True)
+class Sample:
+    labels: Labels
+    value: float
+
+
+@dataclass(frozen=True)
+class HistogramSample:
+    labels: Labels
+    buckets: tuple[tuple[float, int], ...]  # (upper bound, cumulative count); last is +Inf
+    total: float
+    count: int
+
+
+@dataclass
+class Family:
+    """One metric family: its name (a counter's ends in ``_total``), type, help and samples."""
+
+    name: str
+    kind: Kind
+    help: str
+    samples: list[Sample] = field(default_factory=list)
+    histograms: list[HistogramSample] = field(default_factory=list)
+
+
+# -- lookup latency ------------------------------------------------------------------------------
+class _Histogram:
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # per bucket, the last is (max bound, +Inf)
+        self.total = 0.0
+
+    def observe(self, seconds: float) -> None:
+        i = 0
+        while i < len(self.bounds) and seconds > self.bounds[i]:
+            i += 1
+        self.counts[i] += 1
+        self.total += seconds
+
+    def snapshot(self, labels: Labels) -> HistogramSample:
+        cumulative, running = [], 0
+        for bound, n in zip((*self.bounds, math.inf), self.counts, strict=True):
+            running += n
+            cumulative.append((bound, running))
+        return HistogramSample(labels, tuple(cumulative), self.total, running)
+
+
+class MetricsRecorder:
+    """Lookup latencies by (method, result), thread-safe. ``instrument`` installs one."""
+
+    def __init__(self, buckets: Sequence[float] = BUCKETS) -> None:
+        if list(buckets) != sorted(set(buckets)) or not buckets or buckets[0] <= 0:
+            raise ValueError("buckets must be positive, increasing and unique")
+        self.buckets = tuple(float(b) for b in buckets)
+        self._lock = threading.Lock()
+        self._histograms: dict[tuple[str, str], _Histogram] = {}
+
+    def observe(self, method: str, result: str, seconds: float) -> None:
+        with self._lock:
+            histogram = self._histograms.get((method, result))
+            if histogram is None:
+                histogram = self._histograms[(method, result)] = _Histogram(self.buckets)
+            histogram.observe(seconds)
+
+    def snapshot(self) -> list[HistogramSample]:
+        """One sample per (method, result) seen, sorted; cumulative buckets ending at +Inf."""
+        with self._lock:
+            return [
+                h.snapshot((("method", method), ("result", result)))
+                for (method, result), h in sorted(self._histograms.items())
+            ]
+
+
+def instrument(cache: FeatureCache, buckets: Sequence[float] = BUCKETS) -> MetricsRecorder:
+    """Time ``cache.get`` and ``cache.acquire`` (so also ``cache.lease``) of this instance.
+
+    Wraps the two methods by setting instance attributes that shadow the class's: no other
+    instance and no code of the cache changes, and the wrappers only add two clock reads and a
+    locked counter update per call. A call that raises is not recorded. Idempotent: a second call
+    returns the recorder already installed. ``uninstrument`` removes the wrappers.
+    """
+    existing = recorder_of(cache)
+    if existing is not None:
+        return existing
+    recorder = MetricsRecorder(buckets)
+    for method in ("get", "acquire"):
+        setattr(cache, method, _timed(getattr(cache, method), method, recorder))
+    setattr(cache, _RECORDER_ATTR, recorder)
+    return recorder
+
+
+def uninstrument(cache: FeatureCache) -> None:
+    """Remove what ``instrument`` installed (the histogram goes with it)."""
+    for name in ("get", "acquire", _RECORDER_ATTR):
+        vars(cache).pop(name, None)
+
+
+def recorder_of(cache: FeatureCache) -> MetricsRecorder | None:
+    """The recorder ``instrument`` installed on ``cache``, if any."""
+    recorder = vars(cache).get(_RECORDER_ATTR)
+    return recorder if isinstance(recorder, MetricsRecorder) else None
+
+
+def _timed(lookup: Callable[[bytes], Any], method: str, recorder: MetricsRecorder) -> Callable[[bytes], Any]:
+    @functools.wraps(lookup)
+    def timed(key: bytes) -> Any:
+        started = time.perf_counter()
+        found = lookup(key)
+        recorder.observe(method, "miss" if found is None else "hit", time.perf_counter() - started)
+        return found
+
+    return timed
+
+
+# -- families ------------------------------------------------------------------------------------
+def families(cache: FeatureCache) -> list[Family]:
+    """Every metric family of ``cache`` from one ``stats()`` call (and its recorder, if any)."""
+    stats = cache.stats()
+    out: dict[str, Family] = {}
+
+    def add(name: str, kind: Kind, help_text: str, value: float, labels: Labels = ()) -> None:
+        family = out.setdefault(name, Family(name, kind, help_text))
+        family.samples.append(Sample(labels, value))
+
+    for tier in TIERS:
+        tier_stats = stats.get(tier, {})
+        labels: Labels = (("tier", tier),)
+        for name in STAT_FIELDS:
+            if name in tier_stats:
+                add(f"featcache_tier_{name}_total", "counter",
+                    _TIER_COUNTERS.get(name, f"The tier's {name} count."), tier_stats[name], labels)
+        for name, help_text in _TIER_GAUGES.items():
+            if name in tier_stats:
+                add(f"featcache_tier_{name}", "gauge", help_text, tier_stats[name], labels)
+        for name, value in tier_stats.items():
+            if name not in STAT_FIELDS and name not in _TIER_GAUGES:
+                add(f"featcache_tier_{_sanitise(name)}", "untyped",
+                    f"stats()[tier][{name!r}] of the tier.", value, labels)
+
+    cache_stats = stats.get("cache", {})
+    for result, key in (("hit", "hits"), ("miss", "misses")):
+        add("featcache_lookups_total", "counter", "get()/acquire() calls, by result.",
+            cache_stats.get(key, 0), (("result", result),))
+    for name, value in cache_stats.items():
+        if name in _SKIPPED_CACHE:
+            continue
+        if name in _CACHE_COUNTERS:
+            add(f"featcache_{name}_total", "counter", _CACHE_COUNTERS[name], value)
+        elif name in _CACHE_GAUGES:
+            metric, help_text = _CACHE_GAUGES[name]
+            add(metric, "gauge", help_text, value)
+        else:
+            add(f"featcache_{_sanitise(name)}", "untyped", f"stats()['cache'][{name!r}].", value)
+
+    for section, events in stats.items():
+        if section in _CORE_SECTIONS:
+            continue
+        for event, value in events.items():
+            metric = f"featcache_{_sanitise(section)}_{_sanitise(event)}_total"
+            if metric not in out:  # an integration never overrides the cache's own families
+                add(metric, "counter", f"Events counted by the {section} integration: {event}.", value)
+
+    recorder = recorder_of(cache)
+    if recorder is not None:
+        out["featcache_lookup_seconds"] = Family(
+            "featcache_lookup_seconds", "histogram",
+            "Time get()/acquire() took in the caller's thread, by method and result.",
+            histograms=recorder.snapshot(),
+        )
+    return list(out.values())
+
+
+# -- text exposition format ----------------------------------------------------------------------
+def render(cache: FeatureCache) -> str:
+    """The cache's metrics in Prometheus' text exposition format (``CONTENT_TYPE``)."""
+    return render_families(families(cache))
+
+
+def render_families(fams: Iterable[Family]) -> str:
+    lines: list[str] = []
+    for family in fams:
+        lines.append(f"# HELP {family.name} {_escape_help(family.help)}")
+        lines.append(f"# TYPE {family.name} {family.kind}")
+        for sample in family.samples:
+            lines.append(f"{family.name}{_labels(sample.labels)} {_number(sample.value)}")
+        for h in family.histograms:
+            for bound, count in h.buckets:
+                le = (("le", _number(bound)),)
+                lines.append(f"{family.name}_bucket{_labels(h.labels + le)} {count}")
+            lines.append(f"{family.name}_sum{_labels(h.labels)} {_number(h.total)}")
+            lines.append(f"{family.name}_count{_labels(h.labels)} {h.count}")
+    return "\n".join(lines) + "\n"
+
+
+def _labels(labels: Labels) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{_escape_label(v)}"' for k, v in labels) + "}"
+
+
+def _number(value: float) -> str:
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, int):
+        return str(value)
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if math.isnan(value):
+        return "NaN"
+    return repr(float(value))
+
+
+def _escape_label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _sanitise(name: str) -> str:
+    """A metric-name fragment: [a-zA-Z0-9_] only, lower case."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", name).lower() or "_"
+
+
+# -- prometheus_client ---------------------------------------------------------------------------
+class FeatCacheCollector:
+    """A ``prometheus_client`` collector: each scrape reads ``families(cache)`` afresh."""
+
+    def __init__(self, cache: FeatureCache) -> None:
+        self.cache = cache
+
+    def collect(self) -> Iterable[Any]:
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+            UnknownMetricFamily,
+        )
+
+        classes = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily,
+                   "untyped": UnknownMetricFamily}
+        for family in families(self.cache):
+            if family.kind == "histogram":
+                names = [k for k, _ in family.histograms[0].labels] if family.histograms else []
+                metric = HistogramMetricFamily(family.name, family.help, labels=names)
+                for h in family.histograms:
+                    metric.add_metric(
+                        [v for _, v in h.labels],
+                        [(_number(bound), count) for bound, count in h.buckets],
+                        h.total,
+                    )
+            else:
+                names = [k for k, _ in family.samples[0].labels] if family.samples else []
+                metric = classes[family.kind](family.name, family.help, labels=names)
+                for sample in family.samples:
+                    metric.add_metric([v for _, v in sample.labels], sample.value)
+            yield metric
+
+
+def register(cache: FeatureCache, registry: Any = None) -> FeatCacheCollector:
+    """Register a collector of ``cache``'s metrics in ``registry`` (default: prometheus_client's
+    global ``REGISTRY``, what an app serves with prometheus_client's defaults). Needs
+    ``prometheus_client`` (raises ``ImportError`` without it; ``render`` needs nothing). Returns
+    the collector, for ``registry.unregister``."""
+    import prometheus_client
+
+    collector = FeatCacheCollector(cache)
+    (registry if registry is not None else prometheus_client.REGISTRY).register(collector)
+    return collector
