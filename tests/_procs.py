@@ -155,3 +155,182 @@ def reader_killed_mid_read(path: str, q) -> None:
     txn = env.begin()
     q.put(("reading", txn.id()))
     time.sleep(600)
+
+
+# -- load (tests/test_reliability_load.py) --------------------------------------------------------
+LOAD_KEYS = [b"load-%d" % i for i in range(48)]
+
+
+def load_writers(processes: int, threads: int) -> list[bytes]:
+    return [b"p%d-t%d" % (p, t) for p in range(processes) for t in range(threads)]
+
+
+def digest(t: torch.Tensor) -> tuple[object, ...]:
+    """Identity of a tensor's dtype, shape and bytes (cheap to compare, NaN-safe)."""
+    import xxhash
+
+    raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return (t.dtype, tuple(t.shape), xxhash.xxh3_128_digest(raw))
+
+
+def allowed_digests(writers: list[bytes]) -> dict[tuple[bytes, bytes], tuple[object, ...]]:
+    """(key, writer) -> digest of the value that writer puts under key."""
+    return {(k, w): digest(shared_value(k, w)) for k in LOAD_KEYS for w in writers}
+
+
+def load_budgets(cache) -> list[str]:
+    """Budget violations right now (device, host blocks and slabs, disk books)."""
+    bad = []
+    if cache._device.used_bytes > cache._device.capacity_bytes:
+        bad.append(f"device {cache._device.used_bytes} > {cache._device.capacity_bytes}")
+    host = cache._host
+    if host is not None and max(host.used_bytes, host.pool.allocated_bytes) > host.capacity_bytes:
+        bad.append(f"host {host.used_bytes}/{host.pool.allocated_bytes} > {host.capacity_bytes}")
+    disk = cache._disk
+    if disk is not None and disk.used_bytes > disk.capacity_bytes:
+        bad.append(f"disk {disk.used_bytes} > {disk.capacity_bytes}")
+    return bad
+
+
+def load_thread(cache, who: bytes, allowed, seconds: float, seed: int, stop) -> dict[str, int]:
+    """Mix put/get/acquire on shared keys for ``seconds``; count what was seen.
+
+    Every value served must be one some writer put under that key (its digest is in
+    ``allowed``), a lease's metadata must name the writer of its tensor, a leased tensor must
+    not change while leased, and a key leased by this thread alone (``own``) must stay in the
+    device tier until released whatever the other threads put meanwhile.
+    """
+    import random
+
+    rng = random.Random(seed)
+    per_key = {}
+    for (k, w), d in allowed.items():
+        per_key.setdefault(k, {})[d] = w
+    own = b"own-" + who
+    own_value = value_for(own)
+    counts = dict(ops=0, puts=0, gets=0, acquires=0, hits=0, leases=0, own_leases=0, wrong=0,
+                  raised=0,
+                  lease_evicted=0, lease_changed=0)
+
+    def check(key: bytes, t, meta: bytes | None = None) -> None:
+        writer = per_key[key].get(digest(t))
+        if writer is None or (meta is not None and meta != writer):
+            counts["wrong"] += 1
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not stop.is_set():
+        counts["ops"] += 1
+        key = rng.choice(LOAD_KEYS)
+        roll = rng.random()
+        try:
+            if roll < 0.35:
+                cache.put(key, shared_value(key, who), meta=who)
+                counts["puts"] += 1
+            elif roll < 0.75:
+                counts["gets"] += 1
+                got = cache.get(key)
+                if got is not None:
+                    counts["hits"] += 1
+                    check(key, got)
+            elif roll < 0.92:
+                counts["acquires"] += 1
+                lease = cache.acquire(key)
+                if lease is not None:
+                    counts["leases"] += 1
+                    check(key, lease.tensor, lease.meta)
+                    before = digest(lease.tensor)
+                    other = rng.choice(LOAD_KEYS)
+                    cache.put(other, shared_value(other, who), meta=who)
+                    counts["puts"] += 1
+                    if digest(lease.tensor) != before:
+                        counts["lease_changed"] += 1
+                    lease.release()
+            else:
+                cache.put(own, own_value.clone())
+                counts["puts"] += 1
+                counts["acquires"] += 1
+                lease = cache.acquire(own)
+                if lease is not None and cache._device.contains(own):
+                    counts["own_leases"] += 1
+                    for _ in range(6):  # pressure: other entries must go, not this one
+                        other = rng.choice(LOAD_KEYS)
+                        cache.put(other, shared_value(other, who), meta=who)
+                        counts["puts"] += 1
+                        if not cache._device.contains(own):
+                            counts["lease_evicted"] += 1
+                    if not same_bits(lease.tensor, own_value):
+                        counts["lease_changed"] += 1
+                if lease is not None:
+                    lease.release()
+        except Exception:
+            counts["raised"] += 1
+    return counts
+
+
+def run_load(cache, prefix: int, threads: int, writers, seconds: float) -> dict[str, int]:
+    """``threads`` load threads plus a budget sampler in this process; summed counts."""
+    import threading
+
+    allowed = allowed_digests(writers)
+    stop = threading.Event()
+    results: list[dict[str, int]] = []
+    lock = threading.Lock()
+    samples = {"samples": 0, "over_budget": 0}
+    violations: list[str] = []
+
+    def body(t: int) -> None:
+        out = load_thread(cache, b"p%d-t%d" % (prefix, t), allowed, seconds, 1000 * prefix + t,
+                          stop)
+        with lock:
+            results.append(out)
+
+    def sampler() -> None:
+        while not stop.is_set():
+            bad = load_budgets(cache)
+            samples["samples"] += 1
+            if bad:
+                samples["over_budget"] += 1
+                violations.extend(bad)
+            time.sleep(0.002)
+
+    workers = [threading.Thread(target=body, args=(t,)) for t in range(threads)]
+    watcher = threading.Thread(target=sampler)
+    watcher.start()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    stop.set()
+    watcher.join()
+    total: dict[str, int] = dict(samples)
+    for out in results:
+        for k, v in out.items():
+            total[k] = total.get(k, 0) + v
+    total["violations"] = violations[:5]  # type: ignore[assignment]
+    return total
+
+
+LOAD_BUDGETS = dict(device_bytes=512 << 10, host_bytes=1 << 20, disk_bytes=384 << 10,
+                    host_slab_bytes=1 << 20, disk_sync=False)
+
+
+def load_child(path: str, prefix: int, threads: int, processes: int, seconds: float, q, go) -> None:
+    """One more process of the load test: same workload, own writers, the same store."""
+    try:
+        from featcache import FeatureCache
+
+        torch.set_num_threads(1)
+        cache = FeatureCache(device="cpu", disk_path=path, **LOAD_BUDGETS)
+        writers = load_writers(processes, threads)
+        q.put(("ready", prefix))
+        if not go.wait(120):
+            q.put(("error", "parent never said go"))
+            return
+        out = run_load(cache, prefix, threads, writers, seconds)
+        cache.flush()
+        out["stats"] = cache.stats()  # type: ignore[assignment]
+        cache.close()
+        q.put(("done", out))
+    except BaseException as e:  # report instead of dying silently
+        q.put(("error", f"{type(e).__name__}: {e}"))
+        raise

@@ -1,0 +1,325 @@
+"""Hostile input: images given to ``image_key``, values planted in the store, and code paths
+that could run what a store holds.
+
+``image_key`` takes decoded images (PIL, uint8 arrays) or encoded bytes, which it hashes as
+given: decoding is the caller's. Here: every PIL mode keys or raises a clear error; damaged files
+opened lazily raise ValueError; encoded bytes are never decoded; a large image keys in bounded
+time. Stored values: headers fuzzed (hypothesis) never crash the disk reader nor make it
+allocate more than the value holds; no pickle, marshal, eval or torch.load anywhere in the
+package, and a pickle planted in the store is reported corrupt (or served as the raw bytes it
+is), never run.
+
+Already proven elsewhere: empty/float/4-D arrays, empty bytes and non-image types raise
+(tests/test_keys.py::test_bad_images_raise_clear_errors); random byte strings and headers with
+a valid magic never crash ``codec.verify`` (tests/test_codec.py::test_fuzzed_*); a header
+declaring more than the value holds is rejected before any allocation
+(tests/test_codec.py::test_header_declaring_more_than_the_value_holds_...); a feature tensor
+too large for every tier is not stored and reads miss
+(tests/test_cache.py::test_a_put_too_large_for_every_tier_removes_the_old_value).
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import math
+import os
+import pickle
+import random
+import struct
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from PIL import Image, ImageFile
+
+import featcache
+from featcache import codec, image_key
+from featcache.tiers.disk import DiskOp, DiskTier
+
+try:
+    import _reliability as rel
+except ImportError:  # tests/ became a package
+    from tests import _reliability as rel
+
+PIL_MODES = ["1", "L", "P", "RGB", "RGBA", "CMYK", "YCbCr", "LAB", "HSV", "I", "F", "LA", "PA",
+             "RGBX", "RGBa", "La", "I;16", "I;16L", "I;16B", "I;16N"]
+
+
+# -- images --------------------------------------------------------------------------------------
+def test_every_pil_mode_keys_or_raises_a_clear_error():
+    """Every mode this Pillow offers: a 16-byte key, distinct per mode even for the same bytes,
+    stable across calls; or TypeError/ValueError."""
+    rng = np.random.default_rng(0)
+    keys: dict[str, bytes] = {}
+    refused: dict[str, str] = {}
+    for mode in PIL_MODES:
+        probe = Image.new(mode, (7, 5))
+        raw = rng.integers(0, 256, len(probe.tobytes()), dtype=np.uint8).tobytes()
+        img = Image.frombytes(mode, (7, 5), raw)
+        if mode in ("P", "PA"):
+            img.putpalette(list(range(256)) * 3)
+        try:
+            k = image_key(img, namespace="modes")
+        except (TypeError, ValueError) as e:
+            refused[mode] = str(e)
+            continue
+        assert len(k) == 16 and k == image_key(img.copy(), namespace="modes")
+        keys[mode] = k
+    assert len(set(keys.values())) == len(keys), "two modes gave the same key"
+    # Same pixel bytes, another mode of the same size: another key.
+    a = Image.frombytes("I;16L", (4, 4), bytes(range(32)))
+    b = Image.frombytes("I;16B", (4, 4), bytes(range(32)))
+    assert image_key(a) != image_key(b)
+    for mode in ("BGR;15", "RGB;15", "no-such-mode"):  # modes Pillow itself refuses
+        with pytest.raises(ValueError):
+            Image.new(mode, (2, 2))
+    rel.report("input/pil-modes", runs=len(PIL_MODES), faults=0, wrong=0, failed=0,
+               keyed=len(keys), refused_clearly=len(refused))
+
+
+def _encoded() -> dict[str, bytes]:
+    rng = np.random.default_rng(1)
+    img = Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8))
+    out = {}
+    for fmt in ("PNG", "JPEG", "GIF", "BMP", "TIFF", "WEBP", "PPM", "TGA"):
+        buf = io.BytesIO()
+        img.save(buf, format=fmt)
+        out[fmt] = buf.getvalue()
+    return out
+
+
+@pytest.mark.parametrize("load_truncated", [False, True])
+def test_damaged_files_opened_lazily_raise_value_error_never_anything_else(
+    monkeypatch, load_truncated
+):
+    """Truncated and garbage-tailed files of 8 formats: what PIL's lazy Image.open accepts,
+    image_key either keys (the part PIL decoded) or refuses with ValueError. With PIL's
+    ``LOAD_TRUNCATED_IMAGES`` (which lmdeploy turns on when imported) PIL pads truncated data
+    instead of failing, and the padded image is keyed."""
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", load_truncated)
+    rng = random.Random(3)
+    outcomes = {"keyed": 0, "value_error": 0, "open_refused": 0, "other": 0}
+    for data in _encoded().values():
+        for frac in (0.1, 0.25, 0.5, 0.9, 0.99):
+            cut = max(1, int(len(data) * frac))
+            for blob in (data[:cut], data[:cut] + rng.randbytes(len(data) - cut)):
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        img = Image.open(io.BytesIO(blob))
+                except Exception:  # the caller's decoder refused it: not image_key's business
+                    outcomes["open_refused"] += 1
+                    continue
+                try:
+                    image_key(img)
+                    outcomes["keyed"] += 1
+                except ValueError:
+                    outcomes["value_error"] += 1
+                except Exception:
+                    outcomes["other"] += 1
+    assert outcomes["other"] == 0, outcomes
+    assert outcomes["value_error"] > 0 or load_truncated
+    rel.report(f"input/damaged-files (LOAD_TRUNCATED_IMAGES={load_truncated})",
+               runs=sum(outcomes.values()), faults=sum(outcomes.values()), wrong=0,
+               failed=outcomes["other"], **outcomes)
+
+
+def test_encoded_bytes_are_hashed_never_decoded(monkeypatch):
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("image_key decoded encoded bytes")
+
+    monkeypatch.setattr(Image, "open", no_decoding)
+    rng = random.Random(5)
+    samples = [
+        *(d[: len(d) // 2] for d in _encoded().values()),  # truncated files
+        rng.randbytes(1), rng.randbytes(4096),  # garbage
+        b"\x89PNG\r\n\x1a\n" + b"\xff" * 100,  # a PNG signature and nothing valid
+        pickle.dumps({"evil": True}),
+    ]
+    keys = {image_key(s, namespace="raw") for s in samples}
+    keys |= {image_key(bytearray(samples[0]), namespace="raw"),
+             image_key(memoryview(samples[1]), namespace="raw")}
+    assert len(keys) == len(samples)  # bytes, bytearray and memoryview of the same bytes agree
+    with pytest.raises(TypeError):
+        image_key(memoryview(np.arange(10, dtype=np.uint8))[::2])  # not contiguous: refused
+
+
+def test_a_large_image_keys_in_bounded_time_and_zero_sizes_are_refused():
+    big = np.zeros((4096, 4096, 3), dtype=np.uint8)  # 48 MiB of pixels
+    big[::7, ::11] = 255
+    started = time.perf_counter()
+    k = image_key(big)
+    array_s = time.perf_counter() - started
+    started = time.perf_counter()
+    assert image_key(Image.fromarray(big)) != k  # a PIL image and an array are other kinds
+    pil_s = time.perf_counter() - started
+    assert array_s < 2.0 and pil_s < 5.0, (array_s, pil_s)
+    for bad in (np.zeros((0, 5, 3), np.uint8), np.zeros((5, 0), np.uint8), b"", bytearray()):
+        with pytest.raises(ValueError):
+            image_key(bad)
+    for size in ((0, 5), (5, 0), (0, 0)):
+        with pytest.raises(ValueError):
+            image_key(Image.new("RGB", size))
+    print(f"\nkeying a 4096x4096 RGB image: {array_s * 1000:.0f} ms as an array, "
+          f"{pil_s * 1000:.0f} ms as a PIL image")
+
+
+# -- values in the store -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tier(tmp_path_factory):
+    t = DiskTier(tmp_path_factory.mktemp("fuzz") / "store", 1 << 30, sync=False)
+    yield t
+    t.close()
+
+
+@st.composite
+def hostile_values(draw) -> bytes:
+    """Values whose checksum is right (so the reader gets past it) but whose header fields are
+    anything: consistent with the payload, or not."""
+    consistent = draw(st.booleans())
+    code = draw(st.sampled_from(sorted(codec.CODE_DTYPES)) if consistent else st.integers(0, 255))
+    meta = draw(st.binary(max_size=64))
+    payload = draw(st.binary(max_size=512))
+    if consistent and code in codec.CODE_DTYPES:
+        item = torch.empty((), dtype=codec.CODE_DTYPES[code]).element_size()
+        payload = payload[: len(payload) // item * item]
+        shape = [len(payload) // item]
+        ndim, nbytes, meta_len = 1, len(payload), len(meta)
+        version = codec.FORMAT_VERSION
+    else:
+        ndim = draw(st.integers(0, 255))
+        shape = draw(st.lists(st.integers(0, 2**64 - 1), min_size=0, max_size=8))
+        nbytes = draw(st.integers(0, 2**64 - 1))
+        meta_len = draw(st.integers(0, 2**32 - 1))
+        version = draw(st.sampled_from([codec.FORMAT_VERSION, 1, 3, 0xFFFF]))
+    dims = (shape + [0] * 8)[:8]
+    prefix = codec._PREFIX.pack(codec.MAGIC, version, code, ndim, meta_len, 0, nbytes, *dims)
+    value = prefix + codec.checksum(prefix, meta, payload) + meta + payload
+    cut = draw(st.one_of(st.none(), st.integers(0, len(value))))
+    return value if cut is None else value[:cut]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(value=hostile_values())
+def test_fuzzed_stored_values_never_crash_the_reader_nor_over_allocate(tier, value):
+    key = b"fuzz"
+    assert tier.write_batch([DiskOp("put", key, value)]) == 1
+    asked: list[int] = []
+
+    def alloc(nbytes: int) -> torch.Tensor:
+        asked.append(nbytes)
+        assert nbytes <= len(value), f"asked for {nbytes} bytes, the value holds {len(value)}"
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    corrupt = tier.stats()["corrupt"]
+    entry = tier.get(key, alloc)  # never raises
+    if entry is None:
+        assert tier.stats()["corrupt"] == corrupt + 1 and asked == []
+        return
+    header = codec.decode_header(value)
+    assert asked == [header.nbytes] and header.nbytes <= len(value) - codec.HEADER.size
+    assert entry.tensor.dtype == header.dtype and tuple(entry.tensor.shape) == header.shape
+    raw = entry.tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if header.nbytes else b""
+    assert raw == value[header.payload_offset :]
+    assert math.prod(header.shape) * entry.tensor.element_size() == header.nbytes
+
+
+# -- no code from the store ----------------------------------------------------------------------
+_FORBIDDEN_MODULES = {"pickle", "cPickle", "_pickle", "marshal", "shelve", "dill", "cloudpickle",
+                      "joblib", "copyreg"}
+_FORBIDDEN_CALLS = {"eval", "exec", "compile", "__import__"}
+_FORBIDDEN_ATTRS = {("torch", "load"), ("np", "load"), ("numpy", "load"), ("pickle", "loads"),
+                    ("pickle", "load"), ("marshal", "loads"), ("torch", "frombuffer_pickle")}
+
+
+def test_the_package_has_no_pickle_marshal_eval_or_torch_load():
+    root = Path(featcache.__file__).parent
+    findings = []
+    files = sorted(root.rglob("*.py"))
+    for path in files:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            where = f"{path.relative_to(root.parent)}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Import):
+                findings += [f"{where} import {a.name}" for a in node.names
+                             if a.name.split(".")[0] in _FORBIDDEN_MODULES]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                if node.module.split(".")[0] in _FORBIDDEN_MODULES:
+                    findings.append(f"{where} from {node.module} import ...")
+            elif isinstance(node, ast.Call):
+                f = node.func
+                if isinstance(f, ast.Name) and f.id in _FORBIDDEN_CALLS:
+                    findings.append(f"{where} {f.id}()")
+                elif (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
+                      and (f.value.id, f.attr) in _FORBIDDEN_ATTRS):
+                    findings.append(f"{where} {f.value.id}.{f.attr}()")
+                for kw in node.keywords:
+                    if kw.arg == "allow_pickle":
+                        findings.append(f"{where} allow_pickle=")
+    assert len(files) > 10
+    assert findings == [], findings
+    rel.report("input/no-pickle-in-the-package", runs=len(files), faults=0, wrong=0, failed=0,
+               findings=len(findings))
+
+
+class _Payload:
+    """Unpickling this runs code: it creates the marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_a_pickle_planted_in_the_store_is_never_run(tmp_path):
+    marker = tmp_path / "pwned"
+    evil = pickle.dumps(_Payload(marker))
+    with pytest.raises(FileNotFoundError):
+        marker.stat()
+    store = tmp_path / "store"
+    with rel.disk_cache(store) as cache:
+        cache.put(b"honest", torch.ones(4))
+        cache.flush()
+    tier = DiskTier(store, 64 << 20)
+    try:
+        # 1. the whole value is a pickle; 2. a valid header, a pickle for metadata and payload
+        #    (a forger who can write the store can also compute the checksum: not a MAC).
+        prefix = codec._PREFIX.pack(codec.MAGIC, codec.FORMAT_VERSION,
+                                    codec.DTYPE_CODES[torch.uint8], 1, len(evil), 0, len(evil),
+                                    len(evil), *[0] * 7)
+        forged = prefix + codec.checksum(prefix, evil, evil) + evil + evil
+        tier.write_batch([DiskOp("put", b"pickle", evil), DiskOp("put", b"forged", forged)])
+    finally:
+        tier.close()
+    with rel.disk_cache(store) as cache:
+        assert cache.get(b"pickle") is None  # not a featcache value: a miss
+        assert cache.stats()["disk"]["corrupt"] == 1
+        lease = cache.acquire(b"forged")  # a well-formed value: served as the bytes it holds
+        assert lease is not None and lease.meta == evil
+        assert lease.tensor.dtype == torch.uint8 and lease.tensor.numpy().tobytes() == evil
+        lease.release()
+        assert rel.same_bits(cache.get(b"honest"), torch.ones(4))
+    assert not marker.exists(), "a value from the store was unpickled"
+    # And the operator's marker check works: unpickling it does create the file.
+    pickle.loads(evil)
+    assert marker.exists()
+    os.unlink(marker)
+    rel.report("input/planted-pickle", runs=1, faults=2, wrong=0, failed=0, executed=0,
+               reported_corrupt=1)
+
+
+def test_hostile_header_lengths_are_checked_against_the_value_not_trusted():
+    """The two length fields a reader could be tricked with, at their largest: rejected by
+    arithmetic on the real length before anything is allocated."""
+    for meta_len, nbytes in ((2**32 - 1, 0), (0, 2**64 - 1), (2**32 - 1, 2**64 - 1)):
+        head = struct.pack("<4sHBBIIQ8Q16s", codec.MAGIC, codec.FORMAT_VERSION, 5, 1, meta_len, 0,
+                           nbytes, nbytes, *[0] * 7, b"\0" * 16)
+        with pytest.raises(featcache.CorruptEntryError):
+            codec.decode_header(head + b"\0" * 32)
