@@ -4,8 +4,9 @@ What tests/test_disk_durability.py already proves is not repeated here: a flippe
 header offset and 17 kinds of corrupted values (``test_corrupt_value_is_a_miss_then_dropped_...``,
 ``test_every_single_bit_flip_in_a_header_is_caught``), a foreign store format and the previous
 value layout (``test_foreign_format_tag_...``, ``test_store_of_the_previous_value_layout_...``,
-``test_values_of_format_version_1_are_rejected``). featcache has no ``verify`` command yet: its
-stand-in is what a read of every key reports (``stats()["disk"]["corrupt"]``).
+``test_values_of_format_version_1_are_rejected``). Bad values are found two ways here: by
+``StoreView.verify`` (what ``featcache verify`` runs) and by a read of every key (each one is
+counted in ``stats()["disk"]["corrupt"]``).
 
 Every scenario counts what a user sees: entries served bit-exact, entries served wrong (must be
 0), requests that raised (must be 0), and whether a process crashed (must never happen).
@@ -23,6 +24,7 @@ import lmdb
 
 import featcache.codec
 from featcache import StoreOpenError
+from featcache.storeview import StoreView
 
 try:
     import _reliability as rel
@@ -93,6 +95,9 @@ def test_bit_rot_in_the_data_file_is_found_by_reading_every_key(tmp_path):
             at = blob.find(value, at + 1)
     (store / "data.mdb").write_bytes(bytes(blob))
 
+    with StoreView(store) as view:  # what `featcache verify` runs
+        report = view.verify()
+    assert report.checked == 256 and {e.key for e in report.bad} == set(rotten)
     with rel.disk_cache(store) as cache:
         seen = read_all(cache, ks)
         stats = cache.stats()["disk"]
@@ -105,9 +110,11 @@ def test_bit_rot_in_the_data_file_is_found_by_reading_every_key(tmp_path):
             cache.put(key, rel.value_for(key))
         cache.flush()
         assert read_all(cache, ks) == {"served": 256, "missed": 0, "wrong": 0, "raised": 0}
+    with StoreView(store) as view:
+        assert view.verify().bad == []
     rel.report("corruption/bit-rot-in-data.mdb", runs=1, faults=64, wrong=seen["wrong"],
-               failed=seen["raised"], entries=256, reported_corrupt=stats["corrupt"],
-               served_intact=seen["served"])
+               failed=seen["raised"], entries=256, found_by_verify=len(report.bad),
+               reported_corrupt_by_reads=stats["corrupt"], served_intact=seen["served"])
 
 
 # -- truncated or garbage store files ------------------------------------------------------------
