@@ -222,6 +222,31 @@ def timed(prompts: list[Any], pipe: Any, gen: Any) -> list[float]:
     return walls
 
 
+def chats(pipe: Any, gen: Any, size: tuple[int, int],
+          count: int) -> tuple[list[list[float]], list[list[int]], Any]:
+    """``count`` 4-turn chats, each resending its image (in its first user message) every turn:
+    wall ms and cached prompt tokens per turn, and the last response."""
+    walls: list[list[float]] = [[] for _ in range(4)]
+    cached: list[list[int]] = [[] for _ in range(4)]
+    out = None
+    for c in range(count):
+        im = image(100 + c, size)
+        hist: list[dict[str, Any]] = []
+        for turn in range(4):
+            if turn == 0:
+                hist.append(dict(role="user", content=[
+                    dict(type="text", text=f"chat {c}: describe this"),
+                    dict(type="image_data", image_data=dict(data=im))]))
+            else:
+                hist.append(dict(role="user", content=f"and what about detail {turn}?"))
+            t = time.perf_counter()
+            out = pipe([hist], gen_config=gen)[0]
+            walls[turn].append((time.perf_counter() - t) * 1e3)
+            cached[turn].append(out.cached_tokens)
+            hist.append(dict(role="assistant", content=out.text or "x"))
+    return walls, cached, out
+
+
 def bench(model: str, size: tuple[int, int], n: int) -> dict[str, Any]:
     from lmdeploy import GenerationConfig
 
@@ -239,23 +264,7 @@ def bench(model: str, size: tuple[int, int], n: int) -> dict[str, Any]:
             same = image(1, size)
             res["a_same_image_fresh_context"] = summary(
                 timed([(f"question {i}: what is in the picture?", same) for i in range(n)], pipe, gen))
-            chat_walls: list[list[float]] = [[] for _ in range(4)]
-            chat_cached: list[list[int]] = [[] for _ in range(4)]
-            for c in range(max(3, n // 3)):
-                im = image(100 + c, size)
-                hist: list[dict[str, Any]] = []
-                for turn in range(4):
-                    if turn == 0:
-                        hist.append(dict(role="user", content=[
-                            dict(type="text", text=f"chat {c}: describe this"),
-                            dict(type="image_data", image_data=dict(data=im))]))
-                    else:
-                        hist.append(dict(role="user", content=f"and what about detail {turn}?"))
-                    t = time.perf_counter()
-                    out = pipe([hist], gen_config=gen)[0]
-                    chat_walls[turn].append((time.perf_counter() - t) * 1e3)
-                    chat_cached[turn].append(out.cached_tokens)
-                    hist.append(dict(role="assistant", content=out.text or "x"))
+            chat_walls, chat_cached, out = chats(pipe, gen, size, max(3, n // 3))
             res["b_multi_turn"] = {f"turn_{i + 1}": summary(w) for i, w in enumerate(chat_walls)}
             res["b_cached_tokens_by_turn"] = chat_cached
             res["b_input_tokens_turn_4"] = out.input_token_len
@@ -395,23 +404,7 @@ def profile(model: str, size: tuple[int, int], n: int) -> dict[str, Any]:
                                **{f"a_{k}": round(statistics.median(v), 2) for k, v in spent.items()}}
         for v in spent.values():
             v.clear()
-        turns: list[list[float]] = [[] for _ in range(4)]
-        turn_cached: list[list[int]] = [[] for _ in range(4)]
-        for c in range(3):
-            im = image(100 + c, size)
-            hist: list[dict[str, Any]] = []
-            for turn in range(4):
-                if turn == 0:
-                    hist.append(dict(role="user", content=[
-                        dict(type="text", text=f"chat {c}: describe this"),
-                        dict(type="image_data", image_data=dict(data=im))]))
-                else:
-                    hist.append(dict(role="user", content=f"and what about detail {turn}?"))
-                t = time.perf_counter()
-                o = pipe([hist], gen_config=gen)[0]
-                turns[turn].append((time.perf_counter() - t) * 1e3)
-                turn_cached[turn].append(o.cached_tokens)
-                hist.append(dict(role="assistant", content=o.text or "x"))
+        turns, turn_cached, o = chats(pipe, gen, size, 3)
         res["b_wall_median_by_turn"] = [round(statistics.median(w), 2) for w in turns]
         res["b_cached_tokens_by_turn"] = turn_cached
         res["b_input_tokens_last"] = o.input_token_len
