@@ -22,6 +22,16 @@ DEFAULTS: dict[str, int | str | bool | None] = {
 }
 
 
+ENV_DIR = "FEATCACHE_DIR"
+DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "featcache")
+
+
+def default_store_dir() -> str:
+    """Where a store lives when none is named: ``$FEATCACHE_DIR``, else ``~/.cache/featcache``
+    (the CLI's default and ``featcache.lmdeploy.default_cache()``'s)."""
+    return os.environ.get(ENV_DIR) or DEFAULT_DIR
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 

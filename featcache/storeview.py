@@ -45,11 +45,10 @@ from dataclasses import dataclass, field
 import lmdb
 
 from . import codec
+from .config import DEFAULT_DIR, ENV_DIR, default_store_dir  # noqa: F401  (re-exported)
 from .errors import CorruptEntryError, FeatCacheError, StoreFormatError, StoreOpenError
 from .tiers.disk import _META, _STAMP, _U64, FORMAT_TAG, DiskOp, DiskTier
 
-ENV_DIR = "FEATCACHE_DIR"
-DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "featcache")
 # The named databases the disk tier opens, in its order (tests/test_cli_store.py checks a store
 # written by DiskTier has exactly these).
 DB_NAMES = (b"data", b"meta", b"lru", b"info")
@@ -74,11 +73,6 @@ class OtherFormatError(StoreFormatError):
 
 class KeyNotFoundError(FeatCacheError, LookupError):
     """No entry has the key (or key prefix) asked for, or a prefix matches several."""
-
-
-def default_store_dir() -> str:
-    """``$FEATCACHE_DIR``, else ``~/.cache/featcache``: where ``featcache.lmdeploy`` keeps its store."""
-    return os.environ.get(ENV_DIR) or DEFAULT_DIR
 
 
 @dataclass(frozen=True)

@@ -20,17 +20,17 @@ from typing import Any
 import torch
 
 from ..cache import FeatureCache
+from ..config import DEFAULT_DIR, default_store_dir
 from .engine import KeyedInputProcessor, keep_prefix_caching
 from .frontend import SECTION, install_frontend
 from .identity import model_identity
 from .models import SPECS, patch_model_class
 from .refs import FeatRef
 
-__all__ = ["SECTION", "SPECS", "FeatRef", "default_cache", "pipeline", "wrap"]
+__all__ = ["DEFAULT_DIR", "SECTION", "SPECS", "FeatRef", "default_cache", "pipeline", "wrap"]
 
 log = logging.getLogger("featcache")
 
-DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "featcache")
 
 
 def default_cache() -> FeatureCache:
@@ -44,7 +44,7 @@ def default_cache() -> FeatureCache:
     if torch.cuda.is_available():
         device_bytes = min(2 << 30, int(torch.cuda.mem_get_info()[0] * 0.04))
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    path = os.environ.get("FEATCACHE_DIR", DEFAULT_DIR)
+    path = default_store_dir()
     os.makedirs(path, mode=0o700, exist_ok=True)
     st = os.statvfs(path)
     disk_bytes = min(32 << 30, st.f_bavail * st.f_frsize // 2)
