@@ -222,10 +222,23 @@ def timed(prompts: list[Any], pipe: Any, gen: Any) -> list[float]:
     return walls
 
 
+def first_token(pipe: Any, prompt: Any, gen: Any) -> tuple[float, Any]:
+    """Time to the first streamed output (ms), and the whole response (the stream is drained)."""
+    t = time.perf_counter()
+    ttft, out = None, None
+    for chunk in pipe.stream_infer([prompt], gen_config=gen):
+        if ttft is None:
+            ttft = (time.perf_counter() - t) * 1e3
+        out = chunk if out is None else out.extend(chunk)
+    assert ttft is not None and out is not None
+    return ttft, out
+
+
 def chats(pipe: Any, gen: Any, size: tuple[int, int],
           count: int) -> tuple[list[list[float]], list[list[int]], Any]:
     """``count`` 4-turn chats, each resending its image (in its first user message) every turn:
-    wall ms and cached prompt tokens per turn, and the last response."""
+    time to first token (ms) and cached prompt tokens per turn, and the last response. With one
+    new token the time is the request's wall time; with more, the first token's, by streaming."""
     walls: list[list[float]] = [[] for _ in range(4)]
     cached: list[list[int]] = [[] for _ in range(4)]
     out = None
@@ -239,15 +252,20 @@ def chats(pipe: Any, gen: Any, size: tuple[int, int],
                     dict(type="image_data", image_data=dict(data=im))]))
             else:
                 hist.append(dict(role="user", content=f"and what about detail {turn}?"))
-            t = time.perf_counter()
-            out = pipe([hist], gen_config=gen)[0]
-            walls[turn].append((time.perf_counter() - t) * 1e3)
+            if gen.max_new_tokens == 1:
+                t = time.perf_counter()
+                out = pipe([hist], gen_config=gen)[0]
+                walls[turn].append((time.perf_counter() - t) * 1e3)
+            else:
+                ttft, out = first_token(pipe, hist, gen)
+                walls[turn].append(ttft)
             cached[turn].append(out.cached_tokens)
             hist.append(dict(role="assistant", content=out.text or "x"))
     return walls, cached, out
 
 
-def bench(model: str, size: tuple[int, int], n: int) -> dict[str, Any]:
+def bench(model: str, size: tuple[int, int], n: int, answer_tokens: int = 1) -> dict[str, Any]:
+    """``answer_tokens``: tokens each chat turn of (b) generates (its TTFT is then streamed)."""
     from lmdeploy import GenerationConfig
 
     gen = GenerationConfig(max_new_tokens=1, do_sample=False)
@@ -264,7 +282,9 @@ def bench(model: str, size: tuple[int, int], n: int) -> dict[str, Any]:
             same = image(1, size)
             res["a_same_image_fresh_context"] = summary(
                 timed([(f"question {i}: what is in the picture?", same) for i in range(n)], pipe, gen))
-            chat_walls, chat_cached, out = chats(pipe, gen, size, max(3, n // 3))
+            chat_gen = gen if answer_tokens == 1 else GenerationConfig(
+                max_new_tokens=answer_tokens, do_sample=False, ignore_eos=True)
+            chat_walls, chat_cached, out = chats(pipe, chat_gen, size, max(3, n // 3))
             res["b_multi_turn"] = {f"turn_{i + 1}": summary(w) for i, w in enumerate(chat_walls)}
             res["b_cached_tokens_by_turn"] = chat_cached
             res["b_input_tokens_turn_4"] = out.input_token_len
@@ -430,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json")
     parser.add_argument("--n", type=int, default=10, help="requests per series (bench)")
     parser.add_argument("--size", default="1344x1008", help="image size for bench, WxH")
+    parser.add_argument("--answer-tokens", type=int, default=1,
+                        help="tokens per chat answer in (b) (bench; >1: first token streamed)")
     args = parser.parse_args(argv)
     if args.mode == "check":
         results = check(args.model)
@@ -439,7 +461,10 @@ def main(argv: list[str] | None = None) -> int:
               and v["prefix"]["safe"] and v["prefix"]["reused"])
     else:
         w, h = (int(x) for x in args.size.split("x"))
-        results = (bench if args.mode == "bench" else profile)(args.model, (w, h), args.n)
+        if args.mode == "bench":
+            results = bench(args.model, (w, h), args.n, args.answer_tokens)
+        else:
+            results = profile(args.model, (w, h), args.n)
         ok = True
     if args.json:
         with open(args.json, "w") as f:
