@@ -42,6 +42,7 @@ class VisionCounter:
 
     def __init__(self) -> None:
         import lmdeploy.pytorch.models.internvl3_hf as ivl
+        import lmdeploy.pytorch.models.qwen2_5_vl as q25
         import lmdeploy.pytorch.models.qwen2_vl as q2
 
         self.calls = 0
@@ -59,8 +60,9 @@ class VisionCounter:
             setattr(cls, name, counted)
 
         wrap(ivl.InternVLForConditionalGeneration, "get_image_features")
-        vt = q2.Qwen2VisionTransformerPretrainedModel
-        wrap(getattr(vt, "__wrapped__", vt), "forward")
+        for vt in (q2.Qwen2VisionTransformerPretrainedModel,
+                   q25.Qwen2_5_VisionTransformerPretrainedModel):
+            wrap(getattr(vt, "__wrapped__", vt), "forward")
 
     def take(self) -> tuple[int, int]:
         out = (self.calls, self.rows)
