@@ -140,9 +140,7 @@ class FeatureCache:
         meta_bytes = check_meta(meta)
         tensor = self._owned(features)
         nbytes = tensor.nbytes
-        to_device = 0 < nbytes <= self._device.capacity_bytes or (
-            nbytes == 0 and self._device.capacity_bytes > 0
-        )
+        to_device = 0 < self._device.capacity_bytes and nbytes <= self._device.capacity_bytes
         to_host = self._host is not None and self._host.fits(nbytes)
         to_disk = (
             self._disk is not None
