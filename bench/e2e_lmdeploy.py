@@ -444,10 +444,120 @@ def profile(model: str, size: tuple[int, int], n: int) -> dict[str, Any]:
     return out
 
 
+def floor(model: str, size: tuple[int, int], n: int) -> dict[str, Any]:
+    """lmdeploy's own per-request floor, and why a chat's turn 2 misses the prefix cache.
+
+    One featcache pipeline (prefix caching on, CUDA graphs), one new token per request. Text-only
+    series: a fresh ~3.4k-token prompt, the same long prompt with a new last line (a prefix-cache
+    hit), a short prompt. Image series: 4-turn chats resending their image, with the token ids of
+    each turn compared with the previous turn's, and turn 1 asked twice. For each request: wall
+    time, lmdeploy's request preprocessing and cached prompt tokens."""
+    from lmdeploy import GenerationConfig
+
+    from featcache import FeatureCache
+
+    gen = GenerationConfig(max_new_tokens=1, do_sample=False)
+    tmp = tempfile.mkdtemp()
+    cache = FeatureCache(device="cuda", device_bytes="2GiB", host_bytes="4GiB",
+                         disk_path=tmp, disk_bytes="8GiB")
+    pipe = build("fc", model, True, cache, eager=False)
+    engine = pipe.async_engine
+    seen: list[Any] = []
+    original_pre = engine.preprocess
+
+    async def recorded(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        r = await original_pre(*a, **k)
+        seen.append(((time.perf_counter() - t) * 1e3, list(r.inputs.get("input_ids") or [])))
+        return r
+
+    engine.preprocess = recorded
+
+    def run(prompt: Any) -> dict[str, Any]:
+        seen.clear()
+        t = time.perf_counter()
+        o = pipe(prompt, gen_config=gen)
+        wall = (time.perf_counter() - t) * 1e3
+        o = o[0] if isinstance(o, list) else o
+        pre, ids = seen[-1]
+        return dict(wall_ms=wall, preprocess_ms=pre, cached=o.cached_tokens, ids=ids, out=o)
+
+    def series(prompts: list[Any]) -> dict[str, Any]:
+        rows = [run(p) for p in prompts]
+        return dict(wall=summary([r["wall_ms"] for r in rows]),
+                    preprocess_ms=round(statistics.median(r["preprocess_ms"] for r in rows), 2),
+                    input_tokens=[len(r["ids"]) for r in rows], cached=[r["cached"] for r in rows])
+
+    body = " ".join(f"fact {j}: the value is {j * 7 % 101}." for j in range(340))
+    run(f"warm: {body}")
+    timed([(f"warm {i}", image(900 + i, size)) for i in range(3)], pipe, gen)
+    out: dict[str, Any] = {"model": model}
+    out["text_long_fresh"] = series([f"document {i}. {body}" for i in range(n)])
+    out["text_long_cached"] = series([f"document 0. {body}\nquestion {i}: which fact is last?"
+                                      for i in range(n)])
+    out["text_short"] = series([f"question {i}: name a colour." for i in range(n)])
+    out["image_short_text_hit"] = series([(f"question {i}: what is in the picture?", image(1, size))
+                                          for i in range(n)])
+
+    def common(a: list[int], b: list[int]) -> int:
+        k = 0
+        while k < min(len(a), len(b)) and a[k] == b[k]:
+            k += 1
+        return k
+
+    chats_out = []
+    for c in range(3):
+        im = image(100 + c, size)
+        hist: list[dict[str, Any]] = []
+        turns, prev = [], None
+        for turn in range(4):
+            if turn == 0:
+                hist.append(dict(role="user", content=[
+                    dict(type="text", text=f"chat {c}: describe this"),
+                    dict(type="image_data", image_data=dict(data=im))]))
+            else:
+                hist.append(dict(role="user", content=f"and what about detail {turn}?"))
+            r = run([hist])
+            row = dict(wall_ms=round(r["wall_ms"], 2), preprocess_ms=round(r["preprocess_ms"], 2),
+                       input_tokens=len(r["ids"]), cached=r["cached"],
+                       common_prefix_with_previous=None if prev is None else common(prev, r["ids"]))
+            if turn == 0:
+                again = run([hist])
+                row["turn1_again"] = dict(wall_ms=round(again["wall_ms"], 2), cached=again["cached"],
+                                          same_ids=again["ids"] == r["ids"])
+                row["generated"] = list(r["out"].token_ids)
+            if prev is not None:  # where the previous turn's prompt ended, to see what differs
+                row["ids_near_previous_end"] = r["ids"][len(prev) - 6:len(prev) + 6]
+                row["previous_ids_end"] = prev[-6:]
+            prev = r["ids"]
+            turns.append(row)
+            hist.append(dict(role="assistant", content=r["out"].text or "x"))
+        chats_out.append(turns)
+        print(f"[e2e] FLOOR chat {c}: {json.dumps(turns)}", flush=True)
+    out["chats"] = chats_out
+    out["lmdeploy_stats"] = cache.stats().get("lmdeploy")
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for name, prompts in [("text_short", [f"q {i}: name a colour." for i in range(3)]),
+                          ("image_hit", [(f"q {i}: what is it?", image(1, size)) for i in range(3)])]:
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for p in prompts:
+                run(p)
+        out[f"profile_{name}"] = prof.key_averages().table(sort_by="cpu_time_total", row_limit=30)
+        print(f"[e2e] FLOOR profile {name}:\n" + out[f"profile_{name}"], flush=True)
+    for k, v in out.items():
+        if k.startswith(("text", "image")):
+            print(f"[e2e] FLOOR {k}: {json.dumps(v)}", flush=True)
+    pipe.close()
+    cache.close()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["check", "bench", "profile"])
+    parser.add_argument("mode", choices=["check", "bench", "profile", "floor"])
     parser.add_argument("--model", required=True)
     parser.add_argument("--json")
     parser.add_argument("--n", type=int, default=10, help="requests per series (bench)")
@@ -465,6 +575,8 @@ def main(argv: list[str] | None = None) -> int:
         w, h = (int(x) for x in args.size.split("x"))
         if args.mode == "bench":
             results = bench(args.model, (w, h), args.n, args.answer_tokens)
+        elif args.mode == "floor":
+            results = floor(args.model, (w, h), args.n)
         else:
             results = profile(args.model, (w, h), args.n)
         ok = True
