@@ -479,6 +479,8 @@ def floor(model: str, size: tuple[int, int], n: int) -> dict[str, Any]:
         o = pipe(prompt, gen_config=gen)
         wall = (time.perf_counter() - t) * 1e3
         o = o[0] if isinstance(o, list) else o
+        if not seen:
+            raise RuntimeError(f"request was not preprocessed: {o!r}"[:2000])
         pre, ids = seen[-1]
         return dict(wall_ms=wall, preprocess_ms=pre, cached=o.cached_tokens, ids=ids, out=o)
 
@@ -488,7 +490,7 @@ def floor(model: str, size: tuple[int, int], n: int) -> dict[str, Any]:
                     preprocess_ms=round(statistics.median(r["preprocess_ms"] for r in rows), 2),
                     input_tokens=[len(r["ids"]) for r in rows], cached=[r["cached"] for r in rows])
 
-    body = " ".join(f"fact {j}: the value is {j * 7 % 101}." for j in range(340))
+    body = " ".join(f"fact {j}: the value is {j * 7 % 101}." for j in range(280))
     run(f"warm: {body}")
     timed([(f"warm {i}", image(900 + i, size)) for i in range(3)], pipe, gen)
     out: dict[str, Any] = {"model": model}
