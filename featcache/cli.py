@@ -157,6 +157,23 @@ def build_parser() -> argparse.ArgumentParser:
     compact.add_argument("dir", metavar="DIR")
     compact.add_argument("dest", metavar="DEST")
 
+    serve = commands.add_parser(
+        "serve", add_help=False, help="lmdeploy's OpenAI-compatible server with featcache wrapped in",
+        description="lmdeploy's api_server (its flags, endpoints and behaviour) with featcache; "
+        "`featcache serve --help` lists both sets of options. See docs/cli.md.",
+    )
+    serve.add_argument("args", nargs=argparse.REMAINDER)
+
+    warm = commands.add_parser(
+        "warm", help="compute features of image files into the disk tier (needs a GPU)",
+        description="Run MODEL's vision model (a featcache pipeline, lmdeploy's PyTorch engine) "
+        "over image files so a server over the same store starts hot. Exit code 1 if some "
+        "images failed (listed on stderr).",
+    )
+    from .warm import add_arguments as warm_arguments
+
+    warm_arguments(warm)
+
     demo = commands.add_parser(
         "demo", help="run the main job on an embedded default (no GPU or download needed)",
         description="A built-in vision encoder over generated images in a multi-turn chat that "
@@ -169,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # lmdeploy's own parser takes the rest (argparse cannot pass it on)
+        from .serve import main as serve
+
+        return serve(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
@@ -177,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import main as demo
 
         return demo(turns=args.turns, cache_dir=args.cache_dir, device=args.device)
+    if args.command == "warm":
+        from .warm import main as warm
+
+        return warm(args)
     if args.command is None:
         parser.print_help()
         return EXIT_BAD

@@ -33,22 +33,27 @@ log = logging.getLogger("featcache")
 
 
 
-def default_cache() -> FeatureCache:
-    """The cache ``pipeline(cache=None)`` builds.
+def default_cache(*, path: str | None = None, device_bytes: int | None = None,
+                  host_bytes: int | None = None, disk_bytes: int | None = None) -> FeatureCache:
+    """The cache ``pipeline(cache=None)`` builds; each argument overrides one default.
 
     device tier: 4% of the GPU's free memory, at most 2 GiB (lmdeploy takes most of the rest for
     its KV cache); host tier: 10% of RAM, at most 8 GiB; disk tier: ``$FEATCACHE_DIR`` or
     ``~/.cache/featcache``, 32 GiB or half the free space there, whichever is smaller.
     """
-    device_bytes = 0
-    if torch.cuda.is_available():
-        device_bytes = min(2 << 30, int(torch.cuda.mem_get_info()[0] * 0.04))
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    path = default_store_dir()
+    if device_bytes is None:
+        device_bytes = 0
+        if torch.cuda.is_available():
+            device_bytes = min(2 << 30, int(torch.cuda.mem_get_info()[0] * 0.04))
+    if host_bytes is None:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        host_bytes = min(8 << 30, ram // 10)
+    path = path or default_store_dir()
     os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.statvfs(path)
-    disk_bytes = min(32 << 30, st.f_bavail * st.f_frsize // 2)
-    return FeatureCache(device_bytes=device_bytes, host_bytes=min(8 << 30, ram // 10),
+    if disk_bytes is None:
+        st = os.statvfs(path)
+        disk_bytes = min(32 << 30, st.f_bavail * st.f_frsize // 2)
+    return FeatureCache(device_bytes=device_bytes, host_bytes=host_bytes,
                         disk_path=path, disk_bytes=disk_bytes)
 
 

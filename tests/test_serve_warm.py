@@ -1,0 +1,199 @@
+"""`featcache serve` and `featcache warm` on the CPU.
+
+serve: lmdeploy's real CLI parser, its real `api_server` handler and FastAPI app, and featcache's
+real frontend on a tiny checkpoint's real lmdeploy prompt path; only the engine (which needs CUDA)
+is a stand-in, and uvicorn does not listen: the app is driven in process. The real server on the
+GPU is in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+
+pytest.importorskip("lmdeploy")
+pytest.importorskip("fastapi")
+pytest.importorskip("prometheus_client")
+
+import lmdeploy_tiny as tiny  # noqa: E402
+import torch  # noqa: E402
+
+from featcache.cli import main as cli  # noqa: E402
+from featcache.errors import FeatCacheError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny.checkpoint(tiny.INTERNVL, tmp_path_factory)
+
+
+class StandInEngine:
+    """What the server instantiates in place of `VLAsyncEngine` (whose engine needs CUDA): lmdeploy's
+    real encoder and prompt processor for the checkpoint, and the config the server passed."""
+
+    built: list[StandInEngine] = []
+
+    def __init__(self, model_path, backend_config, **kwargs):
+        self.kwargs = kwargs
+        self.backend_config = backend_config
+        self.path = tiny.PromptPath(model_path)
+        self.vl_encoder = self.path.encoder
+        self.prompt_processor = self.path.processor
+        self.inner = object()
+        self.engine = types.SimpleNamespace(input_processor=self.inner)
+        from lmdeploy.tokenizer import Tokenizer
+
+        self.arch = tiny.INTERNVL
+        self.tokenizer = Tokenizer(model_path)
+        self.chat_template = self.prompt_processor.chat_template
+        self.is_sleeping = False
+        self.closed = False
+        StandInEngine.built.append(self)
+
+    def close(self):
+        self.path.close()
+        self.closed = True
+
+
+@pytest.fixture
+def served(monkeypatch, model, tmp_path):
+    """Run `featcache serve` until uvicorn would listen; returns what the server was built with."""
+    import importlib
+
+    from lmdeploy.serve.openai import api_server
+
+    core = importlib.import_module("lmdeploy.serve.core")  # `lmdeploy.serve` is also a function
+    StandInEngine.built.clear()
+    monkeypatch.setattr(core, "VLAsyncEngine", StandInEngine)
+    seen = {}
+
+    def run(app, host, port, **kwargs):  # in place of uvicorn.run: drive the app in process
+        from fastapi.testclient import TestClient
+
+        seen.update(app=app, host=host, port=port, metrics=TestClient(app).get("/metrics").text)
+
+    monkeypatch.setattr(api_server.uvicorn, "run", run)
+
+    def serve(*extra):
+        argv = ["serve", model, "--cache-dir", str(tmp_path / "store"), "--disk-bytes", "64MiB",
+                "--host-bytes", "32MiB", "--backend", "pytorch", "--max-batch-size", "4",
+                "--server-port", "23999", *extra]
+        seen["rc"] = cli(argv)
+        return seen
+
+    yield serve
+    for engine in StandInEngine.built:
+        if not engine.closed:
+            engine.close()
+
+
+def test_serve_builds_lmdeploys_server_with_featcache_in_process(served, tmp_path):
+    from featcache.lmdeploy.engine import KeyedInputProcessor
+
+    seen = served("--enable-prefix-caching")
+
+    assert seen["rc"] == 0 and seen["port"] == 23999
+    [engine] = StandInEngine.built
+    config = engine.backend_config
+    assert config.enable_mp_engine is False  # lmdeploy sets it True; featcache keeps it in process
+    assert config.enable_prefix_caching is True
+    assert isinstance(engine.engine.input_processor, KeyedInputProcessor)
+    assert engine.engine.input_processor.inner is engine.inner
+    cache = engine.featcache
+    assert cache.config.disk_path == str(tmp_path / "store")
+    assert cache.stats()["disk"]["capacity_bytes"] == 64 << 20
+    assert cache.stats()["host"]["capacity_bytes"] == 32 << 20
+    # featcache's counters are on lmdeploy's /metrics while the server runs
+    assert "featcache_" in seen["metrics"], seen["metrics"][:500]
+    with pytest.raises(FeatCacheError, match="closed"):  # closed when the server stopped
+        cache.put(b"k" * 16, torch.zeros(1))
+
+
+def test_serve_metrics_off_and_refusals(served, capsys):
+    seen = served("--disable-metrics")
+    assert seen["rc"] == 0 and "featcache_" not in seen["metrics"]
+
+    for flags, words in [(["--tp", "2"], "tp=1"), (["--dp", "2"], "one `featcache serve` per GPU")]:
+        StandInEngine.built.clear()
+        assert served(*flags)["rc"] == 2
+        assert words in capsys.readouterr().err
+        assert StandInEngine.built == []
+
+
+def test_serve_help_lists_featcache_and_lmdeploy_options(capsys):
+    assert cli(["serve", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--cache-dir" in out and "--device-bytes" in out
+    assert "--server-port" in out and "--enable-prefix-caching" in out
+    assert cli(["serve"]) == 2
+
+
+# -- warm ------------------------------------------------------------------------------------------
+
+def test_warm_collects_files_and_refuses_bad_input(tmp_path, capsys):
+    from featcache.warm import collect, parse_params, request
+
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    for name in ["d/b.png", "d/a.JPG", "d/sub/c.webp", "d/notes.txt"]:
+        (tmp_path / name).write_bytes(b"x")
+    one = str(tmp_path / "d" / "a.JPG")
+    got = collect([one], str(tmp_path / "d"))
+    assert [os.path.relpath(p, tmp_path) for p in got] == ["d/a.JPG", "d/b.png", "d/sub/c.webp"]
+    with pytest.raises(ValueError, match="no such file"):
+        collect([str(tmp_path / "missing.png")], None)
+    with pytest.raises(ValueError, match="no such directory"):
+        collect([], str(tmp_path / "nope"))
+    assert parse_params(["max_dynamic_patch=6", "detail=high", "x=1.5", "y=true"]) == {
+        "max_dynamic_patch": 6, "detail": "high", "x": 1.5, "y": True}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_params(["oops"])
+    item = request(one, {"max_dynamic_patch": 6})[0]["content"][1]
+    assert item == {"type": "image_url", "image_url": {"url": one, "max_dynamic_patch": 6}}
+
+    assert cli(["warm", "some/model"]) == 2
+    assert "no images" in capsys.readouterr().err
+    assert cli(["warm", "some/model", str(tmp_path / "missing.png")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_warm_keys_files_as_a_server_keys_the_same_bytes(model, tmp_path):
+    """What `warm` stores is what a server looks up for the same file sent as a data URL: both go
+    through featcache's encoded-source path (lmdeploy's real parser), which keys the bytes."""
+    import base64
+
+    import torch
+
+    from featcache import FeatureCache
+    from featcache.lmdeploy.frontend import SECTION, install_frontend
+    from featcache.lmdeploy.refs import REF_KEY
+    from featcache.warm import request
+
+    path = tmp_path / "pic.png"
+    tiny.noise_image(64, 48, seed=3).save(path)
+    data_url = "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+    cache = FeatureCache(device="cpu", device_bytes="64MiB", host_bytes=0)
+    pp = tiny.PromptPath(model)
+    try:
+        install_frontend(pp.model, cache, "test:warm", pp.processor)
+        warmed = pp.prompt(request(str(path), {}))
+        for item in warmed["multimodal"]:  # what the engine does with a miss's features
+            ref = item[REF_KEY]
+            assert not ref.hit
+            cache.put(ref.key, torch.randn(int(item["image_tokens"]), 256), meta=ref.meta)
+        client = [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
+                                                {"type": "image_url", "image_url": {"url": data_url}}]}]
+        served = pp.prompt(client)
+        ref = served["multimodal"][0][REF_KEY]
+        assert ref.hit and ref.key == warmed["multimodal"][0][REF_KEY].key
+        assert len(pp.calls) == 1  # preprocessed once: by warm, not for the client
+        counts = cache.stats()[SECTION]
+        assert counts["hits"] == 1 and counts["decode_skipped"] == 1
+        del ref, served, warmed
+    finally:
+        pp.close()
+        import gc
+
+        gc.collect()
+        cache.close()
