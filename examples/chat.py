@@ -1,0 +1,87 @@
+"""A multi-turn chat that resends its images every turn, as real OpenAI clients do.
+
+    featcache serve MODEL --backend pytorch --enable-prefix-caching &     # or lmdeploy serve api_server
+    python examples/chat.py [--base-url http://localhost:23333/v1] [--image a.png ...] [--turns 4]
+
+The images go in the first user message as base64 data URLs and stay in the history, so every
+turn sends them again; each turn's time to first token (streamed) is printed. Against
+`featcache serve`, turn 1 computes the images' features and every later turn gets them from the
+cache (and, with --enable-prefix-caching, reuses the KV of the history). Needs `pip install openai`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import sys
+import time
+
+
+def data_url(path: str | None, seed: int) -> str:
+    """The image at ``path`` (or a generated 1344x1008 noise image) as a data URL."""
+    if path is not None:
+        with open(path, "rb") as f:
+            raw = f.read()
+        kind = "png" if raw[:8] == b"\x89PNG\r\n\x1a\n" else "jpeg"
+    else:
+        import numpy as np
+        from PIL import Image
+
+        rng = np.random.default_rng(seed)
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (1008, 1344, 3), dtype=np.uint8)).save(buf, "PNG")
+        raw, kind = buf.getvalue(), "png"
+    return f"data:image/{kind};base64,{base64.b64encode(raw).decode()}"
+
+
+QUESTIONS = ["What is in this picture?", "Describe the colours.", "What stands out most?",
+             "Summarise it in five words.", "What would you title it?", "Anything unusual?"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://localhost:23333/v1")
+    p.add_argument("--api-key", default="none")
+    p.add_argument("--model", help="served model name (default: the server's first)")
+    p.add_argument("--image", action="append", help="image file (repeatable; default: one generated)")
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated image")
+    args = p.parse_args(argv)
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=args.base_url, api_key=args.api_key)
+    model = args.model or client.models.list().data[0].id
+    images = [data_url(path, args.seed) for path in (args.image or [None])]
+    history: list[dict] = []
+    for turn in range(args.turns):
+        question = QUESTIONS[turn % len(QUESTIONS)]
+        content: list[dict] | str = question
+        if turn == 0:
+            content = [{"type": "text", "text": question},
+                       *({"type": "image_url", "image_url": {"url": u}} for u in images)]
+        history.append({"role": "user", "content": content})
+        start = time.perf_counter()
+        ttft, parts = None, []
+        stream = client.chat.completions.create(model=model, messages=history, stream=True,
+                                                max_tokens=args.max_tokens, temperature=0)
+        for chunk in stream:
+            if not chunk.choices:
+                continue
+            delta = chunk.choices[0].delta.content or ""
+            if ttft is None and delta:
+                ttft = time.perf_counter() - start
+            parts.append(delta)
+        answer = "".join(parts)
+        total = time.perf_counter() - start
+        ttft_ms = f"{ttft * 1e3:.1f} ms" if ttft is not None else "n/a"
+        print(f"turn {turn + 1}: time to first token {ttft_ms}, whole answer {total * 1e3:.1f} ms: "
+              f"{answer[:60]!r}", flush=True)
+        history.append({"role": "assistant", "content": answer})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
