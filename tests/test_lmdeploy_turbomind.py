@@ -272,3 +272,110 @@ def test_wrap_routes_turbomind_and_refuses_a_device_cache(tmp_path_factory, bind
     prompt.close()
     with pytest.raises(ValueError, match="host tensors"):
         check_host_cache(types.SimpleNamespace(device=torch.device("cuda")))
+
+
+# -- the features path (opt-in, InternVL-HF) ------------------------------------------------------
+
+def weighted_checkpoint(tmp_path_factory) -> str:
+    """The tiny InternVL-HF checkpoint plus random weights (the features path loads its tower)."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, InternVLForConditionalGeneration
+
+    out = str(tmp_path_factory.mktemp("tm_features") / "internvl_hf_weights")
+    shutil.copytree(tiny.checkpoint(tiny.INTERNVL, tmp_path_factory), out)
+    torch.manual_seed(0)
+    model = InternVLForConditionalGeneration(AutoConfig.from_pretrained(out))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              os.path.join(out, "model.safetensors"))
+    return out
+
+
+@pytest.fixture
+def features_rig(tmp_path_factory, binding):
+    from lmdeploy.messages import TurbomindEngineConfig
+
+    path = weighted_checkpoint(tmp_path_factory)
+    prompt = tiny.PromptPath(path, ENGINE_DTYPE, backend="turbomind")
+    plain = tiny.PromptPath(path, ENGINE_DTYPE, backend="turbomind")
+    engine = types.SimpleNamespace(vl_encoder=prompt.encoder, prompt_processor=prompt.processor,
+                                   backend_config=TurbomindEngineConfig(dtype=ENGINE_DTYPE))
+    cache = FeatureCache(device="cpu", device_bytes="64MiB", host_bytes=0)
+    wrap(types.SimpleNamespace(async_engine=engine), cache, turbomind="features")
+    yield types.SimpleNamespace(path=path, prompt=prompt, plain=plain, cache=cache)
+    prompt.close()
+    plain.close()
+    gc.collect()
+    cache.close()
+
+
+def reference_features(path: str, pixel_values: torch.Tensor) -> torch.Tensor:
+    """transformers' whole InternVL-HF model's features for lmdeploy's pixels (engine dtype)."""
+    from transformers import InternVLForConditionalGeneration
+
+    model = InternVLForConditionalGeneration.from_pretrained(path, dtype=torch.float16).eval()
+    with torch.no_grad():
+        out = model.get_image_features(pixel_values=pixel_values, vision_feature_layer=-1,
+                                       vision_feature_select_strategy="default")
+    out = out if isinstance(out, torch.Tensor) else out.pooler_output
+    return out.reshape(-1, out.shape[-1])
+
+
+def prepare(out: dict):
+    """lmdeploy's real TurboMindInstance.prepare_inputs over what the prompt path produced."""
+    from lmdeploy.messages import GenerationConfig, TurbomindEngineConfig
+    from lmdeploy.turbomind.turbomind import TurboMindInstance
+
+    instance = object.__new__(TurboMindInstance)  # no engine: only its Python input handling
+    instance.tm_model = types.SimpleNamespace(engine_config=TurbomindEngineConfig(dtype=ENGINE_DTYPE))
+    inputs, _ = instance.prepare_inputs(out["input_ids"], GenerationConfig(),
+                                        out["input_embeddings"], out["input_embedding_ranges"])
+    return inputs
+
+
+def test_features_path_serves_host_features_in_the_engine_dtype(features_rig):
+    rig = features_rig
+    want = rig.plain.prompt(request_of(1, 2))  # lmdeploy's own preprocessing of the same images
+    pixels = [m["pixel_values"] for m in want["multimodal"]]
+
+    first = rig.prompt.prompt(request_of(1, 2))
+    assert "multimodal" not in first and len(first["input_embeddings"]) == 2
+    assert rig.prompt.calls == [[(120, 90), (120, 90)]]
+    for feats, px in zip(first["input_embeddings"], pixels, strict=True):
+        assert feats.device.type == "cpu" and feats.dtype == torch.float16
+        assert torch.equal(feats, reference_features(rig.path, px))  # the checkpoint's features
+
+    second = rig.prompt.prompt(request_of(1, 2))
+    assert rig.prompt.calls == [[(120, 90), (120, 90)]]  # hits: no preprocessing, no tower
+    stats = rig.cache.stats()[SECTION]
+    assert stats["vision_images"] == 2 and stats["tm_features_served"] == 2
+    assert second["input_ids"] == first["input_ids"]
+    assert second["input_embedding_ranges"] == first["input_embedding_ranges"]
+    for a, b in zip(second["input_embeddings"], first["input_embeddings"], strict=True):
+        assert a.data_ptr() == b.data_ptr()  # the cached host tensor itself: no copy of any kind
+
+    inputs = prepare(second)
+    values, ranges = inputs["input_embeddings"], inputs["input_embedding_ranges"]
+    assert values.device.type == "cpu" and values.dtype == torch.float16
+    assert torch.equal(values, torch.cat(first["input_embeddings"]))
+    ids = torch.tensor(second["input_ids"])
+    for begin, end in ranges.tolist():
+        assert bool((ids[begin:end] == rig.prompt.model.image_token_id).all())
+    assert sum(e - b for b, e in ranges.tolist()) == values.shape[0]
+
+
+def test_tower_matches_lmdeploys_reference(tmp_path_factory):
+    """featcache's InternVLTower against lmdeploy's PyTorch-engine InternVL-HF code, float32 CPU."""
+    import importlib.util
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench", "turbomind_features.py")
+    spec = importlib.util.spec_from_file_location("turbomind_features", bench)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.main(["--device", "cpu", "--dtype", "float32", "--repeat", "1",
+                          "--model", weighted_checkpoint(tmp_path_factory)])
+    assert result["max_abs_diff"] <= 1e-5 * max(1.0, result["max_abs_value"])
+    path = result["features_path"]
+    assert path["hit_identical_to_miss"] and path["hit_same_tensor"]
+    assert path["served_device"] == "cpu" and path["served_dtype"] == "float32"
