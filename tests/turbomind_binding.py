@@ -18,13 +18,18 @@ from typing import Any
 _NAME = "lmdeploy.turbomind._turbomind"
 
 
+def _member(owner: Any, name: str) -> Any:
+    """A new recording class named ``name``, kept as an attribute of ``owner``."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    sub = _Auto(name, (Record,), {})
+    setattr(owner, name, sub)
+    return sub
+
+
 class _Auto(type):
     def __getattr__(cls, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        sub = _Auto(name, (Record,), {})
-        setattr(cls, name, sub)
-        return sub
+        return _member(cls, name)
 
 
 class Record(metaclass=_Auto):
@@ -44,11 +49,7 @@ class Record(metaclass=_Auto):
 
 class Binding(types.ModuleType):
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        sub = _Auto(name, (Record,), {})
-        setattr(self, name, sub)
-        return sub
+        return _member(self, name)
 
 
 @contextlib.contextmanager

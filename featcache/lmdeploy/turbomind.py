@@ -111,18 +111,14 @@ def install_native(vision_model: Any, cache: FeatureCache, namespace: str,
     install_frontend(vision_model, cache, namespace, prompt_processor)
     keyed: Preprocess = vision_model.preprocess
     frontend: Frontend = keyed.frontend  # type: ignore[attr-defined]
-    server = NativePixels(cache, keyed, frontend, vision_dtype)
-
-    def preprocess(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return server(messages)
-
-    preprocess._featcache = True  # type: ignore[attr-defined]
-    preprocess.frontend = frontend  # type: ignore[attr-defined]
-    vision_model.preprocess = preprocess
+    vision_model.preprocess = NativePixels(cache, keyed, frontend, vision_dtype)
 
 
 class NativePixels:
-    """Fills each keyed image's per-image dict with its pixels (cached or stored) and fingerprint."""
+    """Fills each keyed image's per-image dict with its pixels (cached or stored) and fingerprint.
+    Installed as ``VisionModel.preprocess`` (marked ``_featcache``, as the frontend's hook is)."""
+
+    _featcache = True
 
     def __init__(self, cache: FeatureCache, keyed: Preprocess, frontend: Frontend,
                  vision_dtype: torch.dtype | None = None) -> None:
