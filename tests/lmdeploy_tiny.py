@@ -66,12 +66,12 @@ def messages(*items: dict[str, Any], text: str = "describe") -> list[dict[str, A
 
 
 class PromptPath:
-    """lmdeploy's real PyTorch-backend prompt path (``ImageEncoder`` + ``MultimodalProcessor``) for
-    one tiny checkpoint; ``calls`` records the images (as ``PIL.Image.size``) that each call of the
-    model's own ``preprocess`` was given."""
+    """lmdeploy's real prompt path (``ImageEncoder`` + ``MultimodalProcessor``) of the PyTorch
+    backend (or ``backend="turbomind"``) for one tiny checkpoint; ``calls`` records the images (as
+    ``PIL.Image.size``) that each call of the model's own ``preprocess`` was given."""
 
-    def __init__(self, path: str, dtype: str = "float16") -> None:
-        from lmdeploy.messages import PytorchEngineConfig
+    def __init__(self, path: str, dtype: str = "float16", backend: str = "pytorch") -> None:
+        from lmdeploy.messages import PytorchEngineConfig, TurbomindEngineConfig
         from lmdeploy.model import get_chat_template
         from lmdeploy.serve.processors.multimodal import MultimodalProcessor
         from lmdeploy.tokenizer import Tokenizer
@@ -79,10 +79,11 @@ class PromptPath:
 
         # float16: InternVL-HF's pixel_values are cast to it, Qwen2-VL's stay float32 (as on a GPU);
         # 'bfloat16' would ask CUDA whether bf16 works
-        self.encoder = ImageEncoder(path, "pytorch", backend_config=PytorchEngineConfig(dtype=dtype))
+        config = (PytorchEngineConfig if backend == "pytorch" else TurbomindEngineConfig)(dtype=dtype)
+        self.encoder = ImageEncoder(path, backend, backend_config=config)
         self.model = self.encoder.model
         self.processor = MultimodalProcessor(Tokenizer(path), get_chat_template(path, None),
-                                             vl_encoder=self.encoder, backend="pytorch")
+                                             vl_encoder=self.encoder, backend=backend)
         self.calls: list[list[tuple[int, int]]] = []
         original = self.model.preprocess
 

@@ -34,52 +34,60 @@ log = logging.getLogger("featcache")
 
 
 def default_cache(*, path: str | None = None, device_bytes: int | None = None,
-                  host_bytes: int | None = None, disk_bytes: int | None = None) -> FeatureCache:
+                  host_bytes: int | None = None, disk_bytes: int | None = None,
+                  host_only: bool = False) -> FeatureCache:
     """The cache ``pipeline(cache=None)`` builds; each argument overrides one default.
 
     device tier: 4% of the GPU's free memory, at most 2 GiB (lmdeploy takes most of the rest for
     its KV cache); host tier: 10% of RAM, at most 8 GiB; disk tier: ``$FEATCACHE_DIR`` or
     ``~/.cache/featcache``, 32 GiB or half the free space there, whichever is smaller.
+    ``host_only=True`` (TurboMind, which takes host tensors): the host budget is the device tier,
+    on the CPU, and there is no separate host tier.
     """
-    if device_bytes is None:
-        device_bytes = 0
-        if torch.cuda.is_available():
-            device_bytes = min(2 << 30, int(torch.cuda.mem_get_info()[0] * 0.04))
     if host_bytes is None:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         host_bytes = min(8 << 30, ram // 10)
+    if device_bytes is None:
+        device_bytes = 0
+        if torch.cuda.is_available() and not host_only:
+            device_bytes = min(2 << 30, int(torch.cuda.mem_get_info()[0] * 0.04))
     path = path or default_store_dir()
     os.makedirs(path, mode=0o700, exist_ok=True)
     if disk_bytes is None:
         st = os.statvfs(path)
         disk_bytes = min(32 << 30, st.f_bavail * st.f_frsize // 2)
+    if host_only:
+        return FeatureCache(device="cpu", device_bytes=host_bytes, host_bytes=0, disk_path=path,
+                            disk_bytes=disk_bytes)
     return FeatureCache(device_bytes=device_bytes, host_bytes=host_bytes,
                         disk_path=path, disk_bytes=disk_bytes)
 
 
 def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: str | None = None,
-             **pipeline_kwargs: Any) -> Any:
+             turbomind: str = "native", **pipeline_kwargs: Any) -> Any:
     """``lmdeploy.pipeline(model_path, **pipeline_kwargs)`` with featcache wrapped in.
 
     Same arguments and return type. ``cache=None`` builds ``default_cache()`` (closed with the
-    pipeline). ``enable_prefix_caching=True`` in a ``PytorchEngineConfig`` stays on for the
-    supported models (lmdeploy alone turns it off for them).
+    pipeline; ``host_only`` when the backend is TurboMind). ``enable_prefix_caching=True`` in a
+    ``PytorchEngineConfig`` stays on for the supported models (lmdeploy alone turns it off for
+    them). ``turbomind``: "native" or "features", see ``wrap``.
     """
     import lmdeploy
 
     owned = cache is None
-    cache = cache if cache is not None else default_cache()
     backend_config = pipeline_kwargs.get("backend_config")
     wanted = bool(getattr(backend_config, "enable_prefix_caching", False)) and isinstance(
         backend_config, lmdeploy.PytorchEngineConfig)
-    try:
-        with keep_prefix_caching(wanted, supported=set(SPECS)):
-            pipe = lmdeploy.pipeline(model_path, **pipeline_kwargs)
-    except BaseException:
-        if owned:
-            cache.close()
-        raise
-    wrap(pipe, cache, namespace=namespace)
+    with keep_prefix_caching(wanted, supported=set(SPECS)):
+        pipe = lmdeploy.pipeline(model_path, **pipeline_kwargs)
+    if cache is None:  # built once the backend is known (lmdeploy may choose it)
+        try:
+            cache = default_cache(host_only=not isinstance(
+                getattr(pipe.async_engine, "backend_config", None), lmdeploy.PytorchEngineConfig))
+        except BaseException:
+            pipe.close()
+            raise
+    wrap(pipe, cache, namespace=namespace, turbomind=turbomind)
     if owned:
         close = pipe.close
 
@@ -91,11 +99,14 @@ def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: s
     return pipe
 
 
-def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None) -> Any:
+def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
+         turbomind: str = "native") -> Any:
     """Install featcache on a pipeline built by ``lmdeploy.pipeline``; returns ``pipe``.
 
     A pipeline built without featcache has had prefix caching switched off by lmdeploy for these
-    models; build it with ``featcache.lmdeploy.pipeline`` to keep it on.
+    models; build it with ``featcache.lmdeploy.pipeline`` to keep it on. On TurboMind (a cache
+    whose device is "cpu"), ``turbomind="native"`` caches engine-ready pixels and
+    ``"features"`` (InternVL-HF) vision features: see featcache/lmdeploy/turbomind.py.
     """
     from lmdeploy import PytorchEngineConfig
 
@@ -107,9 +118,10 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None) -> Any
     hf_config = encoder.model.hf_config
     arch = hf_config.architectures[0]
     spec = SPECS.get(arch)
-    if not isinstance(engine.backend_config, PytorchEngineConfig):
-        log.warning("featcache: the TurboMind backend is not cached yet; %s passes through", arch)
-        return pipe
+    if not isinstance(engine.backend_config, PytorchEngineConfig):  # TurboMind: turbomind.py
+        from .turbomind import install_turbomind
+
+        return install_turbomind(pipe, cache, arch, namespace, turbomind)
     if spec is None or getattr(hf_config, "flash_mode", None):
         log.warning("featcache: architecture %s is not cached; it passes through untouched", arch)
         return pipe

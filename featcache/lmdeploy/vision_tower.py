@@ -1,0 +1,242 @@
+"""The TurboMind features path (opt-in, InternVL-HF): cached features as ``input_embeddings``.
+
+``wrap(pipe, cache, turbomind="features")`` turns lmdeploy's TurboMind prompt path for an InternVL-HF
+model (``InternVLForConditionalGeneration``) from "pixels to the C++ vision model" back into
+"features to the LLM", lmdeploy's legacy TurboMind path (``input_embeddings`` +
+``input_embedding_ranges``, ``TurboMindInstance.prepare_embeddings``), on lmdeploy's own code:
+
+- the frontend (``frontend.py``) keys each image before preprocessing; a hit skips preprocessing;
+- ``FeatureServer.forward`` (lmdeploy's ``VisionModel.forward`` hook, run by
+  ``ImageEncoder.async_infer`` on the encoder's thread) serves hits from the cache, a host
+  tensor in the engine's dtype, as is; the misses run through ``InternVLTower`` (the checkpoint's
+  own vision tower and projector, transformers' InternVL classes, on the GPU when there is one),
+  are copied once into page-locked host memory and put in the cache (demotion to disk is
+  asynchronous);
+- ``FeatureServer.to_turbomind`` packs them with lmdeploy's own ``proc_messages`` and
+  ``to_turbomind_aux``. TurboMind's ``prepare_embeddings`` then copies host memory into host
+  memory of the same dtype: no device copy, no synchronisation, on the request path of a hit.
+
+Refused, with a message: models whose LLM positions depend on the image grid (Qwen2-VL and
+Qwen2.5-VL use M-RoPE, which the ``input_embeddings`` path cannot carry) and architectures without
+a Python tower here (legacy ``InternVLChatModel`` checkpoints: use the native path).
+
+TurboMind's prefix caching does not cover requests that carry ``input_embeddings`` (lmdeploy
+0.18), and TurboMind still loads its C++ vision model. See docs/turbomind.md for when this wins.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+
+from ..cache import FeatureCache
+from .frontend import SECTION, _preprocessed, install_frontend
+from .identity import model_identity
+from .refs import REF_KEY, FeatRef
+
+log = logging.getLogger("featcache")
+
+GRID_POSITION_ARCHS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+FEATURE_ARCHS = ("InternVLForConditionalGeneration",)
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
+             "multi_modal_projector.")
+
+
+def check_features_arch(arch: str) -> None:
+    """Raise ``ValueError`` unless the features path can serve ``arch``."""
+    if arch in GRID_POSITION_ARCHS:
+        raise ValueError(
+            f"featcache: the TurboMind features path cannot serve {arch}: its LLM positions "
+            "(M-RoPE) depend on each image's grid, which input_embeddings do not carry. Use "
+            "turbomind='native' (cached pixels, TurboMind's own vision model).")
+    if arch not in FEATURE_ARCHS:
+        raise ValueError(
+            f"featcache: the TurboMind features path supports {', '.join(FEATURE_ARCHS)} "
+            f"(InternVL-HF checkpoints), not {arch}. Use turbomind='native'.")
+
+
+def engine_dtype(backend_config: Any, fallback: torch.dtype | None) -> torch.dtype:
+    """The dtype TurboMind's ``prepare_embeddings`` copies features into."""
+    dtype = _DTYPES.get(str(getattr(backend_config, "dtype", "auto")))
+    if dtype is None and fallback in _DTYPES.values():
+        dtype = fallback
+    if dtype is None:
+        raise ValueError("featcache: TurboMind's dtype is not resolved; pass "
+                         "TurbomindEngineConfig(dtype='bfloat16') or 'float16'")
+    return dtype
+
+
+def install_features(pipe: Any, cache: FeatureCache, arch: str, namespace: str | None) -> None:
+    """The features path on a TurboMind pipeline (called through ``wrap``)."""
+    from .turbomind import check_host_cache
+
+    check_features_arch(arch)
+    check_host_cache(cache)
+    engine = pipe.async_engine
+    encoder = engine.vl_encoder
+    if encoder._uses_new_preprocess:
+        raise ValueError(f"featcache: {arch} uses lmdeploy's new preprocess API; not supported")
+    dtype = engine_dtype(engine.backend_config, encoder.mm_feature_dtype)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    tower = InternVLTower.from_pretrained(encoder.model.model_path, dtype, device)
+    namespace = namespace or model_identity(
+        encoder.model.model_path, arch, dtype, extra={"turbomind": "features",
+                                                      "tower": "transformers"})
+    install_frontend(encoder.model, cache, namespace, engine.prompt_processor)
+    FeatureServer(cache, tower, dtype).install(encoder.model)
+    pipe.featcache = cache
+    log.info("featcache: serving %s features to TurboMind (namespace %s)", arch, namespace)
+
+
+class InternVLTower:
+    """An InternVL-HF checkpoint's vision tower and projector (transformers' ``InternVLModel``,
+    its language model left on the meta device): pixel tiles -> [tiles, tokens, LLM hidden]."""
+
+    def __init__(self, model: Any, config: Any) -> None:
+        self.model = model
+        self.config = config
+        self.device = next(model.vision_tower.parameters()).device
+        self.dtype = next(model.vision_tower.parameters()).dtype
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype, device: torch.device | str,
+                        attn_implementation: str = "sdpa") -> InternVLTower:
+        """Load only the vision tower and projector weights of the checkpoint at ``path``."""
+        from transformers import AutoConfig, InternVLModel
+
+        config = AutoConfig.from_pretrained(path)
+        config._attn_implementation = attn_implementation
+        config.vision_config._attn_implementation = attn_implementation
+        with torch.device("meta"):
+            model = InternVLModel(config)
+        model.language_model = None  # never materialised: get_image_features does not use it
+        state = _vision_state_dict(path)
+        model.to_empty(device=device)
+        missing, _ = model.load_state_dict(state, strict=False)
+        if missing:
+            raise ValueError(f"featcache: {path} lacks vision weights {missing[:4]}...")
+        torch.nn.Module.to(model, dtype=dtype)  # (transformers' typed wrapper of ``to`` confuses mypy)
+        model.eval().requires_grad_(False)
+        return cls(model, config)
+
+    @torch.inference_mode(False)
+    @torch.no_grad()
+    def __call__(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        out = self.model.get_image_features(
+            pixel_values=pixel_values.to(self.device, self.dtype),
+            vision_feature_layer=self.config.vision_feature_layer,
+            vision_feature_select_strategy=self.config.vision_feature_select_strategy)
+        return out if isinstance(out, torch.Tensor) else out.pooler_output  # transformers 4 / 5
+
+
+def _vision_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """The vision tower and projector tensors of a safetensors checkpoint, keyed as in
+    ``InternVLModel`` (``vision_tower.*``, ``multi_modal_projector.*``)."""
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    state = {}
+    for name in files:
+        with safe_open(os.path.join(path, name), "pt") as f:
+            for key in f.keys():
+                if key.startswith(_PREFIXES):
+                    state[key.removeprefix("model.")] = f.get_tensor(key)
+    return state
+
+
+class FeatureServer:
+    """lmdeploy's ``VisionModel.forward`` / ``to_turbomind`` for the features path."""
+
+    def __init__(self, cache: FeatureCache, tower: InternVLTower, dtype: torch.dtype) -> None:
+        self.cache = cache
+        self.tower = tower
+        self.dtype = dtype
+        self.pin = torch.cuda.is_available()
+        self.stream = torch.cuda.Stream(tower.device) if tower.device.type == "cuda" else None
+
+    def install(self, vision_model: Any) -> None:
+        """Instance attributes shadowing lmdeploy's: TurboMind then takes ``input_embeddings``."""
+        vision_model._turbomind_native_vision = False
+        vision_model.forward = self.forward
+        vision_model.to_turbomind = lambda messages, chat_template, tokenizer, tools=None, \
+            chat_template_kwargs=None, **kwargs: self.to_turbomind(
+                vision_model, messages, chat_template, tokenizer, tools, chat_template_kwargs)
+
+    def forward(self, messages: list[dict[str, Any]], max_batch_size: int = 1) -> list[dict[str, Any]]:
+        """Append ``{'role': 'forward', 'content': [features of each image, in order]}``: each a
+        host tensor [image tokens, hidden] in the engine dtype."""
+        items = _preprocessed(messages)
+        features: list[torch.Tensor | None] = [None] * len(items)
+        misses = []
+        for i, item in enumerate(items):
+            ref = item.get(REF_KEY)
+            if isinstance(ref, FeatRef) and ref.hit:
+                assert ref.lease is not None
+                features[i] = self._checked(ref.lease.tensor, item)
+            else:
+                misses.append(i)
+        self.cache.count(SECTION, "tm_features_served", len(items) - len(misses))
+        step = max(1, max_batch_size)
+        for start in range(0, len(misses), step):
+            chunk = misses[start:start + step]
+            for i, host in zip(chunk, self._run([items[i] for i in chunk]), strict=True):
+                ref = items[i].get(REF_KEY)
+                if isinstance(ref, FeatRef):
+                    self.cache.put(ref.key, host, meta=ref.meta)
+                features[i] = host
+        messages.append(dict(role="forward", content=features))
+        return messages
+
+    def _checked(self, tensor: torch.Tensor, item: dict[str, Any]) -> torch.Tensor:
+        tokens = int(item["image_tokens"])
+        if tensor.device.type != "cpu" or tensor.dtype != self.dtype or tensor.shape[0] != tokens:
+            raise RuntimeError(f"cached features {tuple(tensor.shape)} {tensor.dtype} on "
+                               f"{tensor.device} do not fit an image of {tokens} tokens")
+        return tensor
+
+    def _run(self, items: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """The vision tower over the images of ``items`` (one call), as host tensors per image."""
+        pixels = torch.cat([item["pixel_values"] for item in items])
+        out = self.tower(pixels)
+        out = out.reshape(-1, out.shape[-1]).to(self.dtype)
+        sizes = [int(item["image_tokens"]) for item in items]
+        if sum(sizes) != out.shape[0]:
+            raise RuntimeError(f"the vision tower returned {out.shape[0]} rows for {sizes} tokens")
+        hosts = [torch.empty((n, out.shape[-1]), dtype=self.dtype, pin_memory=self.pin)
+                 for n in sizes]  # one tensor per image: each owns its storage in the cache
+        if self.stream is None:
+            for host, piece in zip(hosts, out.split(sizes), strict=True):
+                host.copy_(piece)
+        else:  # D2H copies on a side stream, waited for by their event only (a miss needs them now)
+            self.stream.wait_stream(torch.cuda.current_stream(out.device))
+            with torch.cuda.stream(self.stream):
+                for host, piece in zip(hosts, out.split(sizes), strict=True):
+                    host.copy_(piece, non_blocking=True)
+                out.record_stream(self.stream)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+            done.synchronize()
+        self.cache.count(SECTION, "vision_calls")
+        self.cache.count(SECTION, "vision_images", len(items))
+        return hosts
+
+    def to_turbomind(self, vision_model: Any, messages: list[dict[str, Any]], chat_template: Any,
+                     tokenizer: Any, tools: Any = None, chat_template_kwargs: Any = None
+                     ) -> dict[str, Any]:
+        """lmdeploy's own packing: prompt, input_ids, input_embeddings, input_embedding_ranges."""
+        prompt, image_token = vision_model.proc_messages(
+            messages, chat_template, tools=tools, chat_template_kwargs=chat_template_kwargs)
+        result: dict[str, Any] = vision_model.to_turbomind_aux(messages, prompt, image_token,
+                                                               tokenizer)
+        return result
