@@ -59,14 +59,16 @@ def stop(proc: subprocess.Popen) -> int:
         return proc.wait()
 
 
-def chat(port: int, image: str, turns: int = 4) -> list[float]:
-    """examples/chat.py against the server; time to first token per turn (ms)."""
+def chat(port: int, image: str, turns: int = 4) -> dict[str, list]:
+    """examples/chat.py against the server: time to first token (ms) and cached prompt tokens per
+    turn."""
     out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "chat.py"),
                           "--base-url", f"http://127.0.0.1:{port}/v1", "--image", image,
                           "--turns", str(turns)], capture_output=True, text=True, timeout=300)
     print(out.stdout, out.stderr[-2000:], flush=True)
     out.check_returncode()
-    return [float(m) for m in re.findall(r"time to first token ([\d.]+) ms", out.stdout)]
+    return {"ttft_ms": [float(m) for m in re.findall(r"time to first token ([\d.]+) ms", out.stdout)],
+            "cached_tokens": [int(m) for m in re.findall(r"\((\d+) cached\)", out.stdout)]}
 
 
 def main() -> int:
@@ -81,7 +83,7 @@ def main() -> int:
     from chat import data_url  # examples/chat.py
 
     images = {}
-    for name, seed in [("warmed", 1), ("other", 2), ("plain_a", 1), ("plain_b", 2)]:
+    for name, seed in [("warmed", 1), ("other", 2), ("plain_a", 1), ("plain_b", 2), ("warmup", 3)]:
         path = os.path.join(args.out, f"{name}.png")
         with open(path, "wb") as f:
             f.write(base64.b64decode(data_url(None, seed).split(",", 1)[1]))
@@ -94,6 +96,7 @@ def main() -> int:
     plain = start([py, "-m", "lmdeploy", "serve", "api_server", args.model, "--server-port", "23400",
                    "--enable-prefix-caching", *common], 23400, os.path.join(args.out, "plain.log"))
     try:
+        chat(23400, images["warmup"], turns=1)  # the server's first request pays one-time costs
         result["plain_ttft_ms"] = {"image_a": chat(23400, images["plain_a"]),
                                    "image_b": chat(23400, images["plain_b"])}
     finally:
@@ -110,6 +113,7 @@ def main() -> int:
     fc = start([py, "-m", "featcache", "serve", args.model, "--cache-dir", store, "--server-port",
                 "23401", "--enable-prefix-caching", *common], 23401, os.path.join(args.out, "featcache.log"))
     try:
+        chat(23401, images["warmup"], turns=1)
         result["featcache_ttft_ms"] = {"warmed_image": chat(23401, images["warmed"]),
                                        "new_image": chat(23401, images["other"])}
         metrics = urllib.request.urlopen("http://127.0.0.1:23401/metrics", timeout=5).read().decode()

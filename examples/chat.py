@@ -64,21 +64,25 @@ def main(argv: list[str] | None = None) -> int:
                        *({"type": "image_url", "image_url": {"url": u}} for u in images)]
         history.append({"role": "user", "content": content})
         start = time.perf_counter()
-        ttft, parts = None, []
+        ttft, parts, usage = None, [], None
         stream = client.chat.completions.create(model=model, messages=history, stream=True,
-                                                max_tokens=args.max_tokens, temperature=0)
+                                                max_tokens=args.max_tokens, temperature=0,
+                                                stream_options={"include_usage": True})
         for chunk in stream:
+            usage = chunk.usage or usage
             if not chunk.choices:
                 continue
-            delta = chunk.choices[0].delta.content or ""
-            if ttft is None and delta:
+            if ttft is None:  # the first token's chunk (its text may be empty: special tokens)
                 ttft = time.perf_counter() - start
-            parts.append(delta)
+            parts.append(chunk.choices[0].delta.content or "")
         answer = "".join(parts)
         total = time.perf_counter() - start
         ttft_ms = f"{ttft * 1e3:.1f} ms" if ttft is not None else "n/a"
-        print(f"turn {turn + 1}: time to first token {ttft_ms}, whole answer {total * 1e3:.1f} ms: "
-              f"{answer[:60]!r}", flush=True)
+        details = getattr(usage, "prompt_tokens_details", None)
+        cached = getattr(details, "cached_tokens", None)
+        tokens = f"{usage.prompt_tokens} prompt tokens ({cached} cached)" if usage else "usage n/a"
+        print(f"turn {turn + 1}: time to first token {ttft_ms}, whole answer {total * 1e3:.1f} ms, "
+              f"{tokens}: {answer[:60]!r}", flush=True)
         history.append({"role": "assistant", "content": answer})
     return 0
 
