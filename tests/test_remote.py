@@ -511,3 +511,17 @@ def test_cluster_url_round_trip(redis_bin, tmp_path):
             assert b.stats()["remote"]["hits"] == len(want)
     finally:
         srv.kill()
+
+
+def test_metrics_export_the_remote_section(server):
+    from featcache import metrics
+
+    with remote_only(server.url) as cache:
+        cache.put(b"k", torch.ones(10))
+        cache.flush()
+        cache.get(b"k")
+        text = metrics.render(cache)
+    assert "featcache_remote_hits_total 1" in text
+    assert "featcache_remote_published_total 1" in text
+    assert "# TYPE featcache_remote_breaker_open gauge" in text
+    assert "featcache_remote_breaker_open 0" in text
