@@ -525,3 +525,17 @@ def test_metrics_export_the_remote_section(server):
     assert "featcache_remote_published_total 1" in text
     assert "# TYPE featcache_remote_breaker_open gauge" in text
     assert "featcache_remote_breaker_open 0" in text
+
+
+def test_unexpected_client_errors_are_misses(server):
+    class Broken:
+        def __getattr__(self, name):
+            raise ValueError("a client bug")
+
+    with remote_only(server.url) as cache:
+        cache._remote._factory = Broken
+        assert cache.get(b"k") is None
+        cache.put(b"k", torch.ones(3))
+        cache.flush()
+        s = cache.stats()["remote"]
+        assert s["errors"] == 2 and s["publish_errors"] == 1

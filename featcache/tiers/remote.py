@@ -176,12 +176,22 @@ class RemoteTier:
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._was_open = False
+        self._logged_unexpected = False
 
     @classmethod
     def from_config(
         cls, config: CacheConfig, on_corrupt: Callable[[bytes], None] | None = None,
         client_factory: Callable[[], Any] | None = None,
     ) -> RemoteTier:
+        """The tier ``config`` describes. Raises ``ImportError`` (saying what to install) when
+        redis-py is missing, so that this shows at construction, not as misses."""
+        if client_factory is None:
+            try:
+                import redis  # noqa: F401
+            except ImportError as e:
+                raise ImportError(
+                    "remote_url needs the redis client: pip install 'featcache[remote]' (redis>=5)"
+                ) from e
         return cls(
             client_factory or (lambda: connect(config)),
             prefix=config.remote_prefix,
@@ -388,6 +398,14 @@ class RemoteTier:
                        else "errors")
             self.breaker.failure()
             self._note_state(e)
+            raise _Unavailable from e
+        except Exception as e:  # anything else the client raises is a miss too, never a failed get
+            self.count("errors")
+            self.breaker.failure()
+            if not self._logged_unexpected:
+                self._logged_unexpected = True
+                log.exception("featcache: unexpected error from the remote tier %s (logged once)",
+                              self._url)
             raise _Unavailable from e
         self.breaker.success()
         self._note_state(None)
