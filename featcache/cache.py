@@ -1,6 +1,8 @@
-"""FeatureCache: content-addressed image features in three tiers with byte budgets.
+"""FeatureCache: content-addressed image features in three tiers with byte budgets, and an
+optional remote tier shared by a fleet.
 
     device (GPU; the CPU without CUDA) -> host (pinned RAM, pooled) -> disk (LMDB, persistent)
+        -> remote (Redis/Valkey, shared; ``remote_url``)
 
 Data flow:
 - ``put`` stores the tensor in the device tier (no copy) and queues it for write-through to the
@@ -8,7 +10,10 @@ Data flow:
 - ``get`` looks in the device tier, then in what is still on its way down, then host, then disk.
   A lower-tier hit is promoted: host bytes are copied to the device on a side stream (the returned
   tensor is ordered before the caller's current stream's next work); a disk hit is verified,
-  copied into a host block (kept in the host tier) and promoted the same way.
+  copied into a host block (kept in the host tier) and promoted the same way. A miss in every
+  local tier reads the remote tier (one bounded, short-timeout network read; a remote hit is
+  verified and promoted like a disk hit); every put is also published to the remote tier in the
+  background (``RemotePublisher``), never on the request path.
 - Eviction is LRU per tier. Because every entry is written through, evicting never copies.
 
 Invariants:
@@ -26,6 +31,7 @@ import logging
 import os
 import threading
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,13 +39,14 @@ import torch
 from .codec import HEADER, check_meta, check_storable
 from .config import CacheConfig
 from .copier import as_bytes, make_copier, owned_empty
-from .demoter import Demoter, DiskWriter
+from .demoter import Demoter, DiskWriter, RemotePublisher
 from .errors import FeatCacheError
 from .hostpool import Block
 from .tiers.base import Entry, empty_stats
 from .tiers.device import DeviceTier
 from .tiers.disk import MAX_KEY_BYTES, DiskTier
 from .tiers.host import HostTier
+from .tiers.remote import RemoteTier
 
 log = logging.getLogger("featcache")
 
@@ -115,9 +122,16 @@ class FeatureCache:
             )
             pool = self._host.pool if self._host is not None else None
             self._writer = DiskWriter(self._disk, self._copier, pool, cfg.disk_queue_entries)
+        self._remote: RemoteTier | None = None
+        self._publisher: RemotePublisher | None = None
+        if cfg.remote_url is not None:
+            self._remote = RemoteTier.from_config(cfg, on_corrupt=self._drop_remote)
+            pool = self._host.pool if self._host is not None else None
+            self._publisher = RemotePublisher(self._remote, self._copier, pool, cfg.remote_queue_entries)
         self._demoter = (
-            Demoter(self._copier, self._host, self._writer, cfg.demote_queue_entries)
-            if self._host is not None or self._writer is not None else None
+            Demoter(self._copier, self._host, self._writer, cfg.demote_queue_entries, self._publisher)
+            if self._host is not None or self._writer is not None or self._publisher is not None
+            else None
         )
         self._counts: Counter[str] = Counter()
         self._events: dict[str, Counter[str]] = {}  # counters of integrations, by section
@@ -130,9 +144,11 @@ class FeatureCache:
 
         ``meta``: optional small bytes (at most 64 KiB) stored and served with the tensor
         (``Lease.meta``). An entry larger than a tier's budget skips that tier; larger than all,
-        it is not stored. A put of an existing key replaces it: no tier serves the old value
+        it is not stored. A put of an existing key replaces it: no local tier serves the old value
         afterwards, including the tiers the new value skips, is dropped from, or has not yet
-        reached (a put that does not reach the disk deletes the key there).
+        reached (a put that does not reach the disk deletes the key there). The remote tier, if
+        any, serves the last value *published* (in the background, after the put returns): a
+        publish that is dropped or fails leaves the server's value as it was.
         """
         self._check_open()
         _check_key(key)
@@ -146,7 +162,8 @@ class FeatureCache:
             self._disk is not None
             and nbytes + HEADER.size + len(meta_bytes) <= self._disk.capacity_bytes
         )
-        if not (to_device or to_host or to_disk):
+        to_remote = self._publisher is not None
+        if not (to_device or to_host or to_disk or to_remote):
             self._count("not_stored")
             self._remove(key)  # replaced by nothing: the old value must not be served
             return
@@ -155,8 +172,9 @@ class FeatureCache:
         if not (to_device and self._device.put(key, Entry(tensor, fence, meta=meta_bytes))):
             self._device.discard(key)
         if self._demoter is not None:
-            if to_host or to_disk:  # replaces the host entry now, the disk value in queue order
-                self._demoter.submit(key, tensor, fence, meta_bytes, to_disk=to_disk)
+            if to_host or to_disk or to_remote:  # the host entry now, disk/remote in queue order
+                self._demoter.submit(key, tensor, fence, meta_bytes, to_disk=to_disk,
+                                     to_remote=to_remote)
             else:
                 self._demoter.cancel(key)
 
@@ -190,7 +208,8 @@ class FeatureCache:
         return self.acquire(key) or _NoLease()
 
     def __contains__(self, key: object) -> bool:
-        """Whether any tier (or the way down) holds ``key``; counts nothing, promotes nothing."""
+        """Whether any local tier (or the way down) holds ``key``; counts nothing, promotes
+        nothing, and does not ask the remote tier (no network call)."""
         if not isinstance(key, bytes) or self._closed:
             return False
         if (
@@ -207,7 +226,7 @@ class FeatureCache:
         return pending is not None if queued else self._disk.contains(key)
 
     def discard(self, key: bytes) -> None:
-        """Remove ``key`` from every tier (from disk asynchronously, through the writer).
+        """Remove ``key`` from every tier (from disk and remote asynchronously, in queue order).
 
         A put of ``key`` still on its way down is cancelled, or deleted after it lands: no tier
         serves the key afterwards, also after a reopen.
@@ -223,14 +242,15 @@ class FeatureCache:
 
     def count(self, section: str, event: str, n: int = 1) -> None:
         """Count an integration's event; it appears as ``stats()[section][event]``."""
-        if section in ("device", "host", "disk", "cache"):
+        if section in ("device", "host", "disk", "cache", "remote"):
             raise ValueError(f"section {section!r} is reserved for the cache's own counters")
         with self._counts_lock:
             self._events.setdefault(section, Counter())[event] += n
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per-tier counters and sizes (``device``, ``host``, ``disk``), cache-wide ones
-        (``cache``), and one section per integration that counted events (e.g. ``lmdeploy``)."""
+        (``cache``), ``remote`` when a remote tier is configured (docs/tuning.md), and one
+        section per integration that counted events (e.g. ``lmdeploy``)."""
         with self._counts_lock:
             counts = dict(self._counts)
             events = {section: dict(c) for section, c in self._events.items()}
@@ -248,6 +268,7 @@ class FeatureCache:
                 "worker_errors": sum(w.errors for w in self._workers()),
                 "workers_alive": int(all(w.alive for w in self._workers())),
             },
+            **self._remote_stats(),
             **events,
         }
 
@@ -263,6 +284,8 @@ class FeatureCache:
             self._host.close()
         if self._disk is not None:
             self._disk.close()
+        if self._remote is not None:
+            self._remote.close()
 
     def __enter__(self) -> FeatureCache:
         return self
@@ -274,7 +297,8 @@ class FeatureCache:
         c = self.config
         return (
             f"FeatureCache(device={str(self.device)!r}, device_bytes={c.device_bytes}, "
-            f"host_bytes={c.host_bytes}, disk_path={c.disk_path!r}, disk_bytes={c.disk_bytes})"
+            f"host_bytes={c.host_bytes}, disk_path={c.disk_path!r}, disk_bytes={c.disk_bytes}"
+            + (f", remote_url={c.remote_url_redacted!r})" if c.remote_url is not None else ")")
         )
 
     # -- lookups and promotion -----------------------------------------------------------------
@@ -296,7 +320,11 @@ class FeatureCache:
             if entry is not None:
                 return self._promote(key, entry, pin)
         if self._disk is not None:
-            return self._from_disk(key, pin)
+            entry = self._from_disk(key, pin)
+            if entry is not None:
+                return entry
+        if self._remote is not None:
+            return self._from_remote(key, pin)
         return None
 
     def _from_disk(self, key: bytes, pin: bool) -> Entry | None:
@@ -307,6 +335,30 @@ class FeatureCache:
             return self._promote(key, pending, pin)
         if queued:
             return None  # a discard is queued: what the disk holds is stale
+        disk = self._disk
+        entry = self._load(key, pin, lambda alloc: disk.get(key, alloc))
+        if entry is not None:
+            self._writer.touch(key)
+        return entry
+
+    def _from_remote(self, key: bytes, pin: bool) -> Entry | None:
+        """A local miss: read the remote tier (bounded by ``remote_timeout_ms``), unless a publish
+        or delete of ``key`` is still queued here (then that decides)."""
+        assert self._remote is not None and self._publisher is not None
+        queued, pending = self._publisher.pending(key)  # its block, if any, comes retained
+        if pending is not None:
+            self._count("inflight_hits")
+            return self._promote(key, pending, pin)
+        if queued:
+            return None  # a delete is queued: what the server holds must not be served
+        remote = self._remote
+        return self._load(key, pin, lambda alloc: remote.get(key, alloc))
+
+    def _load(
+        self, key: bytes, pin: bool, read: Callable[[Callable[[int], torch.Tensor]], Entry | None]
+    ) -> Entry | None:
+        """``read(alloc)`` a verified entry from disk or remote into a host block (kept in the
+        host tier; a staging buffer without one), then promote it to the device."""
         blocks: list[Block] = []
 
         def alloc(nbytes: int) -> torch.Tensor:
@@ -317,7 +369,7 @@ class FeatureCache:
             return block.tensor
 
         try:
-            entry = self._disk.get(key, alloc)
+            entry = read(alloc)
         except BaseException:
             for block in blocks:
                 self._host.release(block)  # type: ignore[union-attr]
@@ -326,7 +378,6 @@ class FeatureCache:
             for block in blocks:  # alloc ran but the read failed afterwards
                 self._host.release(block)  # type: ignore[union-attr]
             return None
-        self._writer.touch(key)
         if blocks:
             assert self._host is not None
             entry.block = blocks[0]
@@ -381,8 +432,18 @@ class FeatureCache:
         if self._writer is not None:
             self._writer.discard(key)
 
+    def _drop_remote(self, key: bytes) -> None:
+        """A corrupt or incomplete remote entry: delete it on the server, in the background."""
+        if self._publisher is not None:
+            self._publisher.discard(key)
+
+    def _remote_stats(self) -> dict[str, dict[str, int]]:
+        if self._remote is None or self._publisher is None:
+            return {}
+        return {"remote": {**self._remote.stats(), "publish_queue": self._publisher.depth}}
+
     def _workers(self) -> list[Any]:
-        return [w for w in (self._demoter, self._writer) if w is not None]
+        return [w for w in (self._demoter, self._writer, self._publisher) if w is not None]
 
     def _count(self, name: str) -> None:
         with self._counts_lock:

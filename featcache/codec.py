@@ -101,9 +101,24 @@ def encode(
     dtype: torch.dtype, shape: tuple[int, ...], payload: memoryview | bytes, meta: bytes = b""
 ) -> bytes:
     """Header, metadata and payload as one bytes value (one copy of the payload)."""
+    return b"".join((lead(dtype, shape, payload, meta), payload))
+
+
+def lead(
+    dtype: torch.dtype, shape: tuple[int, ...], payload: memoryview | bytes, meta: bytes = b""
+) -> bytes:
+    """The value's bytes before the payload (header + metadata): ``lead + payload`` is the value
+    ``encode`` returns, for writers that send the payload from where it lies (no copy)."""
     nbytes = memoryview(payload).nbytes
     prefix = _prefix(dtype, shape, len(meta), nbytes)
-    return b"".join((prefix, checksum(prefix, meta, payload), meta, payload))
+    return b"".join((prefix, checksum(prefix, meta, payload), meta))
+
+
+def meta_len(value_head: memoryview | bytes) -> int:
+    """The ``meta_len`` field of a header (no validation: ``verify`` the whole value after)."""
+    if memoryview(value_head).nbytes < HEADER.size:
+        raise CorruptEntryError("value shorter than a header")
+    return int(HEADER.unpack_from(value_head)[4])
 
 
 PAYLOAD_ALIGN = 64  # bytes; where a framed payload starts inside its buffer

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
 
 import torch
 
@@ -19,7 +21,22 @@ DEFAULTS: dict[str, int | str | bool | None] = {
     "demote_queue_entries": 64,
     "disk_queue_entries": 64,
     "disk_sync": True,
+    # The remote tier (Redis/Valkey; docs/tuning.md "Remote tier"); off while remote_url is None.
+    "remote_url": None,
+    "remote_prefix": "featcache",
+    "remote_ttl_s": 7 * 24 * 3600,
+    "remote_chunk_bytes": "4MiB",
+    "remote_timeout_ms": 250,
+    "remote_breaker_failures": 3,
+    "remote_breaker_cooldown_ms": 5000,
+    "remote_queue_entries": 16,
+    "remote_tls_ca_file": None,
+    "remote_tls_cert_file": None,
+    "remote_tls_key_file": None,
 }
+
+# URL schemes of the remote tier: one server (redis-py's own forms) or a Redis Cluster (any node).
+REMOTE_SCHEMES = ("redis", "rediss", "unix", "redis-cluster", "rediss-cluster")
 
 
 ENV_DIR = "FEATCACHE_DIR"
@@ -47,20 +64,60 @@ class CacheConfig:
     demote_queue_entries: int = 64  # device->host copies waiting; beyond this, copies are dropped
     disk_queue_entries: int = 64  # disk writes waiting; beyond this, writes are dropped
     disk_sync: bool = True  # fsync each disk transaction (metadata sync is always off)
+    remote_url: str | None = field(default=None, repr=False)  # may hold a password: never shown
+    remote_prefix: str = "featcache"  # namespace of this cache's keys on the server (per model)
+    remote_ttl_s: int = 7 * 24 * 3600  # lifetime of a published entry; 0: none (eviction only)
+    remote_chunk_bytes: int = 4 << 20  # values larger than this are split into chunks this size
+    remote_timeout_ms: int = 250  # connect and socket timeout of every remote call
+    remote_breaker_failures: int = 3  # consecutive failed calls that open the breaker
+    remote_breaker_cooldown_ms: int = 5000  # remote skipped this long, then one trial call
+    remote_queue_entries: int = 16  # publishes waiting; beyond this, publishes are dropped
+    remote_tls_ca_file: str | None = None  # rediss: CA bundle to verify the server with
+    remote_tls_cert_file: str | None = None  # rediss: client certificate (mutual TLS)
+    remote_tls_key_file: str | None = None  # rediss: the client certificate's key
 
     def __post_init__(self) -> None:
         for name in ("device_bytes", "host_bytes", "disk_bytes", "host_slab_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative number of bytes, got {value!r}")
-        for name in ("demote_queue_entries", "disk_queue_entries"):
+        for name in ("demote_queue_entries", "disk_queue_entries", "remote_queue_entries",
+                     "remote_breaker_failures"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        self._check_remote()
         device = torch.device(self.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} asked for, but CUDA is not available here")
         if device.type not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'cuda[:N]' or 'cpu', not {self.device!r}")
+
+    @property
+    def remote_url_redacted(self) -> str | None:
+        """``remote_url`` with its password replaced by ``***`` (for logs, repr and errors)."""
+        return redact_url(self.remote_url) if self.remote_url is not None else None
+
+    def _check_remote(self) -> None:
+        url = self.remote_url
+        if url is not None:
+            scheme = urlsplit(url).scheme if isinstance(url, str) else None
+            if scheme not in REMOTE_SCHEMES:
+                raise ValueError(
+                    f"remote_url must start with one of {', '.join(s + '://' for s in REMOTE_SCHEMES)}"
+                    f", not {redact_url(str(url))!r}"
+                )
+            tls = (self.remote_tls_ca_file, self.remote_tls_cert_file, self.remote_tls_key_file)
+            if any(tls) and not str(scheme).startswith("rediss"):
+                raise ValueError("remote_tls_* options need a rediss:// (TLS) remote_url")
+        if not re.fullmatch(r"[A-Za-z0-9_.:/-]{1,128}", self.remote_prefix):
+            raise ValueError("remote_prefix must be 1-128 characters of A-Z a-z 0-9 _ . : / - "
+                             f"(no braces: they pick Redis Cluster slots), not {self.remote_prefix!r}")
+        if self.remote_ttl_s < 0:
+            raise ValueError("remote_ttl_s must be >= 0 (0: entries do not expire)")
+        if self.remote_chunk_bytes < 4096:
+            raise ValueError("remote_chunk_bytes must be at least 4KiB")
+        if self.remote_timeout_ms < 1 or self.remote_breaker_cooldown_ms < 0:
+            raise ValueError("remote_timeout_ms must be >= 1 and remote_breaker_cooldown_ms >= 0")
 
     @classmethod
     def create(
@@ -70,7 +127,7 @@ class CacheConfig:
         host_bytes: int | str | None = None,
         disk_path: str | os.PathLike[str] | None = None,
         disk_bytes: int | str | None = None,
-        **options: int | str | bool,
+        **options: int | str | bool | None,
     ) -> CacheConfig:
         """Build a config from user values: sizes as ints or strings like "2GiB"; None = default."""
         def size(name: str, value: int | str | None) -> int:
@@ -92,3 +149,13 @@ class CacheConfig:
             disk_bytes=size("disk_bytes", disk_bytes),
             **extra,  # type: ignore[arg-type]
         )
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its password (``redis://user:***@host:6379/0``); other parts kept."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))

@@ -1,16 +1,20 @@
-"""All of featcache's asynchrony: the demotion thread and the disk-writer thread.
+"""All of featcache's asynchrony: the demotion, disk-writer and remote-publisher threads.
 
 Every entry put in the cache is copied down (write-through) in the background:
 
     put --(bounded queue)--> demotion thread: D2H copy into a host block, on the copy stream
         --(queue, puts bounded)--> disk-writer thread: wait for the copy, encode, one LMDB txn
                                    per batch, applying puts, touches and discards in queue order
+        --(queue, puts bounded)--> remote publisher thread: wait for the copy, publish to Redis
+                                   (chunks, then the head), applying puts and discards in order
 
 Overload policy: the demotion queue holds at most ``demote_queue_entries`` jobs and the writer's
 queue at most ``disk_queue_entries`` pending puts (discards are tiny and always queued). A job
 over the limit is dropped (counted as a ``drop`` on the tier it was headed for) instead of
 blocking ``put``; the entry stays in the tiers above. LRU touches (recency hints of disk reads)
-are skipped while the writer's queue holds ``TOUCH_QUEUE_LIMIT`` jobs.
+are skipped while the writer's queue holds ``TOUCH_QUEUE_LIMIT`` jobs. The publisher holds at
+most ``remote_queue_entries`` pending publishes; one over the limit is dropped and counted
+(``stats()["remote"]["publish_dropped"]``), and the server keeps what it held for the key.
 
 Invariants:
 - the disk never keeps a value older than the last put or discard of its key: a put that does
@@ -19,6 +23,9 @@ Invariants:
   take the demoter's lock, and the demotion thread checks for cancellation under that lock right
   before it hands the host copy to the host tier and the writer: so a discard either cancels a
   put or lands after it in the writer's queue;
+- the remote tier keeps the last value *published* for a key: a put whose publish is dropped or
+  fails leaves the server's value as it was (for content keys, the same features computed by
+  another replica); a ``discard`` or a put that fits no local tier queues a remote delete;
 - each queue keeps an in-flight map (key -> its latest queued job) so a ``get`` sees entries
   still on their way down (read-your-writes) and never reads a disk value with a discard queued.
 
@@ -46,6 +53,7 @@ from .hostpool import Block, HostPool
 from .tiers.base import Entry
 from .tiers.disk import DiskOp, DiskTier
 from .tiers.host import HostTier
+from .tiers.remote import RemoteTier
 
 log = logging.getLogger("featcache")
 
@@ -59,6 +67,7 @@ class _Demotion:
     fence: Any  # producer's event
     meta: bytes
     to_disk: bool  # False: the entry is too large for the disk; its key is deleted there
+    to_remote: bool = False  # publish it to the remote tier
     cancelled: bool = False  # set under the demoter's lock by a later put or a discard of key
 
 
@@ -291,6 +300,86 @@ class DiskWriter(_Worker):
             self._pool.release(job.entry.block)
 
 
+class RemotePublisher(_Worker):
+    """The single writer of the remote tier, off the request path: publishes host entries and
+    applies remote deletes, in queue order.
+
+    Its queue is unbounded, but at most ``max_puts`` publishes are pending at a time: one over the
+    limit is dropped (counted as ``publish_dropped``). Deletes are small and always queued. While
+    the remote tier's breaker is open, each job fails at once (counted), so the queue drains.
+    """
+
+    def __init__(self, remote: RemoteTier, copier: Copier, pool: HostPool | None, max_puts: int) -> None:
+        self.remote = remote
+        self._copier = copier
+        self._pool = pool  # the host pool whose blocks pending publishes reference, if any
+        self._max_puts = max(1, max_puts)
+        self._puts = 0
+        self._latest: dict[bytes, _DiskPut | _DiskMark] = {}  # key -> its last queued job
+        self._lock = threading.Lock()
+        super().__init__("featcache-remote-publisher", 0)
+
+    def submit(self, key: bytes, entry: Entry) -> bool:
+        """Queue a publish of ``entry`` (the publisher takes over its block reference); False if
+        dropped (counted)."""
+        job = _DiskPut(key, entry)
+        with self._lock:
+            if self._puts < self._max_puts and self._enqueue(job):
+                self._puts += 1
+                return True
+        self._release(job)
+        self.remote.count("publish_dropped")
+        return False
+
+    def discard(self, key: bytes) -> None:
+        """Delete ``key`` on the server after every publish of it queued so far."""
+        with self._lock:
+            self._enqueue(_DiskMark("discard", key))
+
+    def _enqueue(self, item: _DiskPut | _DiskMark) -> bool:
+        # Under self._lock: the in-flight map and the queue order agree.
+        if not self._offer(item):
+            return False
+        self._latest[item.key] = item
+        return True
+
+    def pending(self, key: bytes) -> tuple[bool, Entry | None]:
+        """Like ``DiskWriter.pending``: (False, None) nothing queued; (True, entry) a publish not
+        yet done (an extra block reference for the caller to release); (True, None) a delete is
+        queued, so the server's value must not be read."""
+        with self._lock:
+            item = self._latest.get(key)
+            if item is None:
+                return False, None
+            if isinstance(item, _DiskMark):
+                return True, None
+            if item.entry.block is not None:
+                assert self._pool is not None
+                self._pool.retain(item.entry.block)
+            return True, item.entry
+
+    def _handle(self, item: _DiskPut | _DiskMark) -> None:
+        try:
+            if isinstance(item, _DiskMark):
+                self.remote.discard(item.key)
+            else:
+                self._copier.wait(item.entry.fence)
+                self.remote.put(item.key, item.entry)
+        finally:
+            with self._lock:
+                if self._latest.get(item.key) is item:
+                    del self._latest[item.key]
+                if isinstance(item, _DiskPut):
+                    self._puts -= 1
+            if isinstance(item, _DiskPut):
+                self._release(item)
+
+    def _release(self, job: _DiskPut) -> None:
+        if job.entry.block is not None:
+            assert self._pool is not None
+            self._pool.release(job.entry.block)
+
+
 class Demoter(_Worker):
     """Copies put entries down to the host tier and hands them to the disk writer."""
 
@@ -300,21 +389,24 @@ class Demoter(_Worker):
         host: HostTier | None,
         writer: DiskWriter | None,
         maxsize: int,
+        publisher: RemotePublisher | None = None,
     ) -> None:
         self._copier = copier
         self.host = host
         self.writer = writer
+        self.publisher = publisher
         self._pending: dict[bytes, _Demotion] = {}
         self._lock = threading.Lock()
         super().__init__("featcache-demoter", max(1, maxsize))
 
     def submit(
-        self, key: bytes, tensor: torch.Tensor, fence: Any, meta: bytes = b"", to_disk: bool = True
+        self, key: bytes, tensor: torch.Tensor, fence: Any, meta: bytes = b"", to_disk: bool = True,
+        to_remote: bool = False,
     ) -> bool:
         """Queue ``tensor`` for the tiers below, replacing what they hold for ``key`` (the host
         entry goes now; the disk value when the put lands). False if the queue is full: the job
-        is dropped and the key deleted below (``cancel``)."""
-        job = _Demotion(key, tensor, fence, meta, to_disk)
+        is dropped and the key deleted from host and disk (the remote keeps its value)."""
+        job = _Demotion(key, tensor, fence, meta, to_disk, to_remote)
         with self._lock:
             self._cancel(key)
             if self._offer(job):
@@ -326,15 +418,20 @@ class Demoter(_Worker):
             self.host.count_drop()
         if self.writer is not None and to_disk:
             self.writer.disk.count_drops()
+        if self.publisher is not None and to_remote:
+            self.publisher.remote.count("publish_dropped")
         return False
 
     def cancel(self, key: bytes) -> None:
         """Remove ``key`` below the device tier: a demotion not yet handed down is cancelled,
-        the host entry dropped, and a disk delete queued after any put of it already queued."""
+        the host entry dropped, and a disk (and remote) delete queued after any put of it already
+        queued."""
         with self._lock:
             self._cancel(key)
             if self.writer is not None:
                 self.writer.discard(key)
+            if self.publisher is not None:
+                self.publisher.discard(key)
 
     def _cancel(self, key: bytes) -> None:
         # Under self._lock.
@@ -371,7 +468,7 @@ class Demoter(_Worker):
             self.host.reserve(offset + nbytes) if self.host is not None else None)
         if block is not None:
             buffer = block.tensor
-        elif self.writer is not None and job.to_disk:
+        elif (self.writer is not None and job.to_disk) or (self.publisher is not None and job.to_remote):
             buffer = owned_empty(offset + nbytes, torch.device("cpu"), pin=self._copier.pin)
         else:
             if self.host is not None and self.host.fits(nbytes):
@@ -399,12 +496,16 @@ class Demoter(_Worker):
                 assert self.host is not None
                 if self.writer is not None and job.to_disk:
                     self.host.pool.retain(block)  # the disk write reads it after the tier may evict
+                if self.publisher is not None and job.to_remote:
+                    self.host.pool.retain(block)  # and so does the publish
                 self.host.put(job.key, host_entry)
             if self.writer is not None:
                 if job.to_disk:
                     self.writer.submit(job.key, host_entry)
                 else:
                     self.writer.discard(job.key)
+            if self.publisher is not None and job.to_remote:
+                self.publisher.submit(job.key, host_entry)
         return True
 
     def flush(self) -> None:
@@ -412,9 +513,13 @@ class Demoter(_Worker):
         self._copier.synchronize()
         if self.writer is not None:
             self.writer.join_queue()
+        if self.publisher is not None:
+            self.publisher.join_queue()
 
     def close(self) -> None:
         self.flush()
         self.stop()
         if self.writer is not None:
             self.writer.stop()
+        if self.publisher is not None:
+            self.publisher.stop()

@@ -15,6 +15,10 @@ What is exported (all per process, since the cache was built; ``tier`` is device
   promotions,worker_errors}_total`` counters, ``featcache_{demote,disk}_queue_depth`` and
   ``featcache_workers_alive`` gauges (``stats()["cache"]``; other keys: ``featcache_<name>``,
   untyped);
+- ``featcache_remote_<name>_total`` counters of the remote tier (``stats()["remote"]``, present
+  when a ``remote_url`` is set: hits, misses, corrupt, incomplete, errors, timeouts, published,
+  publish_dropped, bytes_read, ...) and ``featcache_remote_{breaker_open,publish_queue,enabled}``
+  gauges;
 - ``featcache_<section>_<event>_total`` counters for each integration section of ``stats()``
   (e.g. ``featcache_lmdeploy_hits_total`` from ``stats()["lmdeploy"]["hits"]``);
 - ``featcache_lookup_seconds{method="get"|"acquire",result="hit"|"miss"}``: a histogram of the
@@ -82,7 +86,12 @@ _CACHE_GAUGES = {
     "disk_queue": ("featcache_disk_queue_depth", "Disk writes waiting."),
     "workers_alive": ("featcache_workers_alive", "1 if every background thread is alive."),
 }
-_SKIPPED_CACHE = ("gets", "hits", "misses")  # exported as featcache_lookups_total{result}
+_SKIPPED_CACHE = ("gets", "hits", "misses")
+_REMOTE_GAUGES = {
+    "breaker_open": "1 while the remote tier is skipped (its circuit breaker is open).",
+    "publish_queue": "Publishes to the remote tier waiting.",
+    "enabled": "1: a remote tier is configured.",
+}  # exported as featcache_lookups_total{result}
 
 
 @dataclass(frozen=True)
@@ -243,9 +252,13 @@ def families(cache: FeatureCache) -> list[Family]:
         if section in _CORE_SECTIONS:
             continue
         for event, value in events.items():
+            if section == "remote" and event in _REMOTE_GAUGES:
+                add(f"featcache_remote_{event}", "gauge", _REMOTE_GAUGES[event], value)
+                continue
             metric = f"featcache_{_sanitise(section)}_{_sanitise(event)}_total"
             if metric not in out:  # an integration never overrides the cache's own families
-                add(metric, "counter", f"Events counted by the {section} integration: {event}.", value)
+                what = "the remote tier" if section == "remote" else f"the {section} integration"
+                add(metric, "counter", f"Events counted by {what}: {event}.", value)
 
     recorder = recorder_of(cache)
     if recorder is not None:
