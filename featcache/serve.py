@@ -1,7 +1,7 @@
 """``featcache serve``: lmdeploy's OpenAI-compatible api_server with featcache wrapped in.
 
     featcache serve MODEL [--cache-dir DIR] [--device-bytes N] [--host-bytes N] [--disk-bytes N]
-                          [--namespace NS] [any `lmdeploy serve api_server` option]
+                          [--remote-url URL] [--namespace NS] [any `lmdeploy serve api_server` option]
 
 lmdeploy's own argument parser and server code run (same flags, endpoints and behaviour), with
 featcache installed on the engine the server builds. Two differences, both logged at start:
@@ -44,6 +44,9 @@ def featcache_parser() -> argparse.ArgumentParser:
                           ("disk", "half the free space, at most 32GiB")]:
         g.add_argument(f"--{tier}-bytes", type=_bytes, metavar="N",
                        help=f"{tier} tier budget, e.g. 2GiB (default: {default})")
+    g.add_argument("--remote-url", metavar="URL",
+                   help="a shared remote tier: redis://[:password@]host:6379/0, rediss://..., "
+                   "redis-cluster://node:port (default: none; docs/tuning.md)")
     g.add_argument("--namespace", metavar="NS",
                    help="key namespace (default: derived from the model, its dtype and version)")
     return p
@@ -88,7 +91,8 @@ def main(argv: list[str]) -> int:
         backend = autoget_backend(args.model_path, trust_remote_code=args.trust_remote_code)
     cache = default_cache(path=ours.cache_dir, device_bytes=ours.device_bytes,
                           host_bytes=ours.host_bytes, disk_bytes=ours.disk_bytes,
-                          host_only=backend == "turbomind")  # TurboMind takes host tensors
+                          host_only=backend == "turbomind",  # TurboMind takes host tensors
+                          remote_url=ours.remote_url)
     collector = _export_metrics(cache) if not args.disable_metrics else None
     try:
         with featcache_engine(cache, ours.namespace):

@@ -197,3 +197,21 @@ def test_warm_keys_files_as_a_server_keys_the_same_bytes(model, tmp_path):
 
         gc.collect()
         cache.close()
+
+
+def test_serve_remote_url_reaches_the_cache_and_its_password_stays_out_of_logs(served, tmp_path,
+                                                                             caplog):
+    import _redis
+
+    pytest.importorskip("redis")
+    srv = _redis.RedisServer(_redis.redis_binary(), tmp_path, None, "--requirepass", "s3cret")
+    try:
+        url = srv.url.replace("redis://", "redis://:s3cret@")
+        seen = served("--remote-url", url)
+        assert seen["rc"] == 0
+        [engine] = StandInEngine.built
+        cache = engine.featcache
+        assert cache.config.remote_url == url and "remote" in cache.stats()
+        assert "s3cret" not in repr(cache) and "s3cret" not in caplog.text
+    finally:
+        srv.kill()

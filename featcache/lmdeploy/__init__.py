@@ -35,14 +35,15 @@ log = logging.getLogger("featcache")
 
 def default_cache(*, path: str | None = None, device_bytes: int | None = None,
                   host_bytes: int | None = None, disk_bytes: int | None = None,
-                  host_only: bool = False) -> FeatureCache:
+                  host_only: bool = False, remote_url: str | None = None) -> FeatureCache:
     """The cache ``pipeline(cache=None)`` builds; each argument overrides one default.
 
     device tier: 4% of the GPU's free memory, at most 2 GiB (lmdeploy takes most of the rest for
     its KV cache); host tier: 10% of RAM, at most 8 GiB; disk tier: ``$FEATCACHE_DIR`` or
     ``~/.cache/featcache``, 32 GiB or half the free space there, whichever is smaller.
     ``host_only=True`` (TurboMind, which takes host tensors): the host budget is the device tier,
-    on the CPU, and there is no separate host tier.
+    on the CPU, and there is no separate host tier. ``remote_url``: a shared remote tier (Redis or
+    Valkey, docs/tuning.md), off by default.
     """
     if host_bytes is None:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -58,9 +59,9 @@ def default_cache(*, path: str | None = None, device_bytes: int | None = None,
         disk_bytes = min(32 << 30, st.f_bavail * st.f_frsize // 2)
     if host_only:
         return FeatureCache(device="cpu", device_bytes=host_bytes, host_bytes=0, disk_path=path,
-                            disk_bytes=disk_bytes)
+                            disk_bytes=disk_bytes, remote_url=remote_url)
     return FeatureCache(device_bytes=device_bytes, host_bytes=host_bytes,
-                        disk_path=path, disk_bytes=disk_bytes)
+                        disk_path=path, disk_bytes=disk_bytes, remote_url=remote_url)
 
 
 def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: str | None = None,
