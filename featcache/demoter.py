@@ -152,7 +152,68 @@ class _Worker:
             self._thread.join()
 
 
-class DiskWriter(_Worker):
+class _Writer(_Worker):
+    """A single writer thread of one lower tier (disk, remote): the in-flight map of the last job
+    queued per key (read-your-writes for ``pending``), and the count of queued puts, whose block
+    references it holds until each put is done."""
+
+    def __init__(self, name: str, copier: Copier, pool: HostPool | None, max_puts: int) -> None:
+        self._copier = copier
+        self._pool = pool  # the host pool whose blocks pending puts reference, if any
+        self._max_puts = max(1, max_puts)
+        self._puts = 0  # puts queued or being written
+        self._latest: dict[bytes, _DiskPut | _DiskMark] = {}  # key -> its last queued put/discard
+        self._lock = threading.Lock()
+        super().__init__(name, 0)
+
+    def _enqueue(self, item: _DiskPut | _DiskMark) -> bool:
+        # Under self._lock: the in-flight map and the queue order agree.
+        if not self._offer(item):
+            if isinstance(item, _DiskMark) and item.kind == "discard":
+                # Only a dead thread refuses a discard (the queue is unbounded): the delete
+                # can never run, so it stays in the in-flight map and the tier's value of the
+                # key is never served again by this process.
+                self._latest[item.key] = item
+            return False
+        if not (isinstance(item, _DiskMark) and item.kind == "touch"):
+            self._latest[item.key] = item
+        return True
+
+    def pending(self, key: bytes) -> tuple[bool, Entry | None]:
+        """What the queue will leave in the tier for ``key``.
+
+        ``(False, None)``: nothing queued for it. ``(True, entry)``: a put not yet written, with
+        an extra reference on its block that the caller releases. ``(True, None)``: a discard is
+        queued, so the tier's value, if any, must not be served.
+        """
+        with self._lock:
+            item = self._latest.get(key)
+            if item is None:
+                return False, None
+            if isinstance(item, _DiskMark):
+                return True, None
+            if item.entry.block is not None:
+                assert self._pool is not None
+                self._pool.retain(item.entry.block)
+            return True, item.entry
+
+    def _done(self, item: _DiskPut | _DiskMark) -> None:
+        with self._lock:
+            if self._latest.get(item.key) is item:
+                del self._latest[item.key]
+            if isinstance(item, _DiskPut):
+                self._puts -= 1
+        if isinstance(item, _DiskPut):
+            self._release(item)
+
+    def _release(self, job: _DiskPut) -> None:
+        if job.entry.block is not None:
+            assert self._pool is not None
+            self._pool.release(job.entry.block)
+
+
+
+class DiskWriter(_Writer):
     """The single writer of a disk tier: batches puts, touches and discards into transactions.
 
     Its queue is unbounded, but at most ``max_puts`` puts are pending (queued or being written)
@@ -165,14 +226,8 @@ class DiskWriter(_Worker):
 
     def __init__(self, disk: DiskTier, copier: Copier, pool: HostPool | None, max_puts: int) -> None:
         self.disk = disk
-        self._copier = copier
-        self._pool = pool  # the host pool whose blocks pending puts reference, if any
-        self._max_puts = max(1, max_puts)
-        self._puts = 0  # puts queued or being written
-        self._latest: dict[bytes, _DiskPut | _DiskMark] = {}  # key -> its last queued put/discard
-        self._lock = threading.Lock()
         self.touches_skipped = 0
-        super().__init__("featcache-disk-writer", 0)
+        super().__init__("featcache-disk-writer", copier, pool, max_puts)
 
     def submit(self, key: bytes, entry: Entry) -> bool:
         """Queue a put of ``entry`` (the writer takes over its block reference); False if dropped,
@@ -200,37 +255,6 @@ class DiskWriter(_Worker):
         """Delete ``key`` from disk after every put of it queued so far."""
         with self._lock:
             self._enqueue(_DiskMark("discard", key))
-
-    def _enqueue(self, item: _DiskPut | _DiskMark) -> bool:
-        # Under self._lock: the in-flight map and the queue order agree.
-        if not self._offer(item):
-            if isinstance(item, _DiskMark) and item.kind == "discard":
-                # Only a dead thread refuses a discard (the queue is unbounded): the delete
-                # can never run, so it stays in the in-flight map and the disk's value of the
-                # key is never served again by this process.
-                self._latest[item.key] = item
-            return False
-        if not (isinstance(item, _DiskMark) and item.kind == "touch"):
-            self._latest[item.key] = item
-        return True
-
-    def pending(self, key: bytes) -> tuple[bool, Entry | None]:
-        """What the queue will leave on disk for ``key``.
-
-        ``(False, None)``: nothing queued for it. ``(True, entry)``: a put not yet written, with
-        an extra reference on its block that the caller releases. ``(True, None)``: a discard is
-        queued, so the value on disk, if any, must not be served.
-        """
-        with self._lock:
-            item = self._latest.get(key)
-            if item is None:
-                return False, None
-            if isinstance(item, _DiskMark):
-                return True, None
-            if item.entry.block is not None:
-                assert self._pool is not None
-                self._pool.retain(item.entry.block)
-            return True, item.entry
 
     def _handle(self, item: Any) -> None:
         batch = [item]
@@ -285,22 +309,7 @@ class DiskWriter(_Worker):
         codec.encode_in_place(frame, tensor.dtype, tuple(tensor.shape), entry.meta)
         return frame
 
-    def _done(self, item: _DiskPut | _DiskMark) -> None:
-        with self._lock:
-            if self._latest.get(item.key) is item:
-                del self._latest[item.key]
-            if isinstance(item, _DiskPut):
-                self._puts -= 1
-        if isinstance(item, _DiskPut):
-            self._release(item)
-
-    def _release(self, job: _DiskPut) -> None:
-        if job.entry.block is not None:
-            assert self._pool is not None
-            self._pool.release(job.entry.block)
-
-
-class RemotePublisher(_Worker):
+class RemotePublisher(_Writer):
     """The single writer of the remote tier, off the request path: publishes host entries and
     applies remote deletes, in queue order.
 
@@ -311,13 +320,7 @@ class RemotePublisher(_Worker):
 
     def __init__(self, remote: RemoteTier, copier: Copier, pool: HostPool | None, max_puts: int) -> None:
         self.remote = remote
-        self._copier = copier
-        self._pool = pool  # the host pool whose blocks pending publishes reference, if any
-        self._max_puts = max(1, max_puts)
-        self._puts = 0
-        self._latest: dict[bytes, _DiskPut | _DiskMark] = {}  # key -> its last queued job
-        self._lock = threading.Lock()
-        super().__init__("featcache-remote-publisher", 0)
+        super().__init__("featcache-remote-publisher", copier, pool, max_puts)
 
     def submit(self, key: bytes, entry: Entry) -> bool:
         """Queue a publish of ``entry`` (the publisher takes over its block reference); False if
@@ -336,28 +339,6 @@ class RemotePublisher(_Worker):
         with self._lock:
             self._enqueue(_DiskMark("discard", key))
 
-    def _enqueue(self, item: _DiskPut | _DiskMark) -> bool:
-        # Under self._lock: the in-flight map and the queue order agree.
-        if not self._offer(item):
-            return False
-        self._latest[item.key] = item
-        return True
-
-    def pending(self, key: bytes) -> tuple[bool, Entry | None]:
-        """Like ``DiskWriter.pending``: (False, None) nothing queued; (True, entry) a publish not
-        yet done (an extra block reference for the caller to release); (True, None) a delete is
-        queued, so the server's value must not be read."""
-        with self._lock:
-            item = self._latest.get(key)
-            if item is None:
-                return False, None
-            if isinstance(item, _DiskMark):
-                return True, None
-            if item.entry.block is not None:
-                assert self._pool is not None
-                self._pool.retain(item.entry.block)
-            return True, item.entry
-
     def _handle(self, item: _DiskPut | _DiskMark) -> None:
         try:
             if isinstance(item, _DiskMark):
@@ -366,18 +347,7 @@ class RemotePublisher(_Worker):
                 self._copier.wait(item.entry.fence)
                 self.remote.put(item.key, item.entry)
         finally:
-            with self._lock:
-                if self._latest.get(item.key) is item:
-                    del self._latest[item.key]
-                if isinstance(item, _DiskPut):
-                    self._puts -= 1
-            if isinstance(item, _DiskPut):
-                self._release(item)
-
-    def _release(self, job: _DiskPut) -> None:
-        if job.entry.block is not None:
-            assert self._pool is not None
-            self._pool.release(job.entry.block)
+            self._done(item)
 
 
 class Demoter(_Worker):
