@@ -236,6 +236,14 @@ def first_token(pipe: Any, prompt: Any, gen: Any) -> tuple[float, Any]:
     return ttft, out
 
 
+def chat_turn(chat: int, turn: int, im: Any) -> dict[str, Any]:
+    """The user message of ``turn`` in chat ``chat``: the image comes with the first one."""
+    if turn == 0:
+        return dict(role="user", content=[dict(type="text", text=f"chat {chat}: describe this"),
+                                          dict(type="image_data", image_data=dict(data=im))])
+    return dict(role="user", content=f"and what about detail {turn}?")
+
+
 def chats(pipe: Any, gen: Any, size: tuple[int, int],
           count: int) -> tuple[list[list[float]], list[list[int]], Any]:
     """``count`` 4-turn chats, each resending its image (in its first user message) every turn:
@@ -248,12 +256,7 @@ def chats(pipe: Any, gen: Any, size: tuple[int, int],
         im = image(100 + c, size)
         hist: list[dict[str, Any]] = []
         for turn in range(4):
-            if turn == 0:
-                hist.append(dict(role="user", content=[
-                    dict(type="text", text=f"chat {c}: describe this"),
-                    dict(type="image_data", image_data=dict(data=im))]))
-            else:
-                hist.append(dict(role="user", content=f"and what about detail {turn}?"))
+            hist.append(chat_turn(c, turn, im))
             if gen.max_new_tokens == 1:
                 t = time.perf_counter()
                 out = pipe([hist], gen_config=gen)[0]
@@ -513,12 +516,7 @@ def floor(model: str, size: tuple[int, int], n: int) -> dict[str, Any]:
         hist: list[dict[str, Any]] = []
         turns, prev = [], None
         for turn in range(4):
-            if turn == 0:
-                hist.append(dict(role="user", content=[
-                    dict(type="text", text=f"chat {c}: describe this"),
-                    dict(type="image_data", image_data=dict(data=im))]))
-            else:
-                hist.append(dict(role="user", content=f"and what about detail {turn}?"))
+            hist.append(chat_turn(c, turn, im))
             r = run([hist])
             row = dict(wall_ms=round(r["wall_ms"], 2), preprocess_ms=round(r["preprocess_ms"], 2),
                        input_tokens=len(r["ids"]), cached=r["cached"],
