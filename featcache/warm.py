@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -83,9 +83,8 @@ def request(path: str, params: dict[str, Any]) -> list[dict[str, Any]]:
         {"type": "image_url", "image_url": {"url": path, **params}}]}]
 
 
-def main(args: argparse.Namespace, build: Callable[..., Any] | None = None) -> int:
-    """Run ``featcache warm``; ``build(model, cache, backend_config)`` makes the pipeline
-    (default: ``featcache.lmdeploy.pipeline``)."""
+def main(args: argparse.Namespace) -> int:
+    """Run ``featcache warm`` (see the module docstring); the exit code."""
     from lmdeploy import GenerationConfig, PytorchEngineConfig
 
     from .cli import ProgressBar
@@ -105,9 +104,12 @@ def main(args: argparse.Namespace, build: Callable[..., Any] | None = None) -> i
         print("featcache warm: error: no images (give IMAGE files or --from-dir DIR)", file=sys.stderr)
         return 2
     cache = default_cache(path=args.cache_dir, disk_bytes=disk_bytes)
-    config = PytorchEngineConfig(dtype=args.dtype, session_len=16384)
-    pipe = (build or (lambda m, c, b: pipeline(m, cache=c, backend_config=b, log_level="ERROR")))(
-        args.model, cache, config)
+    try:
+        pipe = pipeline(args.model, cache=cache, log_level="ERROR",
+                        backend_config=PytorchEngineConfig(dtype=args.dtype, session_len=16384))
+    except BaseException:
+        cache.close()
+        raise
     gen = GenerationConfig(max_new_tokens=1, do_sample=False)
     failed: list[str] = []
     start = time.perf_counter()
@@ -129,8 +131,8 @@ def main(args: argparse.Namespace, build: Callable[..., Any] | None = None) -> i
             bar.update(done, nbytes)
         bar.close(done, nbytes)
         cache.flush()
-        counts = cache.stats().get(SECTION, {})
-        disk = cache.stats().get("disk", {})
+        stats = cache.stats()
+        counts, disk = stats.get(SECTION, {}), stats.get("disk", {})
     finally:
         pipe.close()
         cache.close()
