@@ -34,7 +34,8 @@ USAGE = "featcache serve MODEL [featcache options] [lmdeploy serve api_server op
 
 
 def featcache_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="featcache serve", usage=USAGE, add_help=False,
+    # allow_abbrev=False: lmdeploy's own flags (e.g. --device) must not pass for prefixes of ours
+    p = argparse.ArgumentParser(prog="featcache serve", usage=USAGE, add_help=False, allow_abbrev=False,
                                 description=__doc__.split("\n\n")[0])
     g = p.add_argument_group("featcache options (the rest are lmdeploy's, listed below)")
     g.add_argument("--cache-dir", metavar="DIR",

@@ -122,6 +122,15 @@ def test_serve_metrics_off_and_refusals(served, capsys):
         assert StandInEngine.built == []
 
 
+def test_lmdeploys_flags_are_not_taken_for_prefixes_of_featcaches():
+    from featcache.serve import featcache_parser, lmdeploy_parser
+
+    ours, rest = featcache_parser().parse_known_args(["m", "--device", "cuda", "--disk-bytes", "1GiB"])
+    assert ours.device_bytes is None and ours.disk_bytes == 1 << 30
+    assert rest == ["m", "--device", "cuda"]
+    assert lmdeploy_parser().parse_args(rest).device == "cuda"
+
+
 def test_serve_help_lists_featcache_and_lmdeploy_options(capsys):
     assert cli(["serve", "--help"]) == 0
     out = capsys.readouterr().out
