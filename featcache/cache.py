@@ -8,7 +8,7 @@ Data flow:
 - ``put`` stores the tensor in the device tier (no copy) and queues it for write-through to the
   host and disk tiers (``Demoter``); it never waits for a copy or a disk write.
 - ``get`` looks in the device tier, then in what is still on its way down, then host, then disk.
-  A lower-tier hit is promoted: host bytes are copied to the device on a side stream (the returned
+  A lower-tier hit is promoted: host bytes are copied to the device on the caller's stream (the returned
   tensor is ordered before the caller's current stream's next work); a disk hit is verified,
   copied into a host block (kept in the host tier) and promoted the same way. A miss in every
   local tier reads the remote tier (one bounded, short-timeout network read; a remote hit is

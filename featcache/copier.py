@@ -1,13 +1,16 @@
 """Copies between the device and host, and the ordering that makes them safe.
 
-``CudaCopier`` runs device-to-host copies on one dedicated stream and host-to-device copies on
-another, ordered with events:
+``CudaCopier`` runs device-to-host copies (demotion, off the request path) on one dedicated
+stream, and host-to-device copies (promotion, on the request path) on the caller's stream,
+ordered with events:
 - a D2H copy waits for the producer's event (recorded at ``put`` on the producer's stream), and the
   source tensor is recorded on the copy stream so the caching allocator cannot reuse its memory
   before the copy has read it;
-- an H2D copy allocates its destination on the H2D stream, waits for the host bytes' fence, and the
-  caller's current stream waits for the copy's event: the returned tensor is safe to use on the
-  caller's stream with no host synchronisation;
+- an H2D copy is queued on the caller's current stream, after the host bytes' fence: the tensor is
+  needed there next, so a side stream would only add a hand-off (a stream switch, an event wait,
+  ``record_stream``: ~50 us of host time before the copy is queued, measured on an H200,
+  docs/benchmarks.md). Its event is the fence for reusing the host block and for users on other
+  streams (``ready``);
 - a tensor handed to a stream other than its producer's is recorded on that stream.
 
 ``SyncCopier`` is the same interface on the CPU: copies are synchronous and fences are None.
@@ -64,15 +67,15 @@ class SyncCopier:
 
 
 class CudaCopier:
-    """Copies for a CUDA device on dedicated side streams, ordered by events (never a device-wide
-    synchronisation on the request path)."""
+    """Copies for a CUDA device: D2H on a dedicated side stream, H2D on the caller's stream,
+    ordered by events (never a device-wide synchronisation on the request path)."""
 
     pin = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
         self.d2h_stream = torch.cuda.Stream(device=device)
-        self.h2d_stream = torch.cuda.Stream(device=device)
 
     def producer_fence(self) -> torch.cuda.Event:
         """An event on the caller's current stream: the put tensor is complete after it."""
@@ -94,23 +97,21 @@ class CudaCopier:
     def to_device(
         self, src: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], after: Any
     ) -> tuple[torch.Tensor, torch.cuda.Event]:
-        """Start copying host bytes to a new device tensor, ordered before the current stream's
-        next work. Returns the tensor and the copy's event (the fence for reusing ``src``)."""
-        current = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self.h2d_stream):
-            if after is not None:
-                self.h2d_stream.wait_event(after)
-            out = owned_empty(src.numel(), self.device)
-            out.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.h2d_stream)
-        current.wait_event(done)
-        out.record_stream(current)
+        """Queue a copy of host bytes into a new device tensor on the current stream (after
+        ``after``, the bytes' fence). Returns the tensor and the copy's event (the fence for
+        reusing ``src``, and for users on other streams)."""
+        current = torch.cuda.current_stream(self._index)
+        if after is not None:
+            current.wait_event(after)
+        out = owned_empty(src.numel(), self.device)  # allocated for the current stream
+        out.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(current)
         return out.view(dtype).view(shape), done
 
     def ready(self, tensor: torch.Tensor, fence: Any) -> None:
         """Make ``tensor`` (complete after ``fence``) safe to use on the caller's current stream."""
-        current = torch.cuda.current_stream(self.device)
+        current = torch.cuda.current_stream(self._index)
         if fence is not None:
             current.wait_event(fence)
         tensor.record_stream(current)
@@ -122,7 +123,6 @@ class CudaCopier:
 
     def synchronize(self) -> None:
         self.d2h_stream.synchronize()
-        self.h2d_stream.synchronize()
 
 
 Copier = SyncCopier | CudaCopier

@@ -1,4 +1,4 @@
-"""The real CUDA paths: side streams, events, pinned memory. Skipped without CUDA; run on the GPU
+"""The real CUDA paths: the D2H side stream, events, pinned memory. Skipped without CUDA; run on the GPU
 machine with ``pytest -m gpu``."""
 
 import pytest
@@ -93,7 +93,7 @@ def test_put_and_hits_never_synchronize_the_request_path(cache):
     try:
         cache.put(key(4), t.clone())
         out_device = cache.get(key(4))
-        out_host = cache.get(key(0))  # host hit: async H2D on the side stream
+        out_host = cache.get(key(0))  # host hit: async H2D on the caller's stream
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(out_device, t) and torch.equal(out_host, t)
