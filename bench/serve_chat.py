@@ -77,6 +77,8 @@ def main() -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--out", default="serve_out")
     p.add_argument("--eager", action="store_true", help="--eager-mode (faster start, no CUDA graphs)")
+    p.add_argument("--skip-warm", action="store_true",
+                   help="no `featcache warm` step (the first image is then computed on its turn 1)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     import base64
@@ -104,13 +106,13 @@ def main() -> int:
         stop(plain)
 
     store = os.path.join(args.out, "store")
-    t = time.monotonic()
-    warm = subprocess.run([py, "-m", "featcache", "warm", args.model, images["warmed"], "--cache-dir",
-                           store], capture_output=True, text=True, timeout=400)
-    print(warm.stdout, warm.stderr[-3000:], flush=True)
-    result["warm"] = {"rc": warm.returncode, "stdout": warm.stdout.strip(),
-                      "seconds": round(time.monotonic() - t, 1)}
-
+    if not args.skip_warm:
+        t = time.monotonic()
+        warm = subprocess.run([py, "-m", "featcache", "warm", args.model, images["warmed"], "--cache-dir",
+                               store], capture_output=True, text=True, timeout=400)
+        print(warm.stdout, warm.stderr[-3000:], flush=True)
+        result["warm"] = {"rc": warm.returncode, "stdout": warm.stdout.strip(),
+                          "seconds": round(time.monotonic() - t, 1)}
     fc = start([py, "-m", "featcache", "serve", args.model, "--cache-dir", store, "--server-port",
                 "23401", "--enable-prefix-caching", *common], 23401, os.path.join(args.out, "featcache.log"))
     try:
