@@ -99,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     store_dir(stats)
     stats.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    stats.add_argument("--remote-url", metavar="URL",
+                       help="also the shared remote tier on this Redis/Valkey server (entries under "
+                       "--remote-prefix, memory, eviction policy); without DIR, only it")
+    stats.add_argument("--remote-prefix", default="featcache", metavar="P",
+                       help="the caches' remote_prefix (default featcache)")
     no_lock(stats)
 
     ls = commands.add_parser(
@@ -260,6 +265,38 @@ PER_PROCESS_NOTE = (
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    remote = _remote_summary(args) if args.remote_url else None
+    if remote is not None and args.dir is None:  # the remote tier alone
+        if args.json:
+            print(json.dumps({"remote": remote}, indent=2))
+        else:
+            _print_remote(remote)
+        return EXIT_OK
+    code = _stats_store(args, remote)
+    return code
+
+
+def _remote_summary(args: argparse.Namespace) -> dict[str, Any]:
+    from .config import CacheConfig
+    from .tiers.remote import server_summary
+
+    return server_summary(CacheConfig.create(device="cpu", remote_url=args.remote_url,
+                                             remote_prefix=args.remote_prefix))
+
+
+def _print_remote(r: dict[str, Any]) -> None:
+    from .sizes import format_bytes
+
+    entries = f"{r['entries']}{'+' if r['entries_capped'] else ''}"
+    used = r["used_memory_bytes"]
+    cap = r["maxmemory_bytes"]
+    print(f"remote     {r['url']} (keys {r['prefix']}:*)")
+    print(f"  entries  {entries}")
+    print(f"  memory   {format_bytes(used) if used is not None else '?'} used by the server, maxmemory "
+          f"{format_bytes(cap) if cap else 'none'}, policy {r['maxmemory_policy']}")
+
+
+def _stats_store(args: argparse.Namespace, remote: dict[str, Any] | None) -> int:
     from .sizes import format_bytes
     from .storeview import StoreView
 
@@ -283,6 +320,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
             "process_counters": None,
             "note": PER_PROCESS_NOTE,
         }
+        if remote is not None:
+            doc["remote"] = remote
         print(json.dumps(doc, indent=2))
         return EXIT_OK
     used = format_bytes(s.used_bytes) if s.used_bytes is not None else "unreadable"
@@ -304,6 +343,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(f"{'device':<8} {'-':>9} {'-':>11}  - (per process)")
     print(f"{'host':<8} {'-':>9} {'-':>11}  - (per process)")
     print(f"{'disk':<8} {s.entries:>9} {used:>11}  {capacity}")
+    if remote is not None:
+        print()
+        _print_remote(remote)
     print()
     print(f"note: {PER_PROCESS_NOTE}.")
     return EXIT_OK

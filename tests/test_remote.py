@@ -8,6 +8,7 @@ one test of a server that never answers (50 ms).
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 import multiprocessing as mp
 import socket
@@ -539,3 +540,31 @@ def test_unexpected_client_errors_are_misses(server):
         cache.flush()
         s = cache.stats()["remote"]
         assert s["errors"] == 2 and s["publish_errors"] == 1
+
+
+def test_featcache_stats_reports_the_remote_tier(redis_bin, tmp_path, capsys):
+    from featcache.cli import main as cli
+
+    srv = _redis.RedisServer(redis_bin, tmp_path, None, "--requirepass", "s3cret")
+    try:
+        url = srv.url.replace("redis://", "redis://:s3cret@")
+        with replica(url, remote_prefix="model-a") as cache:
+            for i in range(3):
+                cache.put(bytes([i]) * 16, torch.randn(64, 256))
+            cache.put(b"a fourth, tiny", torch.randn(4))
+        with replica(url, remote_prefix="model-b") as cache:
+            cache.put(b"k" * 16, torch.randn(4))
+        assert cli(["stats", "--remote-url", url, "--remote-prefix", "model-a", "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)["remote"]
+        assert doc["entries"] == 4 and doc["prefix"] == "model-a:v2" and not doc["entries_capped"]
+        assert doc["used_memory_bytes"] > 64 * 256 * 4 * 3
+        assert "s3cret" not in json.dumps(doc)
+        assert cli(["stats", "--remote-url", url, "--remote-prefix", "model-b"]) == 0
+        out = capsys.readouterr().out
+        assert "entries  1" in out and "s3cret" not in out
+    finally:
+        srv.kill()
+    # the server gone: one line on stderr, exit 1, still no password
+    assert cli(["stats", "--remote-url", url]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("featcache stats: error: cannot read redis://:***@") and "s3cret" not in err

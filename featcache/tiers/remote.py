@@ -38,7 +38,7 @@ import struct
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -428,3 +428,34 @@ class RemoteTier:
         elif error is None and self._was_open:
             log.warning("featcache: remote tier %s reachable again", self._url)
         self._was_open = is_open
+
+
+def server_summary(config: CacheConfig, max_entries: int = 1_000_000) -> dict[str, Any]:
+    """What the server at ``config.remote_url`` holds for ``config.remote_prefix`` (for
+    ``featcache stats``): entries (heads counted with SCAN, at most ``max_entries``), the server's
+    memory and eviction settings. Read-only; the URL is reported without its password. Raises
+    ``FeatCacheError`` when the server cannot be read."""
+    from ..errors import FeatCacheError
+
+    prefix = f"{config.remote_prefix}:v{codec.FORMAT_VERSION}"
+    client = connect(replace(config, remote_timeout_ms=max(config.remote_timeout_ms, 5000)))
+    try:
+        memory = client.info("memory")
+        if "used_memory" not in memory:  # a cluster answers per node
+            nodes = list(memory.values())
+            memory = {"used_memory": sum(n.get("used_memory", 0) for n in nodes),
+                      "maxmemory": sum(n.get("maxmemory", 0) for n in nodes),
+                      "maxmemory_policy": nodes[0].get("maxmemory_policy") if nodes else None}
+        entries = 0
+        for _ in client.scan_iter(match=f"{prefix}:*:h", count=1000):
+            entries += 1
+            if entries >= max_entries:
+                break
+    except Exception as e:  # the client's own errors: say what failed, without the URL's secret
+        raise FeatCacheError(f"cannot read {config.remote_url_redacted}: {type(e).__name__}: {e}") from None
+    finally:
+        client.close()
+    return {"url": config.remote_url_redacted, "prefix": prefix, "entries": entries,
+            "entries_capped": entries >= max_entries, "used_memory_bytes": memory.get("used_memory"),
+            "maxmemory_bytes": memory.get("maxmemory"),
+            "maxmemory_policy": memory.get("maxmemory_policy")}
