@@ -38,10 +38,6 @@ exit codes:
 
 _AGE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smhdw])\s*$")
 _AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-NAMESPACE_REFUSAL = (
-    "--namespace cannot be matched: keys are digests of the image, the namespace and the "
-    "parameters, and this store format records no namespace; use --older-than or --all"
-)
 
 
 # -- argument types ------------------------------------------------------------------------------
@@ -109,8 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     ls = commands.add_parser(
         "ls", help="list entries, most recently used first",
         description="Entries of the store at DIR, most recently used first: key, size, dtype, "
-        "shape, last use and a summary of the metadata. The namespace (model) of an entry is not "
-        "stored: a key is a digest of the image, the namespace and the parameters.",
+        "shape, last use, the namespace (model identity) its metadata records, and a summary of "
+        "the metadata. Keys are digests: an entry whose metadata records no namespace (one "
+        "put through the FeatureCache API without it) shows '-'.",
     )
     store_dir(ls)
     ls.add_argument("--limit", type=_limit, default=50, metavar="N",
@@ -151,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="entries last used more than AGE ago (e.g. 7d, 12h, 30m, 90s, 2w)")
     which.add_argument("--all", action="store_true", help="every entry")
     which.add_argument("--namespace", metavar="NS",
-                       help="not possible with this store format (no namespace is recorded)")
+                       help="entries whose metadata records namespace NS (as `featcache ls` "
+                       "shows it; featcache.lmdeploy records the model identity)")
     purge.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
 
     compact = commands.add_parser(
@@ -212,9 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_BAD
     usage = None
-    if args.command == "purge" and args.namespace is not None:
-        usage = NAMESPACE_REFUSAL
-    elif args.command == "verify" and args.fix and args.no_lock:
+    if args.command == "verify" and args.fix and args.no_lock:
         usage = "--fix writes to the store: it cannot be combined with --no-lock"
     if usage is not None:
         print(f"featcache {args.command}: error: {usage}", file=sys.stderr)
@@ -369,17 +365,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return EXIT_OK
     rows = [
         (e.key.hex(), format_bytes(e.size), _dtype(e), _shape(e), _when(e.last_use_ns),
-         meta_summary(e.meta) if e.problem is None else f"BAD: {e.problem}")
+         namespace_of(e.meta) or "-", meta_summary(e.meta) if e.problem is None else f"BAD: {e.problem}")
         for e in listed
     ]
-    header = ("KEY", "SIZE", "DTYPE", "SHAPE", "LAST USE", "META")
-    widths = [max([len(header[i])] + [len(r[i]) for r in rows]) for i in range(5)]
+    header = ("KEY", "SIZE", "DTYPE", "SHAPE", "LAST USE", "NAMESPACE", "META")
+    widths = [max([len(header[i])] + [len(r[i]) for r in rows]) for i in range(6)]
     for row in [header, *rows]:
-        cells = [row[i].rjust(widths[i]) if i == 1 else row[i].ljust(widths[i]) for i in range(5)]
-        print("  ".join(cells) + "  " + row[5])
+        cells = [row[i].rjust(widths[i]) if i == 1 else row[i].ljust(widths[i]) for i in range(6)]
+        print("  ".join(cells) + "  " + row[6])
     more = f" (--limit 0 for all {total})" if len(listed) < total else ""
-    print(f"{len(listed)} of {total} entries, most recently used first{more}. "
-          "The namespace (model) is not stored: keys are digests of image, namespace and parameters.")
+    print(f"{len(listed)} of {total} entries, most recently used first{more}.")
     return EXIT_OK
 
 
@@ -416,6 +411,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     rows.append(("metadata", _meta_text(entry.meta)))
     print("\n".join(f"{name:<9} {value}" for name, value in rows))
     return EXIT_OK if entry.problem is None else EXIT_BAD
+
+
+def namespace_of(meta: bytes) -> str | None:
+    """The namespace an entry's metadata records (``"ns"`` of a JSON object), or None."""
+    if not meta.startswith(b"{"):
+        return None
+    try:
+        record = json.loads(meta)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    ns = record.get("ns") if isinstance(record, dict) else None
+    return ns if isinstance(ns, str) else None
 
 
 def meta_summary(meta: bytes) -> str:
@@ -459,6 +466,7 @@ def _entry_doc(e: Any, full_meta: bool = False) -> dict[str, Any]:
         "payload_bytes": h.nbytes if h is not None else None,
         "meta_bytes": len(e.meta),
         "meta": meta_summary(e.meta),
+        "namespace": namespace_of(e.meta),
         "last_use_ns": e.last_use_ns,
         "last_use": _iso(e.last_use_ns),
         "checksum_ok": e.checksum_ok,
@@ -597,6 +605,10 @@ def cmd_purge(args: argparse.Namespace) -> int:
         total = view.summary().entries
         if args.all:
             victims, what = view.all_keys(), "entries"
+        elif args.namespace is not None:
+            ns = args.namespace
+            victims = view.keys_where(lambda meta: namespace_of(meta) == ns)
+            what = f"entries of namespace {ns}"
         else:
             cutoff = time.time_ns() - int(args.older_than * 1e9)
             victims = view.keys_used_before(cutoff)

@@ -328,6 +328,22 @@ class StoreView:
                         out.append((key, meta[1] if meta else len(value)))
         return out
 
+    def keys_where(self, match: Callable[[bytes], bool]) -> list[tuple[bytes, int]]:
+        """(key, size) of every readable value whose metadata ``match`` accepts (the header is
+        read, the checksum is not: a damaged payload still has its metadata)."""
+        out: list[tuple[bytes, int]] = []
+        for chunk in self._key_chunks(b"data"):
+            with self._env.begin(buffers=True) as txn:
+                for key in chunk:
+                    value = txn.get(key, db=self._dbs[b"data"])
+                    if value is None:
+                        continue
+                    info = _describe(key, value, None, check=False)
+                    if info.header is not None and match(info.meta):
+                        meta = _meta_record(txn.get(key, db=self._dbs[b"meta"]))
+                        out.append((key, meta[1] if meta else len(value)))
+        return out
+
     def compact_to(self, dest: str | os.PathLike[str]) -> None:
         """Write a compacted copy of the store (free pages left out) into ``dest``: an empty or
         missing directory. The copy is consistent as of one read transaction; what writers add

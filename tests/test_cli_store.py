@@ -29,8 +29,10 @@ from featcache.cli import ProgressBar, main, meta_summary
 from featcache.codec import HEADER
 from featcache.tiers.disk import DiskTier
 
+NS = "InternVLForConditionalGeneration:0123456789abcdef0123456789abcdef"
 LMDEPLOY_META = json.dumps(
-    {"fields": {"image_token_id": 92546, "image_tokens": 256}, "pixels": [[3, 448, 448], "bfloat16"]},
+    {"fields": {"image_token_id": 92546, "image_tokens": 256}, "ns": NS,
+     "pixels": [[3, 448, 448], "bfloat16"]},
     sort_keys=True, separators=(",", ":"),
 ).encode()
 
@@ -143,13 +145,14 @@ def test_ls_lists_most_recently_used_first(store, capsys):
     rc, out, _ = run(capsys, "ls", str(path))
     assert rc == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["KEY", "SIZE", "DTYPE", "SHAPE", "LAST", "USE", "META"]
+    assert lines[0].split() == ["KEY", "SIZE", "DTYPE", "SHAPE", "LAST", "USE", "NAMESPACE", "META"]
     rows = lines[1:-1]
     assert [r.split()[0] for r in rows] == [k.hex() for k in reversed(keys)]
     newest = rows[0].split()
     assert newest[3:5] == ["bfloat16", str(list(want[keys[-1]].shape)).replace(" ", "")]
-    assert rows[0].endswith("image_tokens=256") and rows[1].endswith(" -")  # odd ones carry meta
-    assert "namespace (model) is not stored" in lines[-1]
+    # odd ones carry lmdeploy's metadata, with the namespace; even ones none
+    assert rows[0].split()[-2:] == [NS, "image_tokens=256"] and rows[1].split()[-2:] == ["-", "-"]
+    assert lines[-1] == f"{len(keys)} of {len(keys)} entries, most recently used first."
 
     rc, out, _ = run(capsys, "ls", str(path), "--limit", "2", "--json")
     docs = [json.loads(line) for line in out.splitlines()]
@@ -308,16 +311,22 @@ def test_purge_older_than_uses_last_use(tmp_path, capsys, monkeypatch):
     assert not set(old) & set(books(path)["data"])
 
 
-def test_purge_all_and_namespace_refused(store, capsys):
+def test_purge_namespace_then_all(store, capsys):
     path, want = store
-    rc, _, err = run(capsys, "purge", str(path), "--namespace", "test-model")
-    assert rc == 2 and "records no namespace" in err and err.count("\n") == 1
+    keys = list(want)
+    rc, out, _ = run(capsys, "purge", str(path), "--namespace", "some-other-model")
+    assert rc == 0 and "deleted 0 entries of namespace some-other-model" in out
+    rc, out, _ = run(capsys, "purge", str(path), "--namespace", NS, "--dry-run")
+    assert rc == 0 and f"would delete 2 of {len(want)} entries of namespace {NS}" in out
     assert len(books(path)["data"]) == len(want)
+    rc, out, _ = run(capsys, "purge", str(path), "--namespace", NS)
+    assert rc == 0 and f"deleted 2 entries of namespace {NS}" in out
+    assert set(books(path)["data"]) == {k for i, k in enumerate(keys) if i % 2 == 0}  # no meta: kept
     with pytest.raises(SystemExit) as exc:  # one of --all / --older-than / --namespace is required
         main(["purge", str(path)])
     assert exc.value.code == 2
     rc, out, _ = run(capsys, "purge", str(path), "--all")
-    assert rc == 0 and f"deleted {len(want)} entries" in out and "0 entries (0 B) remain" in out
+    assert rc == 0 and "deleted 2 entries" in out and "0 entries (0 B) remain" in out
     assert books(path)["data"] == {}
     with FeatureCache(device="cpu", host_bytes=0, disk_path=path, disk_bytes="64MiB") as cache:
         assert cache.stats()["disk"]["entries"] == 0  # the emptied store is still a store

@@ -239,7 +239,7 @@ def test_featcache_failure_falls_back_to_plain_preprocessing(rig, monkeypatch, f
 
 def test_failure_after_lmdeploy_preprocessed_still_serves_the_request(rig, monkeypatch):
     """A featcache failure once lmdeploy's preprocess has run (tagging the misses) is a miss too."""
-    def broken(item):
+    def broken(item, namespace=None):
         raise RuntimeError("cannot record this image")
 
     monkeypatch.setattr(frontend_module, "encode_item", broken)
@@ -284,3 +284,14 @@ def test_unreadable_metadata_is_a_miss_and_leaks_no_lease(rig):
     gc.collect()
     assert not rig.pinned(key)
     assert rig.cache.stats()["lmdeploy"]["unreadable_meta"] == 1
+
+
+def test_entries_record_their_namespace_for_ls_and_purge(rig):
+    import json
+
+    from featcache.cli import namespace_of
+
+    out = rig.cached.prompt(tiny.messages(tiny.image_item(tiny.noise_image(90, 70, seed=11))))
+    ref = out["multimodal"][0][REF_KEY]
+    assert namespace_of(ref.meta) == f"test:{rig.arch}"
+    assert json.loads(ref.meta)["fields"]["image_tokens"] == int(out["multimodal"][0]["image_tokens"])

@@ -192,7 +192,7 @@ class Frontend:
             if key is None:
                 continue
             try:
-                meta = encode_item(output)
+                meta = encode_item(output, self.namespace)
             except TypeError as e:
                 self.cache.count(SECTION, "uncacheable")
                 log.debug("featcache: image not cached (%s)", e)

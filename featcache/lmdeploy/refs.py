@@ -44,19 +44,24 @@ class FeatRef:
 
 # -- the per-image dict, minus pixels, as JSON bytes (stored as the entry's metadata) -----------
 
-def encode_item(item: dict[str, Any]) -> bytes:
+def encode_item(item: dict[str, Any], namespace: str | None = None) -> bytes:
     """What the engine needs of a preprocessed image besides its pixels, as JSON bytes.
 
     Records every field but the pixels (token counts, token id, grids, sizes) plus the trailing
-    shape and dtype of ``pixel_values``, so a hit can be rebuilt exactly without preprocessing.
+    shape and dtype of ``pixel_values``, so a hit can be rebuilt exactly without preprocessing,
+    and the key's ``namespace`` (the model identity; for ``featcache ls`` and
+    ``purge --namespace``: keys are digests, so it cannot be read back from them).
     Raises ``TypeError`` for fields it cannot encode (the image is then not cached).
     """
     pixels = item["pixel_values"]
     if not isinstance(pixels, torch.Tensor):
         raise TypeError("pixel_values is not a tensor")
     fields = {k: _encode(v) for k, v in item.items() if k not in ("pixel_values", REF_KEY)}
-    record = {"pixels": [list(pixels.shape[1:]), str(pixels.dtype).removeprefix("torch.")],
-              "fields": fields}
+    record: dict[str, Any] = {
+        "pixels": [list(pixels.shape[1:]), str(pixels.dtype).removeprefix("torch.")],
+        "fields": fields}
+    if namespace is not None:
+        record["ns"] = namespace
     return json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
 
 

@@ -157,7 +157,7 @@ class NativePixels:
             dtype = self.vision_dtype or pixels.dtype
             if pixels.is_floating_point() and pixels.dtype != dtype:  # as to_tm_tensor would
                 pixels = pixels.to(dtype)
-                meta = encode_item({**item, "pixel_values": pixels})
+                meta = encode_item({**item, "pixel_values": pixels}, self.frontend.namespace)
             if self.pin:  # TurboMind uploads from page-locked memory at full speed
                 pixels = torch.empty_like(pixels, memory_format=torch.contiguous_format,
                                           pin_memory=True).copy_(pixels)
