@@ -290,8 +290,10 @@ def test_entries_record_their_namespace_for_ls_and_purge(rig):
     import json
 
     from featcache.cli import namespace_of
+    from featcache.lmdeploy.refs import decode_item
 
     out = rig.cached.prompt(tiny.messages(tiny.image_item(tiny.noise_image(90, 70, seed=11))))
     ref = out["multimodal"][0][REF_KEY]
     assert namespace_of(ref.meta) == f"test:{rig.arch}"
-    assert json.loads(ref.meta)["fields"]["image_tokens"] == int(out["multimodal"][0]["image_tokens"])
+    assert set(json.loads(ref.meta)) == {"fields", "pixels", "ns"}
+    assert int(decode_item(ref.meta)["image_tokens"]) == int(out["multimodal"][0]["image_tokens"])
