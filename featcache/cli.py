@@ -268,8 +268,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         else:
             _print_remote(remote)
         return EXIT_OK
-    code = _stats_store(args, remote)
-    return code
+    return _stats_store(args, remote)
 
 
 def _remote_summary(args: argparse.Namespace) -> dict[str, Any]:

@@ -80,7 +80,7 @@ class CudaCopier:
     def producer_fence(self) -> torch.cuda.Event:
         """An event on the caller's current stream: the put tensor is complete after it."""
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(torch.cuda.current_stream(self._index))
         return event
 
     def to_host(self, src: torch.Tensor, dst: torch.Tensor, after: Any) -> torch.cuda.Event:
