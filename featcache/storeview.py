@@ -13,7 +13,9 @@ How a live store is read (the choice, and why):
   cannot write it gets ``StorePermissionError`` with what to do.
 - ``lock=False`` would skip that registration: a writer may then reuse pages under the reader,
   which reads garbage. It is only offered for a store no other process has open (``lock=False``
-  here refuses a store in use, checked with the same ``fcntl`` lock LMDB takes on ``lock.mdb``).
+  here refuses a store in use, told by the ``fcntl`` locks LMDB holds on ``lock.mdb``, read from
+  ``/proc/locks``: no file of the store is ever opened by hand while an environment is open,
+  because closing it would drop this process's reader lock).
 - every read transaction is short (one call, or one chunk of a scan): a long one would keep the
   writer from reusing the pages freed meanwhile, and the data file would grow.
 - ``map_size=0``: the map size recorded in the store (the writers' 1 TiB or more), so a writer
@@ -35,9 +37,7 @@ LMDB forbids opening one environment twice in a process: close a ``StoreView`` b
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
-import struct
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -47,7 +47,7 @@ import lmdb
 from . import codec
 from .config import DEFAULT_DIR, ENV_DIR, default_store_dir  # noqa: F401  (re-exported)
 from .errors import CorruptEntryError, FeatCacheError, StoreFormatError, StoreOpenError
-from .tiers.disk import _META, _STAMP, _U64, FORMAT_TAG, DiskOp, DiskTier
+from .tiers.disk import _META, _STAMP, _U64, FORMAT_TAG, DiskOp, DiskTier, check_store_files
 
 # The named databases the disk tier opens, in its order (tests/test_cli_store.py checks a store
 # written by DiskTier has exactly these).
@@ -582,6 +582,7 @@ def check_store_dir(path: str, *, lock: bool) -> None:
         raise StorePermissionError(f"permission denied: cannot read the directory {path!r}")
     if not os.path.exists(data):
         raise StoreFormatError(f"{path!r} is not a featcache store (no {DATA_FILE} in it)")
+    check_store_files(path)
     if not os.access(data, os.R_OK):
         raise StorePermissionError(f"permission denied: cannot read {data!r}; run as its owner")
     lock_file = os.path.join(path, LOCK_FILE)
@@ -597,25 +598,36 @@ def check_store_dir(path: str, *, lock: bool) -> None:
 
 def store_in_use(path: str) -> int | None:
     """The pid of another process that has the store open (it holds LMDB's shared ``fcntl`` lock
-    on ``lock.mdb``), 0 if none, None if that cannot be told (no lock file readable, not Linux)."""
+    on ``lock.mdb``), 0 if none, None if that cannot be told (not Linux, no lock file).
+
+    Read from ``/proc/locks``, never by opening ``lock.mdb``: closing any descriptor of a file
+    drops every POSIX lock this process holds on it, LMDB's reader lock included, and a writer
+    would then take this process's readers for dead and reuse the pages they are reading
+    (corrupt copies, verify reporting good entries as bad; issue 11).
+    """
     if not sys.platform.startswith("linux"):
         return None
     try:
-        fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDONLY)
+        inode = os.stat(os.path.join(path, LOCK_FILE)).st_ino
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            lines = f.read().splitlines()
     except OSError:
         return None
-    try:
-        # struct flock on Linux (x86-64, aarch64): short type, short whence, off_t start,
-        # off_t len, pid_t pid (+ padding). F_GETLK reports a lock a write lock would conflict
-        # with; this process's own locks never count.
-        layout = struct.Struct("hhqqi4x")
-        probe = layout.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
-        kind, _, _, _, pid = layout.unpack(fcntl.fcntl(fd, fcntl.F_GETLK, probe))
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return 0 if kind == fcntl.F_UNLCK else int(pid)
+    me = os.getpid()
+    for line in lines:
+        # "1: POSIX  ADVISORY  READ 1234 fd:01:5678 0 0" ("->" marks a waiter: not a holder)
+        fields = line.split()
+        if len(fields) < 8 or fields[1] == "->" or fields[1] != "POSIX":
+            continue
+        try:
+            pid = int(fields[4])
+            ino = int(fields[5].rsplit(":", 1)[1])
+        except (ValueError, IndexError):
+            continue
+        # The inode alone: a lock on an overlay file system shows the device of the layer below.
+        if ino == inode and pid != me and pid > 0:
+            return pid
+    return 0
 
 
 def format_message(path: str, tag: bytes) -> str:

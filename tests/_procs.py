@@ -334,3 +334,29 @@ def load_child(path: str, prefix: int, threads: int, processes: int, seconds: fl
     except BaseException as e:  # report instead of dying silently
         q.put(("error", f"{type(e).__name__}: {e}"))
         raise
+
+
+# -- live-store tools (tests/test_reliability_live.py) ---------------------------------------------
+def churn_writer(path: str, disk_bytes: int, who: int, keys: int, q, stop) -> None:
+    """Put and discard ``churn-<i>`` entries (values from ``value_for``) until ``stop`` is set, on a
+    budget small enough that eviction runs all the time: pages are freed and reused constantly."""
+    import random
+
+    try:
+        rng = random.Random(who)
+        with _open(path, disk_bytes, disk_sync=False) as cache:
+            q.put(("ready", os.getpid()))
+            n = 0
+            while not stop.is_set():
+                key = b"churn-%d" % rng.randrange(keys)
+                if rng.random() < 0.2:
+                    cache.discard(key)
+                else:
+                    cache.put(key, value_for(key))
+                n += 1
+                if n % 16 == 0:
+                    cache.flush()
+            q.put(("done", n))
+    except BaseException as e:
+        q.put(("error", f"{type(e).__name__}: {e}"))
+        raise

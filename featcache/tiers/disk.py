@@ -40,10 +40,13 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Literal, NamedTuple
 
 import lmdb
@@ -72,6 +75,137 @@ def map_size_for(capacity_bytes: int, file_bytes: int = 0) -> int:
     and no ``MDB_MAP_RESIZED`` when another process grows the file.
     """
     return max(MIN_MAP_BYTES, 2 * capacity_bytes + file_bytes)
+
+
+class _Shut(Exception):
+    """The tier is closed: the operation is a miss (reads) or a drop (writes)."""
+
+
+class _Gate:
+    """Who is inside the LMDB environment. ``shut`` (close) and ``pause`` (just before a fork)
+    wait until nobody is, and nobody enters after ``shut``, or while paused.
+
+    Why: a read copies out of LMDB's memory map (``buffers=True``) and hashes it with xxhash; if
+    another thread closed the environment meanwhile, the map is gone and the process dies
+    (SIGSEGV). And an environment inherited by a forked child can only be closed safely (py-lmdb
+    waits forever for an operation that was in flight at the fork) if none was.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._inside = 0
+        self._shut = False
+        self._paused = False
+
+    @contextmanager
+    def enter(self) -> Iterator[None]:
+        with self._cond:
+            while self._paused and not self._shut:
+                self._cond.wait()
+            if self._shut:
+                raise _Shut
+            self._inside += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._inside -= 1
+                if self._inside == 0:
+                    self._cond.notify_all()
+
+    def shut(self) -> None:
+        with self._cond:
+            self._shut = True
+            self._cond.notify_all()
+            while self._inside:
+                self._cond.wait()
+
+    def pause(self) -> None:
+        with self._cond:
+            self._paused = True
+            while self._inside:
+                self._cond.wait()
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+
+# Every open DiskTier, for the fork hooks below.
+_OPEN: weakref.WeakSet[DiskTier] = weakref.WeakSet()
+
+
+def _before_fork() -> None:
+    for tier in list(_OPEN):
+        tier._gate.pause()
+
+
+def _after_fork_in_parent() -> None:
+    for tier in list(_OPEN):
+        tier._gate.resume()
+
+
+def _after_fork_in_child() -> None:
+    # The child's only thread is the one that forked: nothing of the parent's is inside, and the
+    # gate (whose lock the forking thread held) starts afresh. The inherited environment is
+    # closed and reopened on first use (``_use``).
+    for tier in list(_OPEN):
+        tier._gate = _Gate()
+        tier._lock = threading.Lock()  # a parent thread may have held these at the fork
+        tier._reopen_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=_before_fork, after_in_parent=_after_fork_in_parent,
+        after_in_child=_after_fork_in_child,
+    )
+
+
+def check_store_files(path: str) -> None:
+    """Refuse a store whose files another user could redirect: LMDB opens ``lock.mdb`` and
+    ``data.mdb`` following symbolic links (and writes its lock header at once), so a link
+    planted there would make this process overwrite the link's target with its privileges.
+
+    - ``data.mdb`` and ``lock.mdb``, where present, must be regular files, not links;
+    - the directory must not be writable by every user (someone could plant a link between this
+      check and LMDB's open), and, for root, must be root's and not group-writable (root
+      follows links into any file). Directories above the store are the administrator's.
+    Raises ``StoreOpenError`` saying what to change.
+    """
+    try:
+        info = os.stat(path)
+    except OSError:
+        return  # no directory: the open says why
+    mode = info.st_mode
+    if mode & stat.S_IWOTH:
+        raise StoreOpenError(
+            f"the store directory {path!r} is writable by every user (mode {stat.S_IMODE(mode):o}):"
+            " anyone could plant links there that LMDB would follow; chmod o-w it (the cache "
+            "creates its directory 0700)"
+        )
+    if os.geteuid() == 0 and (info.st_uid != 0 or mode & stat.S_IWGRP):
+        raise StoreOpenError(
+            f"the store directory {path!r} is owned by uid {info.st_uid}"
+            f"{' and group-writable' if mode & stat.S_IWGRP else ''}: root does not open a store "
+            "another user can write (LMDB follows links there); run as its owner, or chown it "
+            "to root and chmod g-w"
+        )
+    for name in ("data.mdb", "lock.mdb"):
+        file = os.path.join(path, name)
+        try:
+            kind = os.lstat(file).st_mode
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise StoreOpenError(f"cannot inspect {file!r}: {e}") from e
+        if stat.S_ISLNK(kind) or not stat.S_ISREG(kind):
+            what = "a symbolic link" if stat.S_ISLNK(kind) else "not a regular file"
+            raise StoreOpenError(
+                f"{file!r} is {what}: LMDB would follow it and write there; a store's files "
+                "must be regular files (move the store away and let the cache create a new one)"
+            )
 
 
 class DiskOp(NamedTuple):
@@ -103,7 +237,10 @@ class DiskTier:
         self._lock = threading.Lock()
         self._logged = False
         self._unclean: set[bytes] = set()  # keys whose older value a failed delete left behind
+        self._gate = _Gate()
+        self._reopen_lock = threading.Lock()
         self._open()
+        _OPEN.add(self)
 
     # -- environment ---------------------------------------------------------------------------
     def _open(self) -> None:
@@ -120,6 +257,7 @@ class DiskTier:
                     f"the store directory {self.path!r} is not writable by this user; "
                     "fix its permissions or open it read-only"
                 )
+        check_store_files(self.path)
         try:
             file_bytes = os.path.getsize(os.path.join(self.path, "data.mdb"))
         except OSError:
@@ -196,18 +334,39 @@ class DiskTier:
         except lmdb.Error as e:
             self._failed("check of stale readers", e)
 
-    def _environment(self) -> lmdb.Environment:
-        # An environment must never be used across fork(): a child reopens its own.
-        if os.getpid() != self._pid:
-            self._open()
-        return self._env
+    @contextmanager
+    def _use(self) -> Iterator[lmdb.Environment]:
+        """The environment, for one operation; raises ``_Shut`` once the tier is closed.
+
+        Every use of ``self._env`` after open goes through here (one level deep, never nested),
+        so ``close`` and a fork never find an operation in flight.
+        """
+        if self._pid != os.getpid():
+            self._reopen_in_child()
+        with self._gate.enter():
+            yield self._env
+
+    def _reopen_in_child(self) -> None:
+        """An environment must never be used across fork(): the child closes the one it
+        inherited (safe: the fork hooks kept every operation out of it while forking) and opens
+        its own. py-lmdb refuses a second open of the same files while the first is open."""
+        with self._reopen_lock:
+            if self._pid == os.getpid():
+                return
+            try:
+                self._env.close()
+                self._open()
+            except (lmdb.Error, StoreOpenError) as e:
+                raise lmdb.Error(f"reopen after fork failed: {e}") from e
 
     @property
     def used_bytes(self) -> int:
         """The bytes of all values stored, as the books say (0 if they cannot be read)."""
         try:
-            with self._environment().begin() as txn:
+            with self._use() as env, env.begin() as txn:
                 return self._used(txn)
+        except _Shut:
+            return 0
         except lmdb.Error as e:
             self._failed("read of used_bytes", e)
             return 0
@@ -217,8 +376,10 @@ class DiskTier:
         if self._is_unclean(key):
             return False
         try:
-            with self._environment().begin(db=self._data, buffers=True) as txn:
+            with self._use() as env, env.begin(db=self._data, buffers=True) as txn:
                 return txn.get(key) is not None
+        except _Shut:
+            return False
         except lmdb.Error as e:
             self._failed(f"lookup of {key.hex()}", e)
             return False
@@ -234,7 +395,7 @@ class DiskTier:
             self._count("misses")
             return None
         try:
-            with self._environment().begin(db=self._data, buffers=True) as txn:
+            with self._use() as env, env.begin(db=self._data, buffers=True) as txn:
                 value = txn.get(key)
                 if value is None:
                     self._count("misses")
@@ -253,6 +414,9 @@ class DiskTier:
                 if header.nbytes:
                     src = np.frombuffer(codec.payload(value, header), dtype=np.uint8)
                     dst[: header.nbytes].numpy()[:] = src
+        except _Shut:
+            self._count("misses")
+            return None
         except lmdb.Error as e:
             self._failed(f"read of {key.hex()}", e)
             self._count("misses")
@@ -282,7 +446,21 @@ class DiskTier:
             unclean = list(self._unclean)
         ops = [*(DiskOp("discard", k) for k in unclean), *ops]
         try:
-            stored = self._write(ops)
+            with self._use() as env:
+                return self._write_or_clean(env, ops, unclean)
+        except _Shut:  # closed: nothing can land (the cache stops its writer before closing)
+            self.count_drops(sum(op.kind == "put" for op in ops))
+            return 0
+        except lmdb.Error as e:  # only a failed reopen in a forked child gets here
+            self._failed("reopen of the store", e)
+            self.count_drops(sum(op.kind == "put" for op in ops))
+            with self._lock:
+                self._unclean.update(op.key for op in ops if op.kind != "touch")
+            return 0
+
+    def _write_or_clean(self, env: lmdb.Environment, ops: list[DiskOp], unclean: list[bytes]) -> int:
+        try:
+            stored = self._write(env, ops)
         except Exception as e:  # LMDB's errors, and anything else that aborts the transaction
             puts = sum(op.kind == "put" for op in ops)
             self._failed(f"write of {len(ops)} operations ({puts} puts)", e)
@@ -291,7 +469,7 @@ class DiskTier:
             deletes = [DiskOp("discard", op.key) for op in ops if op.kind != "touch"]
             if deletes:
                 try:
-                    self._write(deletes)
+                    self._write(env, deletes)
                 except Exception as e2:
                     self._failed(f"delete of {len(deletes)} keys after a failed write", e2)
                     with self._lock:
@@ -301,11 +479,10 @@ class DiskTier:
             self._unclean.difference_update(unclean)
         return stored
 
-    def _write(self, ops: Sequence[DiskOp]) -> int:
+    def _write(self, env: lmdb.Environment, ops: Sequence[DiskOp]) -> int:
         """One write transaction for ``ops`` (see ``write_batch``); raises ``lmdb.Error``."""
         stored = 0
         evicted = 0
-        env = self._environment()
         self._reader_check()
         with env.begin(write=True) as txn:
             used = self._used(txn)
@@ -385,10 +562,12 @@ class DiskTier:
         Returns whether a value was deleted (False also when the store could not be written).
         """
         try:
-            with self._environment().begin(write=True) as txn:
+            with self._use() as env, env.begin(write=True) as txn:
                 freed = self._delete(txn, key)
                 used = self._less(txn, self._used(txn), freed)
                 txn.put(b"used_bytes", _U64.pack(used), db=self._info)
+        except _Shut:
+            return False
         except lmdb.Error as e:
             self._failed(f"delete of {key.hex()}", e)
             return False
@@ -451,8 +630,10 @@ class DiskTier:
     def entries(self) -> int:
         """How many values are stored (0 if the store cannot be read)."""
         try:
-            with self._environment().begin() as txn:
+            with self._use() as env, env.begin() as txn:
                 return int(txn.stat(self._data)["entries"])
+        except _Shut:
+            return 0
         except lmdb.Error as e:
             self._failed("count of entries", e)
             return 0
@@ -468,8 +649,12 @@ class DiskTier:
             }
 
     def close(self) -> None:
-        if os.getpid() == self._pid:
-            self._env.close()
+        """Wait for the reads and writes in flight, then close; later calls are misses (reads)
+        and drops (writes). Idempotent. In a forked child that never used the tier, this closes
+        the inherited environment (safe: see ``_reopen_in_child``)."""
+        self._gate.shut()
+        _OPEN.discard(self)
+        self._env.close()
 
 
 def _meta_of(raw: bytes | memoryview | None) -> tuple[int, int] | None:
