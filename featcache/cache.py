@@ -22,14 +22,24 @@ Invariants:
 - a value is served only after its checksum (disk) or the copy that produced it (host) is done;
   a bad value is dropped, counted and reported as a miss: failures are misses, never wrong data;
 - tensors returned may share storage with the cache: callers must not modify them, and a caller of
-  ``put`` hands the tensor over (it must not modify it afterwards).
+  ``put`` hands the tensor over (it must not modify it afterwards);
+- puts and discards of the cache are applied to its tiers one at a time (``_order``), so every tier
+  sees them in the same order: after ``flush()`` all tiers agree on each key;
+- a value read from a lower tier is installed in the tiers above only if no put or discard of its
+  key started after the read began (a per-key generation, checked under ``_order``): a
+  promotion never undoes a newer put or a discard;
+- the cache is closed at interpreter exit (``atexit``: its threads must not be killed mid-copy),
+  and a forked child rebuilds its tiers and threads on first use (empty memory tiers, the disk
+  store reopened): nothing inherited from the parent's threads or LMDB environment is used.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +59,32 @@ from .tiers.host import HostTier
 from .tiers.remote import RemoteTier
 
 log = logging.getLogger("featcache")
+
+# Every open cache, closed at interpreter exit: left to die with the interpreter, a background
+# thread caught inside torch's C++ code is unwound by force and the process aborts (SIGABRT,
+# "terminate called without an active exception"), losing the writes in flight.
+_LIVE: weakref.WeakSet[FeatureCache] = weakref.WeakSet()
+_FORKS = [0]  # bumped in every forked child: a cache built before it rebuilds on first use
+_ADOPT_LOCK = threading.Lock()
+
+
+def _close_all() -> None:
+    for cache in list(_LIVE):
+        try:
+            cache.close()
+        except Exception:  # exiting anyway: say so, close the others
+            log.exception("featcache: closing a cache at exit failed")
+
+
+def _after_fork_in_child() -> None:
+    global _ADOPT_LOCK
+    _FORKS[0] += 1
+    _ADOPT_LOCK = threading.Lock()  # another thread of the parent may have held it
+
+
+atexit.register(_close_all)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Lease:
@@ -104,10 +140,20 @@ class FeatureCache:
         self.config = CacheConfig.create(
             device, device_bytes, host_bytes, disk_path, disk_bytes, **options
         )
-        cfg = self.config
-        self.device = torch.device(cfg.device)
+        self.device = torch.device(self.config.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self._closed = False
+        self._build()
+        _LIVE.add(self)
+
+    def _build(self) -> None:
+        """The tiers, the background threads and the books (at construction, and again in a
+        forked child)."""
+        cfg = self.config
+        self._forks = _FORKS[0]
+        self._order = threading.Lock()  # puts, discards and promotions' installs, one at a time
+        self._reads: dict[bytes, list[int]] = {}  # key -> [generation, lookups in flight]
         self._copier = make_copier(self.device)
         self._device = DeviceTier(cfg.device_bytes)
         self._host = (
@@ -136,7 +182,6 @@ class FeatureCache:
         self._counts: Counter[str] = Counter()
         self._events: dict[str, Counter[str]] = {}  # counters of integrations, by section
         self._counts_lock = threading.Lock()
-        self._closed = False
 
     # -- public API ----------------------------------------------------------------------------
     def put(self, key: bytes, features: torch.Tensor, meta: bytes | None = None) -> None:
@@ -169,14 +214,16 @@ class FeatureCache:
             return
         self._count("puts")
         fence = self._copier.producer_fence()
-        if not (to_device and self._device.put(key, Entry(tensor, fence, meta=meta_bytes))):
-            self._device.discard(key)
-        if self._demoter is not None:
-            if to_host or to_disk or to_remote:  # the host entry now, disk/remote in queue order
-                self._demoter.submit(key, tensor, fence, meta_bytes, to_disk=to_disk,
-                                     to_remote=to_remote)
-            else:
-                self._demoter.cancel(key)
+        with self._order:  # every tier sees the puts and discards of a key in one order
+            self._invalidate(key)
+            if not (to_device and self._device.put(key, Entry(tensor, fence, meta=meta_bytes))):
+                self._device.discard(key)
+            if self._demoter is not None:
+                if to_host or to_disk or to_remote:  # the host entry now, disk/remote in order
+                    self._demoter.submit(key, tensor, fence, meta_bytes, to_disk=to_disk,
+                                         to_remote=to_remote)
+                else:
+                    self._demoter.cancel(key)
 
     def get(self, key: bytes) -> torch.Tensor | None:
         """The features stored under ``key`` on the cache's device, bit-identical, or None.
@@ -212,6 +259,8 @@ class FeatureCache:
         nothing, and does not ask the remote tier (no network call)."""
         if not isinstance(key, bytes) or self._closed:
             return False
+        if self._forks != _FORKS[0] and not self._adopted():
+            return False
         if (
             self._device.contains(key)
             or (self._demoter is not None and self._demoter.pending(key) is not None)
@@ -237,6 +286,8 @@ class FeatureCache:
 
     def flush(self) -> None:
         """Wait until every pending copy and disk write is done."""
+        if self._forks != _FORKS[0] and not self._adopted():
+            return
         if self._demoter is not None and not self._closed:
             self._demoter.flush()
 
@@ -251,6 +302,8 @@ class FeatureCache:
         """Per-tier counters and sizes (``device``, ``host``, ``disk``), cache-wide ones
         (``cache``), ``remote`` when a remote tier is configured (docs/tuning.md), and one
         section per integration that counted events (e.g. ``lmdeploy``)."""
+        if self._forks != _FORKS[0]:
+            self._adopted()
         with self._counts_lock:
             counts = dict(self._counts)
             events = {section: dict(c) for section, c in self._events.items()}
@@ -262,7 +315,8 @@ class FeatureCache:
             "cache": {
                 "gets": counts.get("hits", 0) + counts.get("misses", 0),
                 **{k: counts.get(k, 0) for k in ("hits", "misses", "puts", "not_stored")},
-                **{k: counts.get(k, 0) for k in ("inflight_hits", "promotions")},
+                **{k: counts.get(k, 0)
+                   for k in ("inflight_hits", "promotions", "stale_promotions")},
                 "demote_queue": demoter.depth if demoter is not None else 0,
                 "disk_queue": self._writer.depth if self._writer is not None else 0,
                 "worker_errors": sum(w.errors for w in self._workers()),
@@ -276,6 +330,13 @@ class FeatureCache:
         """Flush, stop the background threads and release every tier. Idempotent."""
         if self._closed:
             return
+        if self._forks != _FORKS[0]:  # a forked child that never used it: nothing to flush
+            self._closed = True
+            _LIVE.discard(self)
+            if self._disk is not None:
+                self._disk.close()  # the inherited environment, so the child may open the store
+            return
+        _LIVE.discard(self)
         if self._demoter is not None:
             self._demoter.close()
         self._closed = True
@@ -308,54 +369,62 @@ class FeatureCache:
             entry = self._device.get(key, pin=pin)
             if entry is not None:
                 return entry
+        generation = self._begin_read(key)
+        try:
+            return self._lookup_below(key, pin, generation)
+        finally:
+            self._end_read(key)
+
+    def _lookup_below(self, key: bytes, pin: bool, generation: int) -> Entry | None:
+        """The lower tiers, in order; what is found is installed above unless stale."""
         if self._demoter is not None:
             entry = self._demoter.pending(key)
             if entry is not None:
                 self._count("inflight_hits")
-                if self._device.capacity_bytes > 0:
-                    self._device.put(key, entry, pin=pin)
+                self._install(key, generation, device=entry, pin=pin)
                 return entry
         if self._host is not None:
             entry = self._host.get(key)  # its block comes retained
             if entry is not None:
-                return self._promote(key, entry, pin)
+                return self._promote(key, entry, pin, generation)
         if self._disk is not None:
-            entry = self._from_disk(key, pin)
+            entry = self._from_disk(key, pin, generation)
             if entry is not None:
                 return entry
         if self._remote is not None:
-            return self._from_remote(key, pin)
+            return self._from_remote(key, pin, generation)
         return None
 
-    def _from_disk(self, key: bytes, pin: bool) -> Entry | None:
+    def _from_disk(self, key: bytes, pin: bool, generation: int) -> Entry | None:
         assert self._disk is not None and self._writer is not None
         queued, pending = self._writer.pending(key)  # its block, if any, comes retained
         if pending is not None:
             self._count("inflight_hits")
-            return self._promote(key, pending, pin)
+            return self._promote(key, pending, pin, generation)
         if queued:
             return None  # a discard is queued: what the disk holds is stale
         disk = self._disk
-        entry = self._load(key, pin, lambda alloc: disk.get(key, alloc))
+        entry = self._load(key, pin, generation, lambda alloc: disk.get(key, alloc))
         if entry is not None:
             self._writer.touch(key)
         return entry
 
-    def _from_remote(self, key: bytes, pin: bool) -> Entry | None:
+    def _from_remote(self, key: bytes, pin: bool, generation: int) -> Entry | None:
         """A local miss: read the remote tier (bounded by ``remote_timeout_ms``), unless a publish
         or delete of ``key`` is still queued here (then that decides)."""
         assert self._remote is not None and self._publisher is not None
         queued, pending = self._publisher.pending(key)  # its block, if any, comes retained
         if pending is not None:
             self._count("inflight_hits")
-            return self._promote(key, pending, pin)
+            return self._promote(key, pending, pin, generation)
         if queued:
             return None  # a delete is queued: what the server holds must not be served
         remote = self._remote
-        return self._load(key, pin, lambda alloc: remote.get(key, alloc))
+        return self._load(key, pin, generation, lambda alloc: remote.get(key, alloc))
 
     def _load(
-        self, key: bytes, pin: bool, read: Callable[[Callable[[int], torch.Tensor]], Entry | None]
+        self, key: bytes, pin: bool, generation: int,
+        read: Callable[[Callable[[int], torch.Tensor]], Entry | None],
     ) -> Entry | None:
         """``read(alloc)`` a verified entry from disk or remote into a host block (kept in the
         host tier; a staging buffer without one), then promote it to the device."""
@@ -379,13 +448,11 @@ class FeatureCache:
                 self._host.release(block)  # type: ignore[union-attr]
             return None
         if blocks:
-            assert self._host is not None
             entry.block = blocks[0]
-            self._host.pool.retain(entry.block)  # one reference for the tier, one for the copy
-            self._host.put(key, entry)
-        return self._promote(key, entry, pin)
+            self._install(key, generation, host=entry)
+        return self._promote(key, entry, pin, generation)
 
-    def _promote(self, key: bytes, entry: Entry, pin: bool) -> Entry:
+    def _promote(self, key: bytes, entry: Entry, pin: bool, generation: int) -> Entry:
         """Copy a host entry to the device; release the caller's block reference once queued."""
         try:
             source = as_bytes(entry.tensor)
@@ -399,16 +466,64 @@ class FeatureCache:
                 self._host.release(entry.block)
         self._count("promotions")
         promoted = Entry(tensor, done, meta=entry.meta)
-        if self._device.capacity_bytes > 0:
-            self._device.put(key, promoted, pin=pin)
+        self._install(key, generation, device=promoted, pin=pin)
         return promoted
+
+    # -- generations: a promotion never undoes a newer put or a discard --------------------------
+    # A lookup that misses the device tier records the key's generation; every put and discard of
+    # the key bumps it (under ``_order``, before touching any tier). A value read below is
+    # installed above (``_install``, also under ``_order``) only if the generation is unchanged:
+    # then no put or discard of the key began since the read, and any that begins later replaces
+    # what is installed. Generations exist only while a lookup of the key is in flight.
+    def _begin_read(self, key: bytes) -> int:
+        with self._order:
+            books = self._reads.setdefault(key, [0, 0])
+            books[1] += 1
+            return books[0]
+
+    def _end_read(self, key: bytes) -> None:
+        with self._order:
+            books = self._reads[key]
+            books[1] -= 1
+            if not books[1]:
+                del self._reads[key]
+
+    def _invalidate(self, key: bytes) -> None:
+        # Under self._order.
+        books = self._reads.get(key)
+        if books is not None:
+            books[0] += 1
+
+    def _install(
+        self, key: bytes, generation: int, *, device: Entry | None = None, pin: bool = False,
+        host: Entry | None = None,
+    ) -> None:
+        """Install a value read from below into the device tier (``device``) or the host tier
+        (``host``, whose block reference the tier takes over), unless the key changed since
+        the read began. A lease's pin is taken either way (``Lease.release`` undoes it)."""
+        with self._order:
+            fresh = self._reads[key][0] == generation
+            if host is not None:
+                assert self._host is not None and host.block is not None
+                if fresh:
+                    self._host.pool.retain(host.block)  # one reference for the tier
+                    self._host.put(key, host)
+            if device is not None and self._device.capacity_bytes > 0:
+                if fresh:
+                    self._device.put(key, device, pin=pin)
+                elif pin:
+                    self._device.pin(key)
+            if not fresh:
+                self._count("stale_promotions")
 
     # -- helpers -------------------------------------------------------------------------------
     def _remove(self, key: bytes) -> None:
         """Drop ``key`` from the device tier and (through the demoter) from every tier below."""
-        self._device.discard(key)
-        if self._demoter is not None:
-            self._demoter.cancel(key)
+        with self._order:
+            self._invalidate(key)
+            self._device.discard(key)
+            if self._demoter is not None:
+                self._demoter.cancel(key)
 
     def _release(self, entry: Entry) -> None:
         if entry.block is not None:
@@ -452,6 +567,34 @@ class FeatureCache:
     def _check_open(self) -> None:
         if self._closed:
             raise FeatCacheError("this FeatureCache is closed")
+        if self._forks != _FORKS[0]:
+            self._adopt()
+
+    def _adopted(self) -> bool:
+        """``_adopt`` for the calls that never raise: False if the cache cannot be used here."""
+        try:
+            self._check_open()
+        except FeatCacheError:
+            return False
+        return True
+
+    def _adopt(self) -> None:
+        """First use in a forked child: rebuild the tiers and threads (the parent's threads do
+        not exist here and its locks may be held forever); the memory tiers start empty, the
+        disk store is reopened. Runs in the child's first thread to use the cache."""
+        with _ADOPT_LOCK:
+            if self._forks == _FORKS[0]:
+                return
+            if self.device.type == "cuda":
+                self._closed = True
+                raise FeatCacheError(
+                    "this FeatureCache lives on CUDA and the process was forked since: CUDA cannot "
+                    "be used in a forked child; create the cache in the child, or start children "
+                    "with the 'spawn' method"
+                )
+            if self._disk is not None:
+                self._disk.close()  # the inherited environment (safe: see DiskTier)
+            self._build()
 
 
 class _NoLease:

@@ -1,0 +1,228 @@
+"""Races between requests on one cache (issue 11, classes 2, 3 and 6), made deterministic: each
+test holds one thread inside the window on purpose (an event in a patched dependency) while the
+other side runs, instead of hoping for an interleaving.
+
+2. A promotion (a value read from host, disk or the way down, installed in the tiers above) must
+   not land after a concurrent ``put`` or ``discard`` of its key and undo it.
+3. Two concurrent puts of one key leave every tier with the same value after ``flush()``.
+6. ``close()`` while another thread copies a value out of LMDB's map waits for the copy (it
+   unmapped it under the reader: SIGSEGV).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from featcache import FeatureCache
+from featcache.errors import FeatCacheError
+
+try:
+    import _reliability as rel
+except ImportError:  # tests/ became a package
+    from tests import _reliability as rel
+
+MB = 1 << 20
+A = torch.full((MB // 4,), 1.0)  # 1 MiB each
+B = torch.full((MB // 4,), 2.0)
+OTHER = torch.full((MB // 4,), 3.0)
+K, K2 = b"key", b"other"
+
+
+def _hold(obj: object, name: str, *, after: bool = False, times: int = 1):
+    """Patch ``obj.name`` so that its first ``times`` calls stop (before the call, or after it
+    returns) until ``release`` is set; ``entered`` is set when one stops."""
+    entered, release = threading.Event(), threading.Event()
+    original = getattr(obj, name)
+    left = [times]
+
+    def held(*args, **kwargs):
+        stop = left[0] > 0
+        left[0] -= 1
+        if stop and not after:
+            entered.set()
+            assert release.wait(30), "the test never released the held call"
+        out = original(*args, **kwargs)
+        if stop and after:
+            entered.set()
+            assert release.wait(30), "the test never released the held call"
+        return out
+
+    setattr(obj, name, held)
+    return entered, release
+
+
+def _start(read) -> threading.Thread:
+    """``read`` in a thread (the caller holds it inside its window, changes the key, lets go)."""
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    return t
+
+
+def _same(a, b) -> bool:
+    return a is not None and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("change", ["put", "discard"])
+def test_host_promotion_does_not_undo_a_put_or_discard(change):
+    # The device tier holds one entry: K is evicted to the host tier by OTHER.
+    with FeatureCache(device="cpu", device_bytes=MB, host_bytes=8 * MB) as cache:
+        cache.put(K, A.clone())
+        cache.flush()
+        cache.put(K2, OTHER.clone())
+        cache.flush()
+        assert not cache._device.contains(K) and cache._host.contains(K)
+        entered, release = _hold(cache._copier, "to_device")  # the promotion's copy
+        reader = _start(lambda: cache.get(K))
+        assert entered.wait(30)
+        cache.put(K, B.clone()) if change == "put" else cache.discard(K)
+        release.set()
+        reader.join(30)
+        cache.flush()
+        got = cache.get(K)
+        assert _same(got, B) if change == "put" else got is None
+        assert cache.stats()["cache"]["stale_promotions"] == 1
+
+
+@pytest.mark.parametrize("change", ["put", "discard"])
+def test_disk_read_does_not_undo_a_put_or_discard_in_host_or_device(tmp_path, change):
+    # Host tier of one entry: K goes to disk only; the read below finishes, the put lands and is
+    # demoted to the host tier, then the read installs what it read.
+    with FeatureCache(device="cpu", device_bytes=MB, host_bytes=MB + 4096, disk_path=tmp_path,
+                      disk_bytes="64MiB") as cache:
+        cache.put(K, A.clone())
+        cache.flush()
+        cache.put(K2, OTHER.clone())
+        cache.flush()
+        assert not cache._device.contains(K) and not cache._host.contains(K)
+        entered, release = _hold(cache._disk, "get", after=True)
+        reader = _start(lambda: cache.get(K))
+        assert entered.wait(30)
+        cache.put(K, B.clone()) if change == "put" else cache.discard(K)
+        cache.flush()
+        release.set()
+        reader.join(30)
+        cache.flush()
+        for _ in range(2):  # the device tier's answer, then the host tier's
+            got = cache.get(K)
+            assert _same(got, B) if change == "put" else got is None
+            cache._device.discard(K)
+    with FeatureCache(device="cpu", device_bytes=0, host_bytes=0, disk_path=tmp_path,
+                      disk_bytes="64MiB") as reopened:
+        got = reopened.get(K)
+        assert _same(got, B) if change == "put" else got is None
+
+
+def test_a_value_on_its_way_down_does_not_undo_a_newer_put():
+    with FeatureCache(device="cpu", device_bytes=MB, host_bytes=8 * MB) as cache:
+        held_copy, let_copy = _hold(cache._copier, "to_host")  # A's demotion stays pending
+        cache.put(K, A.clone())
+        assert held_copy.wait(30)
+        cache._device.discard(K)  # as if evicted while its copy down is in flight
+        entered, release = _hold(cache._demoter, "pending", after=True)
+        reader = _start(lambda: cache.get(K))
+        assert entered.wait(30)
+        cache.put(K, B.clone())
+        release.set()
+        let_copy.set()
+        reader.join(30)
+        cache.flush()
+        assert _same(cache.get(K), B)
+
+
+def test_two_concurrent_puts_of_a_key_leave_the_tiers_agreeing(tmp_path):
+    with FeatureCache(device="cpu", device_bytes=8 * MB, host_bytes=8 * MB, disk_path=tmp_path,
+                      disk_bytes="64MiB") as cache:
+        # The first put stops right after its device-tier write; the second runs meanwhile.
+        entered, release = _hold(cache._device, "put", after=True)
+        first = threading.Thread(target=lambda: cache.put(K, A.clone()), daemon=True)
+        first.start()
+        assert entered.wait(30)
+        second = threading.Thread(target=lambda: cache.put(K, B.clone()), daemon=True)
+        second.start()
+        second.join(0.5)  # before the fix it finished here, reordering the tiers
+        release.set()
+        first.join(30)
+        second.join(30)
+        cache.flush()
+        device = cache.get(K)
+        cache._device.discard(K)
+        host = cache.get(K)
+        assert device is not None and _same(host, device)
+    with FeatureCache(device="cpu", device_bytes=0, host_bytes=0, disk_path=tmp_path,
+                      disk_bytes="64MiB") as reopened:
+        assert _same(reopened.get(K), device)
+
+
+def test_close_waits_for_a_read_copying_out_of_the_map(tmp_path):
+    def body() -> dict[str, bool]:
+        cache = rel.disk_cache(tmp_path)
+        cache.put(K, A.clone())
+        cache.flush()
+        inside, go_on = threading.Event(), threading.Event()
+
+        def alloc(nbytes: int) -> torch.Tensor:  # called inside the read transaction
+            inside.set()
+            go_on.wait(30)
+            return torch.empty(nbytes, dtype=torch.uint8)
+
+        got: list[object] = []
+        reader = threading.Thread(target=lambda: got.append(cache._disk.get(K, alloc)))
+        reader.start()
+        inside.wait(30)
+        closer = threading.Thread(target=cache.close)
+        closer.start()
+        closer.join(0.3)
+        waited = closer.is_alive()  # close must wait for the read in flight
+        go_on.set()
+        reader.join(30)
+        closer.join(30)
+        entry = got[0]
+        ok = entry is not None and torch.equal(entry.tensor, A)
+        return {"waited": waited, "read_ok": ok, "closed": not closer.is_alive()}
+
+    kind, result = rel.in_fork(body)
+    assert kind == "ok", result
+    assert result == {"waited": True, "read_ok": True, "closed": True}
+
+
+def test_close_while_threads_read_from_disk_never_crashes(tmp_path):
+    def body() -> dict[str, int]:
+        cache = rel.disk_cache(tmp_path)
+        keys = [b"k%d" % i for i in range(16)]
+        for k in keys:
+            cache.put(k, torch.full((MB // 4,), float(len(k))))
+        cache.flush()
+        stop = threading.Event()
+        counts = {"hits": 0, "closed": 0, "wrong": 0}
+
+        def read() -> None:
+            while not stop.is_set():
+                for k in keys:
+                    try:
+                        got = cache.get(k)
+                    except FeatCacheError:
+                        counts["closed"] += 1
+                        return
+                    if got is not None:
+                        counts["hits"] += 1
+                        if not torch.equal(got, torch.full((MB // 4,), float(len(k)))):
+                            counts["wrong"] += 1
+
+        threads = [threading.Thread(target=read) for _ in range(4)]
+        for t in threads:
+            t.start()
+        while counts["hits"] < 200:
+            pass
+        cache.close()
+        stop.set()
+        for t in threads:
+            t.join(30)
+        return counts
+
+    for _ in range(5):
+        kind, result = rel.in_fork(body)
+        assert kind == "ok", result
+        assert result["wrong"] == 0 and result["hits"] >= 200
