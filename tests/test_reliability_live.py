@@ -17,9 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import lmdb
 import pytest
-import torch
 
 from featcache import FeatureCache
 from featcache.cli import main as cli
