@@ -100,6 +100,7 @@ class Lease:
         self.meta = entry.meta
         self._fence = entry.fence
         self._cache = cache
+        self._tier = cache._device  # the tier it pinned (a forked child's cache has a new one)
         self._pinned = pinned
 
     def ready(self) -> torch.Tensor:
@@ -110,7 +111,7 @@ class Lease:
     def release(self) -> None:
         if self._pinned:
             self._pinned = False
-            self._cache._device.unpin(self.key)
+            self._tier.unpin(self.key)
 
     def __enter__(self) -> torch.Tensor:
         return self.tensor
