@@ -213,11 +213,11 @@ def test_a_failed_write_whose_cleanup_also_fails_never_serves_the_old_value(tmp_
         real_write = disk._write
         failures = {"left": 2 * 20}  # every write and cleanup transaction of 20 replacing puts
 
-        def failing_write(ops):
+        def failing_write(env, ops):
             if failures["left"] > 0:
                 failures["left"] -= 1
                 raise lmdb.DiskError("injected: no space left on device")
-            return real_write(ops)
+            return real_write(env, ops)
 
         disk._write = failing_write
         for i in range(20):
