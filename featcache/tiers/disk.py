@@ -53,6 +53,7 @@ import torch
 from .. import codec
 from ..errors import CorruptEntryError, StoreFormatError, StoreOpenError
 from .base import Counters, Entry
+from .lmdbcheck import check_data_file
 
 log = logging.getLogger("featcache")
 
@@ -150,23 +151,15 @@ class DiskTier:
             self._apply_budget()
 
     def _check_file(self) -> None:
-        """Refuse a data file shorter than the pages its meta page says are in use (a truncated
-        copy, a file system that lost its tail): LMDB maps the file and would fault (SIGBUS, the
-        process dies) on the first read of a page past its end."""
+        """Refuse a data file whose structure LMDB cannot be trusted with (``lmdbcheck``): a
+        truncated copy, a file system that lost its tail, a damaged table page. LMDB maps the file
+        and would fault (SIGBUS or SIGSEGV: the process dies) on a page past its end or a node
+        that runs outside its page."""
         try:
-            info, page = self._env.info(), self._env.stat()["psize"]
-            # Read after the meta page: a writer grows the file before its meta page names a page.
-            file_bytes = os.path.getsize(os.path.join(self.path, "data.mdb"))
-        except (lmdb.Error, OSError) as e:
+            check_data_file(self._env, os.path.join(self.path, "data.mdb"))
+        except StoreOpenError:
             self._env.close()
-            raise StoreOpenError(f"cannot open the LMDB store at {self.path!r}: {e}") from e
-        needed = (info["last_pgno"] + 1) * page
-        if file_bytes < needed:
-            self._env.close()
-            raise StoreOpenError(
-                f"the store at {self.path!r} is damaged: data.mdb holds {file_bytes} bytes but "
-                f"its pages need {needed} (truncated?); move it away or delete it"
-            )
+            raise
 
     def _check_format(self) -> None:
         with self._env.begin(db=self._info, write=not self.readonly) as txn:
