@@ -180,15 +180,24 @@ class StoreView:
     def _open_db(self, name: bytes) -> lmdb._Database:
         try:
             return self._env.open_db(name, create=False)
-        except lmdb.Error as e:
+        except (lmdb.NotFoundError, lmdb.IncompatibleError) as e:
             raise StoreFormatError(
                 f"{self.path!r} is not a featcache store (an LMDB environment without a "
                 f"{name.decode()!r} table)"
             ) from e
+        except lmdb.Error as e:
+            raise StoreOpenError(
+                f"cannot open the {name.decode()!r} table of the store at {self.path!r}: {e}"
+            ) from e
 
     def _check_format(self) -> None:
-        with self._env.begin(db=self._dbs[b"info"]) as txn:
-            tag = txn.get(b"format")
+        try:
+            with self._env.begin(db=self._dbs[b"info"]) as txn:
+                tag = txn.get(b"format")
+        except lmdb.Error as e:
+            raise StoreOpenError(
+                f"cannot read the format record of the store at {self.path!r}: {e}"
+            ) from e
         self.format_tag = bytes(tag) if tag is not None else b""
         if not self.format_tag:
             raise StoreFormatError(format_message(self.path, self.format_tag))

@@ -407,3 +407,45 @@ def test_checks_of_a_store_written_by_another_process_never_fail(tmp_path):
     assert failures == []
     assert len(txnids) >= 50, "the writer committed while the checks ran"
 
+
+# -- every LMDB error at open is a StoreOpenError --------------------------------------------------
+class _FailingEnv:
+    """An LMDB environment whose ``open_db``, or the read of the format record, fails."""
+
+    def __init__(self, env: lmdb.Environment, where: str) -> None:
+        self._env, self._where = env, where
+
+    def __getattr__(self, name: str):
+        return getattr(self._env, name)
+
+    def open_db(self, *args, **kwargs):
+        if self._where == "open_db":
+            raise lmdb.CorruptedError("injected")
+        return self._env.open_db(*args, **kwargs)
+
+    def begin(self, *args, **kwargs):
+        if self._where == "format" and "db" in kwargs:
+            raise lmdb.CorruptedError("injected")
+        return self._env.begin(*args, **kwargs)
+
+
+@pytest.mark.parametrize("where", ["open_db", "format", "books"])
+def test_lmdb_errors_at_open_are_store_open_errors(tmp_path, monkeypatch, where):
+    """An ``lmdb.Error`` while the tables are opened, the format record is read or the books are
+    read at open reaches the caller as StoreOpenError (FeatureCache, StoreView), with the
+    environment closed: the next open of the same directory in this process works."""
+    store = tmp_path / "store"
+    fill_small(store, 4)
+    real_open = lmdb.open
+    with monkeypatch.context() as patch:
+        patch.setattr(lmdb, "open", lambda *a, **k: _FailingEnv(real_open(*a, **k), where))
+        if where == "books":
+            def broken(self, txn):
+                raise lmdb.CorruptedError("injected")
+            patch.setattr(DiskTier, "_used", broken)
+        with pytest.raises(StoreOpenError, match="injected"):
+            rel.disk_cache(store)
+        if where != "books":  # a StoreView reads no books at open
+            with pytest.raises(StoreOpenError, match="injected"):
+                StoreView(store)
+    assert serve_all(store, [b"small-0"])["served"] == 1

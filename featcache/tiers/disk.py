@@ -143,9 +143,12 @@ class DiskTier:
             self._meta = self._env.open_db(b"meta", create=create)
             self._lru = self._env.open_db(b"lru", create=create)
             self._info = self._env.open_db(b"info", create=create)
-        except lmdb.Error as e:
+        except (lmdb.NotFoundError, lmdb.IncompatibleError) as e:  # no such table, or not ours
             self._env.close()
             raise StoreFormatError(f"{self.path!r} is not a featcache store ({e})") from e
+        except lmdb.Error as e:
+            self._env.close()
+            raise StoreOpenError(f"cannot open the tables of the store at {self.path!r}: {e}") from e
         self._check_format()
         if not self.readonly:
             self._apply_budget()
@@ -162,12 +165,18 @@ class DiskTier:
             raise
 
     def _check_format(self) -> None:
-        with self._env.begin(db=self._info, write=not self.readonly) as txn:
-            tag = txn.get(b"format")
-            if tag is None and not self.readonly:
-                txn.put(b"format", FORMAT_TAG)
-                txn.put(b"used_bytes", _U64.pack(0))
-                return
+        try:
+            with self._env.begin(db=self._info, write=not self.readonly) as txn:
+                tag = txn.get(b"format")
+                if tag is None and not self.readonly:
+                    txn.put(b"format", FORMAT_TAG)
+                    txn.put(b"used_bytes", _U64.pack(0))
+                    return
+        except lmdb.Error as e:
+            self._env.close()
+            raise StoreOpenError(
+                f"cannot read or write the format record of the store at {self.path!r}: {e}"
+            ) from e
         if tag != FORMAT_TAG:
             self._env.close()
             raise StoreFormatError(
@@ -177,8 +186,15 @@ class DiskTier:
 
     def _apply_budget(self) -> None:
         """Evict oldest first until the store fits this process's budget (it may have been
-        written with a larger one)."""
-        if self.used_bytes > self.capacity_bytes:
+        written with a larger one). A store whose books cannot be read is refused; an eviction
+        that fails (a full disk) is counted like any failed write, and the next batch retries."""
+        try:
+            with self._env.begin() as txn:
+                used = self._used(txn)
+        except lmdb.Error as e:
+            self._env.close()
+            raise StoreOpenError(f"cannot read the books of the store at {self.path!r}: {e}") from e
+        if used > self.capacity_bytes:
             self.write_batch(())
 
     def _reader_check(self) -> None:
