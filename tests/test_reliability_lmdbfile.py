@@ -285,10 +285,8 @@ def _damage_base(store: Path) -> list[bytes]:
     big = [b"big-%d" % i for i in range(8)]
     tier = DiskTier(store, 64 << 20)
     try:
-        for key in big:
-            t = torch.full((16 << 10,), 1.0)
-            value = codec.encode(t.dtype, tuple(t.shape), t.view(torch.uint8).numpy().data)
-            tier.write_batch([DiskOp("put", key, value)])
+        for i, key in enumerate(big):
+            tier.write_batch([DiskOp("put", key, _encoded(16 << 10, float(i)))])
     finally:
         tier.close()
     return ks + big
