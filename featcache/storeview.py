@@ -48,6 +48,7 @@ from . import codec
 from .config import DEFAULT_DIR, ENV_DIR, default_store_dir  # noqa: F401  (re-exported)
 from .errors import CorruptEntryError, FeatCacheError, StoreFormatError, StoreOpenError
 from .tiers.disk import _META, _STAMP, _U64, FORMAT_TAG, DiskOp, DiskTier, check_store_files
+from .tiers.lmdbcheck import check_data_file
 
 # The named databases the disk tier opens, in its order (tests/test_cli_store.py checks a store
 # written by DiskTier has exactly these).
@@ -171,29 +172,32 @@ class StoreView:
 
     # -- opening ---------------------------------------------------------------------------------
     def _check_file(self) -> None:
-        """Refuse a data file shorter than the pages its meta page names: reading past its end
-        would kill the process (SIGBUS). Read after the meta page, as the disk tier does."""
-        info, page = self._env.info(), self._env.stat()["psize"]
-        size = os.path.getsize(os.path.join(self.path, DATA_FILE))
-        if size < (info["last_pgno"] + 1) * page:
-            raise StoreOpenError(
-                f"the store at {self.path!r} is damaged: data.mdb holds {size} bytes but its "
-                f"pages need {(info['last_pgno'] + 1) * page} (truncated?); move it away or "
-                "delete it"
-            )
+        """Refuse a data file whose structure LMDB cannot be trusted with (the disk tier's
+        ``lmdbcheck``): reading a page past its end, or a node running outside its page, would kill
+        the process (SIGBUS, SIGSEGV)."""
+        check_data_file(self._env, os.path.join(self.path, DATA_FILE))
 
     def _open_db(self, name: bytes) -> lmdb._Database:
         try:
             return self._env.open_db(name, create=False)
-        except lmdb.Error as e:
+        except (lmdb.NotFoundError, lmdb.IncompatibleError) as e:
             raise StoreFormatError(
                 f"{self.path!r} is not a featcache store (an LMDB environment without a "
                 f"{name.decode()!r} table)"
             ) from e
+        except lmdb.Error as e:
+            raise StoreOpenError(
+                f"cannot open the {name.decode()!r} table of the store at {self.path!r}: {e}"
+            ) from e
 
     def _check_format(self) -> None:
-        with self._env.begin(db=self._dbs[b"info"]) as txn:
-            tag = txn.get(b"format")
+        try:
+            with self._env.begin(db=self._dbs[b"info"]) as txn:
+                tag = txn.get(b"format")
+        except lmdb.Error as e:
+            raise StoreOpenError(
+                f"cannot read the format record of the store at {self.path!r}: {e}"
+            ) from e
         self.format_tag = bytes(tag) if tag is not None else b""
         if not self.format_tag:
             raise StoreFormatError(format_message(self.path, self.format_tag))
@@ -549,6 +553,7 @@ def purge_foreign_store(path: str | os.PathLike[str]) -> str:
     except lmdb.Error as e:
         raise _open_error(where, e) from e
     try:
+        check_data_file(env, os.path.join(where, DATA_FILE))  # a damaged file could crash LMDB
         with env.begin() as txn:
             info = env.open_db(b"info", txn=txn, create=False)
             tag = bytes(txn.get(b"format", db=info) or b"")

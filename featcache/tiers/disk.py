@@ -56,6 +56,7 @@ import torch
 from .. import codec
 from ..errors import CorruptEntryError, StoreFormatError, StoreOpenError
 from .base import Counters, Entry
+from .lmdbcheck import check_data_file
 
 log = logging.getLogger("featcache")
 
@@ -280,39 +281,40 @@ class DiskTier:
             self._meta = self._env.open_db(b"meta", create=create)
             self._lru = self._env.open_db(b"lru", create=create)
             self._info = self._env.open_db(b"info", create=create)
-        except lmdb.Error as e:
+        except (lmdb.NotFoundError, lmdb.IncompatibleError) as e:  # no such table, or not ours
             self._env.close()
             raise StoreFormatError(f"{self.path!r} is not a featcache store ({e})") from e
+        except lmdb.Error as e:
+            self._env.close()
+            raise StoreOpenError(f"cannot open the tables of the store at {self.path!r}: {e}") from e
         self._check_format()
         if not self.readonly:
             self._apply_budget()
 
     def _check_file(self) -> None:
-        """Refuse a data file shorter than the pages its meta page says are in use (a truncated
-        copy, a file system that lost its tail): LMDB maps the file and would fault (SIGBUS, the
-        process dies) on the first read of a page past its end."""
+        """Refuse a data file whose structure LMDB cannot be trusted with (``lmdbcheck``): a
+        truncated copy, a file system that lost its tail, a damaged table page. LMDB maps the file
+        and would fault (SIGBUS or SIGSEGV: the process dies) on a page past its end or a node
+        that runs outside its page."""
         try:
-            info, page = self._env.info(), self._env.stat()["psize"]
-            # Read after the meta page: a writer grows the file before its meta page names a page.
-            file_bytes = os.path.getsize(os.path.join(self.path, "data.mdb"))
-        except (lmdb.Error, OSError) as e:
+            check_data_file(self._env, os.path.join(self.path, "data.mdb"))
+        except StoreOpenError:
             self._env.close()
-            raise StoreOpenError(f"cannot open the LMDB store at {self.path!r}: {e}") from e
-        needed = (info["last_pgno"] + 1) * page
-        if file_bytes < needed:
-            self._env.close()
-            raise StoreOpenError(
-                f"the store at {self.path!r} is damaged: data.mdb holds {file_bytes} bytes but "
-                f"its pages need {needed} (truncated?); move it away or delete it"
-            )
+            raise
 
     def _check_format(self) -> None:
-        with self._env.begin(db=self._info, write=not self.readonly) as txn:
-            tag = txn.get(b"format")
-            if tag is None and not self.readonly:
-                txn.put(b"format", FORMAT_TAG)
-                txn.put(b"used_bytes", _U64.pack(0))
-                return
+        try:
+            with self._env.begin(db=self._info, write=not self.readonly) as txn:
+                tag = txn.get(b"format")
+                if tag is None and not self.readonly:
+                    txn.put(b"format", FORMAT_TAG)
+                    txn.put(b"used_bytes", _U64.pack(0))
+                    return
+        except lmdb.Error as e:
+            self._env.close()
+            raise StoreOpenError(
+                f"cannot read or write the format record of the store at {self.path!r}: {e}"
+            ) from e
         if tag != FORMAT_TAG:
             self._env.close()
             raise StoreFormatError(
@@ -322,8 +324,15 @@ class DiskTier:
 
     def _apply_budget(self) -> None:
         """Evict oldest first until the store fits this process's budget (it may have been
-        written with a larger one)."""
-        if self.used_bytes > self.capacity_bytes:
+        written with a larger one). A store whose books cannot be read is refused; an eviction
+        that fails (a full disk) is counted like any failed write, and the next batch retries."""
+        try:
+            with self._env.begin() as txn:
+                used = self._used(txn)
+        except lmdb.Error as e:
+            self._env.close()
+            raise StoreOpenError(f"cannot read the books of the store at {self.path!r}: {e}") from e
+        if used > self.capacity_bytes:
             self.write_batch(())
 
     def _reader_check(self) -> None:
