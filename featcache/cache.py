@@ -44,7 +44,7 @@ from .errors import FeatCacheError
 from .hostpool import Block
 from .tiers.base import Entry, empty_stats
 from .tiers.device import DeviceTier
-from .tiers.disk import MAX_KEY_BYTES, DiskTier
+from .tiers.disk import MAX_KEY_BYTES, MAX_VALUE_BYTES, DiskTier
 from .tiers.host import HostTier
 from .tiers.remote import RemoteTier
 
@@ -160,7 +160,8 @@ class FeatureCache:
         to_host = self._host is not None and self._host.fits(nbytes)
         to_disk = (
             self._disk is not None
-            and nbytes + HEADER.size + len(meta_bytes) <= self._disk.capacity_bytes
+            and nbytes + HEADER.size + len(meta_bytes)
+            <= min(self._disk.capacity_bytes, MAX_VALUE_BYTES)
         )
         to_remote = self._publisher is not None
         if not (to_device or to_host or to_disk or to_remote):

@@ -40,6 +40,7 @@ from PIL import Image, ImageFile
 
 import featcache
 from featcache import codec, image_key
+from featcache.tiers import disk as disk_module
 from featcache.tiers.disk import DiskOp, DiskTier
 
 try:
@@ -323,3 +324,54 @@ def test_hostile_header_lengths_are_checked_against_the_value_not_trusted():
                            nbytes, nbytes, *[0] * 7, b"\0" * 16)
         with pytest.raises(featcache.CorruptEntryError):
             codec.decode_header(head + b"\0" * 32)
+
+
+# -- keys the store can hold ---------------------------------------------------------------------
+def test_the_longest_key_accepted_fits_every_record_the_store_writes(tmp_path):
+    """Every LMDB key the disk tier writes for a cache key (its value, meta and lru records,
+    the lru one 8 bytes longer) fits LMDB's 511 bytes: a 503-byte key round-trips through disk
+    after a reopen, a 504-byte one is refused at ``put`` (it used to be accepted, and its lru
+    record failed the whole disk batch with MDB_BAD_VALSIZE)."""
+    assert disk_module.MAX_KEY_BYTES == disk_module.LMDB_MAX_KEY_BYTES - 8 == 503
+    longest, value = b"k" * 503, torch.arange(6, dtype=torch.float32)
+    with rel.disk_cache(tmp_path / "store") as cache:
+        cache.put(longest, value)
+        cache.put(b"other", torch.ones(2))
+        with pytest.raises(ValueError, match="1 to 503 bytes"):
+            cache.put(b"k" * 504, value)
+        cache.flush()
+        assert cache.stats()["disk"]["errors"] == 0
+    with rel.disk_cache(tmp_path / "store") as cache:
+        assert rel.same_bits(cache.get(longest), value)
+        assert rel.same_bits(cache.get(b"other"), torch.ones(2))
+        assert cache.stats()["disk"]["errors"] == 0
+
+
+def test_a_batch_with_an_op_lmdb_cannot_hold_lands_the_rest_and_counts_a_drop(tmp_path):
+    """``DiskTier.write_batch`` skips an op whose key (empty, over ``MAX_KEY_BYTES``) or value
+    (over LMDB's 4 GiB - 1) cannot be stored: the put counts as a drop, the other ops of its
+    batch land, and the key's older value is not served. (Before: MDB_BAD_VALSIZE failed the
+    whole batch and dropped every put of it.)"""
+
+    class Huge:  # a value LMDB refuses, without allocating 4 GiB
+        def __len__(self) -> int:
+            return disk_module.MAX_VALUE_BYTES + 1
+
+    good = {b"a": codec.encode(torch.uint8, (3,), b"abc"), b"b": codec.encode(torch.uint8, (2,), b"de")}
+    tier = DiskTier(tmp_path / "store", 8 << 30, sync=False)
+    try:
+        assert tier.write_batch([DiskOp("put", b"big", good[b"a"])]) == 1
+        ops = [DiskOp("put", b"a", good[b"a"]), DiskOp("put", b"x" * 504, good[b"a"]),
+               DiskOp("put", b"", good[b"a"]), DiskOp("touch", b"y" * 600),
+               DiskOp("discard", b"z" * 600), DiskOp("put", b"big", Huge()),  # type: ignore[arg-type]
+               DiskOp("put", b"b", good[b"b"])]
+        assert tier.write_batch(ops) == 2
+        stats = tier.stats()
+        assert (stats["drops"], stats["errors"], stats["entries"]) == (3, 0, 2)
+        assert tier.get(b"a").tensor.numpy().tobytes() == b"abc"
+        assert tier.get(b"b").tensor.numpy().tobytes() == b"de"
+        assert tier.get(b"big") is None  # its older value was deleted, not left behind
+    finally:
+        tier.close()
+    rel.report("input/unstorable-ops-in-a-batch", runs=1, faults=5, wrong=0, failed=0,
+               landed=2, dropped=3)

@@ -60,7 +60,10 @@ FORMAT_TAG = b"featcache-lmdb-2"
 _META = struct.Struct("<QQ")
 _STAMP = struct.Struct(">Q")
 _U64 = struct.Struct("<Q")
-MAX_KEY_BYTES = 511  # LMDB's default key size limit
+LMDB_MAX_KEY_BYTES = 511  # LMDB's default key size limit, for the keys of every table
+# The longest cache key: its lru record (an 8-byte stamp + the key) must fit as well.
+MAX_KEY_BYTES = LMDB_MAX_KEY_BYTES - _STAMP.size
+MAX_VALUE_BYTES = 0xFFFFFFFF  # LMDB's largest value (MAXDATASIZE); a larger put fails its txn
 MIN_MAP_BYTES = 1 << 40
 
 
@@ -272,11 +275,14 @@ class DiskTier:
         """Apply ``ops`` in order in one transaction, then evict down to the budget; return how
         many puts landed.
 
-        A put larger than the budget does not land and deletes the key's older value. When the
-        transaction fails (file system full, I/O error) nothing of it lands: its puts are counted
-        as drops, and a second transaction deletes the keys of its puts and discards so that no
-        older value of theirs is served later. Should that fail too, the keys are unclean: reads
-        miss them, and the next batches delete them first.
+        A put larger than the budget does not land and deletes the key's older value. An op whose
+        key cannot be stored (empty, or longer than ``MAX_KEY_BYTES``) is skipped, and so is a put
+        of a value longer than ``MAX_VALUE_BYTES`` (after deleting the key's older value): such a
+        put counts as a drop and the rest of the batch lands. When the transaction fails (file
+        system full, I/O error) nothing of it lands: its puts are counted as drops, and a second
+        transaction deletes the keys of its puts and discards so that no older value of theirs is
+        served later. Should that fail too, the keys are unclean: reads miss them, and the next
+        batches delete them first.
         """
         with self._lock:
             unclean = list(self._unclean)
@@ -305,6 +311,7 @@ class DiskTier:
         """One write transaction for ``ops`` (see ``write_batch``); raises ``lmdb.Error``."""
         stored = 0
         evicted = 0
+        skipped = 0  # puts LMDB could not hold (see write_batch): drops once the batch commits
         env = self._environment()
         self._reader_check()
         with env.begin(write=True) as txn:
@@ -313,6 +320,12 @@ class DiskTier:
             last = _stamp_of(bytes(cursor.key())) if cursor.last() else 0
             stamp = max(time.time_ns(), last + 1) - 1  # each put and touch takes the next one
             for op in ops:
+                if not 0 < len(op.key) <= MAX_KEY_BYTES:
+                    # Nothing of such a key can be stored (LMDB refuses an empty key, and its
+                    # lru record would pass the limit), so there is nothing to delete either.
+                    if op.kind == "put":
+                        skipped += 1
+                    continue
                 if op.kind == "discard":
                     used = self._less(txn, used, self._delete(txn, op.key))
                 elif op.kind == "touch":
@@ -322,6 +335,9 @@ class DiskTier:
                     used = self._less(txn, used, self._delete(txn, op.key))
                     size = len(op.value)
                     if size > self.capacity_bytes:
+                        continue
+                    if size > MAX_VALUE_BYTES:
+                        skipped += 1
                         continue
                     while used + size > self.capacity_bytes:
                         freed = self._evict_oldest(txn, cursor)
@@ -346,6 +362,9 @@ class DiskTier:
             txn.put(b"used_bytes", _U64.pack(used), db=self._info)
         with self._lock:
             self._counters.evictions += evicted
+            self._counters.drops += skipped
+        if skipped:
+            log.debug("featcache: %d disk puts skipped (key or value too long for LMDB)", skipped)
         return stored
 
     def _evict_oldest(self, txn: lmdb.Transaction, cursor: lmdb.Cursor) -> int | None:
