@@ -210,9 +210,11 @@ class FeatureCache:
 
     def __contains__(self, key: object) -> bool:
         """Whether any local tier (or the way down) holds ``key``; counts nothing, promotes
-        nothing, and does not ask the remote tier (no network call)."""
-        if not isinstance(key, bytes) or self._closed:
+        nothing, and does not ask the remote tier (no network call). A key ``put`` would refuse
+        (not bytes, empty, too long) is not contained."""
+        if not _valid_key(key) or self._closed:
             return False
+        assert isinstance(key, bytes)
         if (
             self._device.contains(key)
             or (self._demoter is not None and self._demoter.pending(key) is not None)
@@ -463,8 +465,14 @@ class _NoLease:
         return None
 
 
+def _valid_key(key: object) -> bool:
+    """Whether ``key`` is one the cache stores: bytes, 1 to ``MAX_KEY_BYTES`` long (every record
+    the disk tier writes for it then fits LMDB's key limit)."""
+    return isinstance(key, bytes) and 0 < len(key) <= MAX_KEY_BYTES
+
+
 def _check_key(key: object) -> None:
     if not isinstance(key, bytes):
         raise TypeError(f"keys are bytes (from featcache.image_key), not {type(key).__name__}")
-    if not 0 < len(key) <= MAX_KEY_BYTES:
+    if not _valid_key(key):
         raise ValueError(f"a key must be 1 to {MAX_KEY_BYTES} bytes long, got {len(key)}")

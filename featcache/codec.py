@@ -74,10 +74,12 @@ def check_storable(tensor: torch.Tensor) -> None:
 
 
 def check_meta(meta: object) -> bytes:
+    """``meta`` as the bytes to store (None: b""); ``TypeError``/``ValueError`` otherwise."""
     if meta is None:
         return b""
     if not isinstance(meta, bytes):
-        raise TypeError(f"meta must be bytes or None, not {type(meta).__name__}")
+        hint = " (encode text first: meta=text.encode())" if isinstance(meta, str) else ""
+        raise TypeError(f"meta must be bytes or None, not {type(meta).__name__}{hint}")
     if len(meta) > MAX_META_BYTES:
         raise ValueError(f"meta is {len(meta)} bytes; at most {MAX_META_BYTES} are stored")
     return meta

@@ -375,3 +375,24 @@ def test_a_batch_with_an_op_lmdb_cannot_hold_lands_the_rest_and_counts_a_drop(tm
         tier.close()
     rel.report("input/unstorable-ops-in-a-batch", runs=1, faults=5, wrong=0, failed=0,
                landed=2, dropped=3)
+
+
+def test_bad_keys_are_refused_by_every_call_and_contained_by_none(tmp_path):
+    """``key in cache`` is False for a key ``put`` would refuse and counts nothing (it used to
+    ask LMDB, which counted a disk error); every other call raises TypeError/ValueError."""
+    with rel.disk_cache(tmp_path / "store", host_bytes="1MiB") as cache:
+        cache.put(b"k", torch.ones(2))
+        cache.flush()
+        before = cache.stats()
+        for bad in (b"", b"x" * 504, b"x" * 600, "k", bytearray(b"k"), None, 5):
+            assert bad not in cache
+            for call in (cache.get, cache.acquire, cache.lease, cache.discard,
+                         lambda key: cache.put(key, torch.ones(2))):
+                with pytest.raises((TypeError, ValueError), match="key"):
+                    call(bad)
+        assert cache.stats() == before
+        for meta, error in (("text", TypeError), (bytearray(b"m"), TypeError),
+                            (b"m" * (codec.MAX_META_BYTES + 1), ValueError)):
+            with pytest.raises(error, match="meta"):
+                cache.put(b"m", torch.ones(2), meta=meta)  # type: ignore[arg-type]
+        assert b"m" not in cache and cache.stats()["cache"]["puts"] == before["cache"]["puts"]
