@@ -421,6 +421,8 @@ class FeatureCache:
     def _owned(self, features: torch.Tensor) -> torch.Tensor:
         """The tensor the device tier keeps: on the cache's device, dense, owning its storage."""
         tensor = features.detach()
+        if tensor.is_neg() or tensor.is_conj():  # lazy views: the raw bytes are not the values
+            tensor = tensor.resolve_neg().resolve_conj()
         if tensor.device != self.device:
             return tensor.to(self.device).contiguous()
         whole = (

@@ -396,3 +396,77 @@ def test_bad_keys_are_refused_by_every_call_and_contained_by_none(tmp_path):
             with pytest.raises(error, match="meta"):
                 cache.put(b"m", torch.ones(2), meta=meta)  # type: ignore[arg-type]
         assert b"m" not in cache and cache.stats()["cache"]["puts"] == before["cache"]["puts"]
+
+
+# -- tensors the cache can store -----------------------------------------------------------------
+def _refused_tensors() -> dict[str, torch.Tensor]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.ones(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # prototype/beta/deprecated kinds: exactly what is probed
+        return _make_refused(fake)
+
+
+def _make_refused(fake: torch.Tensor) -> dict[str, torch.Tensor]:
+    kinds = {
+        "meta": torch.empty(3, device="meta"),
+        "nested": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+        "nested-jagged": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)],
+                                                    layout=torch.jagged),
+        "sparse-coo": torch.eye(3).to_sparse(),
+        "sparse-csr": torch.eye(3).to_sparse_csr(),
+        "quantized": torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8),
+        "complex": torch.ones(2, dtype=torch.complex64).conj(),  # conj bit: a complex dtype
+        "fake": fake,
+    }
+    if torch.backends.mkldnn.is_available():
+        kinds["mkldnn"] = torch.ones(2, 2).to_mkldnn()
+    return kinds
+
+
+def test_tensors_the_cache_cannot_store_are_refused_at_put(tmp_path):
+    """Meta and nested tensors used to raise NotImplementedError from ``put`` or fail in the
+    background (``worker_errors``); they, sparse/mkldnn layouts, quantized and complex dtypes,
+    FakeTensors and functorch-wrapped tensors are refused at ``put`` with a TypeError saying
+    what is allowed, and nothing is stored or counted as a worker error."""
+    with rel.disk_cache(tmp_path / "store", device_bytes="1MiB", host_bytes="1MiB") as cache:
+        for name, tensor in _refused_tensors().items():
+            with pytest.raises(TypeError, match="cannot be cached") as raised:
+                cache.put(name.encode(), tensor)
+            assert "meta tensors hold no data" in str(raised.value) or name != "meta"
+        with pytest.raises(TypeError, match="outside the transform"):
+            torch.vmap(lambda t: cache.put(b"vmap", t) or t)(torch.ones(2, 3))
+        cache.flush()
+        stats = cache.stats()
+        assert stats["cache"]["worker_errors"] == 0 and stats["cache"]["puts"] == 0
+        assert all(name.encode() not in cache for name in _refused_tensors())
+
+
+def test_neg_views_round_trip_bit_identically_from_every_tier(tmp_path):
+    """A tensor with the negative bit set (``torch._neg_view``: its storage holds the values
+    negated) is stored as its values: from the device, the host and the disk after a reopen.
+    (Before: its raw bytes were read, so the copy down failed and the device tier served the
+    lazy view.)"""
+    base = torch.arange(-3, 5, dtype=torch.float32).reshape(2, 4)
+    expected = base.neg()  # the values the view shows, materialised
+    assert torch._neg_view(base).is_neg()
+    served = {}
+    with rel.disk_cache(tmp_path / "store", device_bytes="1MiB") as cache:  # the device tier
+        cache.put(b"n", torch._neg_view(base))
+        served["device"] = cache.get(b"n")
+        cache.flush()
+        assert cache.stats()["cache"]["worker_errors"] == 0
+    with rel.disk_cache(tmp_path / "store", host_bytes="1MiB") as cache:  # the host tier
+        cache.put(b"h", torch._neg_view(base))
+        cache.flush()
+        served["host"] = cache.get(b"h")
+        assert cache.stats()["host"]["hits"] == 1
+    with rel.disk_cache(tmp_path / "store") as cache:  # disk, after the reopen
+        served["disk"] = cache.get(b"n")
+        assert cache.stats()["disk"]["hits"] == 1
+    for tier, tensor in served.items():
+        assert tensor is not None and not tensor.is_neg(), tier
+        assert rel.same_bits(tensor, expected), tier
+    rel.report("input/neg-view-tensors", runs=3, faults=3, wrong=0, failed=0)
