@@ -21,11 +21,13 @@ too large for every tier is not stored and reads miss
 from __future__ import annotations
 
 import ast
+import dataclasses
 import io
 import math
 import os
 import pickle
 import random
+import re
 import struct
 import time
 import warnings
@@ -39,7 +41,7 @@ from hypothesis import strategies as st
 from PIL import Image, ImageFile
 
 import featcache
-from featcache import codec, image_key
+from featcache import CacheConfig, FeatureCache, codec, image_key, parse_bytes
 from featcache.tiers import disk as disk_module
 from featcache.tiers.disk import DiskOp, DiskTier
 
@@ -470,3 +472,64 @@ def test_neg_views_round_trip_bit_identically_from_every_tier(tmp_path):
         assert tensor is not None and not tensor.is_neg(), tier
         assert rel.same_bits(tensor, expected), tier
     rel.report("input/neg-view-tensors", runs=3, faults=3, wrong=0, failed=0)
+
+
+# -- sizes and options ---------------------------------------------------------------------------
+def test_sizes_are_parsed_exactly_and_bounded():
+    assert parse_bytes("2.01kB") == 2010  # float: 2009
+    assert parse_bytes("8388607.99999999999999999999999TiB") == 2**63 - 1
+    for bad in ("9" * 400 + "TiB", "8388608TiB", 2**63, 2**64):
+        with pytest.raises(ValueError, match=r"too large: at most 9223372036854775807 bytes"):
+            parse_bytes(bad)  # "9" * 400: OverflowError before (float -> inf -> int)
+    for bad in ("nan", "inf", "1e9"):
+        with pytest.raises(ValueError, match="cannot parse size"):
+            parse_bytes(bad)
+
+
+SIZE_ARGS = ["device_bytes", "host_bytes", "disk_bytes", "host_slab_bytes", "remote_chunk_bytes"]
+
+
+@pytest.mark.parametrize("name", SIZE_ARGS)
+def test_size_arguments_of_the_wrong_type_or_out_of_range_name_the_argument(tmp_path, name):
+    """A float size raised a bare AssertionError, 2**64 an OverflowError: now TypeError /
+    ValueError naming the argument and what it takes."""
+    def make(value: object) -> None:
+        FeatureCache(device="cpu", disk_path=tmp_path / "store", **{name: value}).close()
+
+    with pytest.raises(TypeError, match=rf"^{name} must be an int or a string like '64MiB', not "
+                                        r"the float 2500000000.0: pass int\(2500000000.0\) or a "
+                                        r"string such as '2.5GB'"):
+        make(2.5e9)
+    for value in (float("nan"), True, [1], b"1MiB"):
+        with pytest.raises(TypeError, match=rf"^{name} must be an int or a string like '64MiB'"):
+            make(value)
+    for value in (2**64, "9" * 400 + "TiB", -1, "lots"):
+        with pytest.raises(ValueError, match=rf"^{name}: "):
+            make(value)
+    with pytest.raises(TypeError, match=rf"^{name} must be an int number of bytes"):
+        CacheConfig(**{**dataclasses.asdict(CacheConfig.create(device="cpu")), name: 1.5})
+    with pytest.raises(ValueError, match=rf"^{name} must be 0 to 9223372036854775807 bytes"):
+        CacheConfig(**{**dataclasses.asdict(CacheConfig.create(device="cpu")), name: 2**63})
+
+
+@pytest.mark.parametrize("option, value, words", [
+    ("demote_queue_entries", "x", "demote_queue_entries must be an int, not str"),
+    ("disk_queue_entries", True, "disk_queue_entries must be an int, not bool"),
+    ("remote_queue_entries", 2.0, "remote_queue_entries must be an int, not float"),
+    ("remote_ttl_s", "1", "remote_ttl_s must be an int"),
+    ("remote_timeout_ms", 1.5, "remote_timeout_ms must be an int"),
+    ("disk_sync", "no", "disk_sync must be True or False"),
+    ("remote_prefix", 5, "remote_prefix must be a string"),
+    ("remote_url", 5, "remote_url must be a string or None"),
+    ("device", 5, "device must be a string like 'cuda:0' or 'cpu'"),
+    ("disk_path", b"/tmp/store", "disk_path must be a str or a path-like of str"),
+])
+def test_options_of_the_wrong_type_raise_type_errors_naming_them(option, value, words):
+    """These used to fail comparisons with a raw TypeError, or pass (bool, float)."""
+    with pytest.raises(TypeError, match=re.escape(words)):
+        FeatureCache(**{"device": "cpu", option: value})
+
+
+def test_an_unknown_device_string_is_a_value_error():
+    with pytest.raises(ValueError, match="device must be 'cuda\\[:N\\]' or 'cpu', not 'gpu'"):
+        FeatureCache(device="gpu")  # torch's RuntimeError before
