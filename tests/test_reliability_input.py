@@ -33,6 +33,7 @@ import time
 import warnings
 from pathlib import Path
 
+import lmdb
 import numpy as np
 import pytest
 import torch
@@ -533,3 +534,88 @@ def test_options_of_the_wrong_type_raise_type_errors_naming_them(option, value, 
 def test_an_unknown_device_string_is_a_value_error():
     with pytest.raises(ValueError, match="device must be 'cuda\\[:N\\]' or 'cpu', not 'gpu'"):
         FeatureCache(device="gpu")  # torch's RuntimeError before
+
+
+# -- disk budgets beyond the address space -------------------------------------------------------
+TiB = 1 << 40
+
+
+def _lmdb_maps_at_most(monkeypatch, limit: int) -> list[int]:
+    """Make ``lmdb.open`` fail with ENOMEM for maps over ``limit`` (as mmap does past the address
+    space) and open smaller ones for real, with a small map; returns the sizes asked for."""
+    real_open, asked = lmdb.open, []
+
+    def fake_open(path, map_size, **kwargs):
+        asked.append(map_size)
+        if map_size > limit:
+            raise lmdb.MemoryError(f"{path}: Cannot allocate memory")
+        return real_open(path, map_size=min(map_size, 64 << 20), **kwargs)
+
+    monkeypatch.setattr(lmdb, "open", fake_open)
+    return asked
+
+
+def test_a_disk_budget_beyond_the_address_space_falls_back_to_a_smaller_map(tmp_path,
+                                                                                monkeypatch):
+    """64 TiB used to fail with "Cannot allocate memory" (a map of twice the budget): the map
+    falls back to smaller sizes, down to budget + data file + headroom."""
+    asked = _lmdb_maps_at_most(monkeypatch, 100 * TiB)
+    with rel.disk_cache(tmp_path / "store", "64TiB") as cache:
+        cache.put(b"k", torch.ones(3))
+        cache.flush()
+        assert rel.same_bits(cache.get(b"k"), torch.ones(3))
+    floor = disk_module.map_size_floor(64 * TiB)
+    assert asked == [128 * TiB, floor] and 72 * TiB < floor < 100 * TiB
+    # A small budget under a small address space (ulimit -v): halved from the 1 TiB default.
+    asked = _lmdb_maps_at_most(monkeypatch, 8 << 30)
+    DiskTier(tmp_path / "small", 1 << 30).close()
+    assert asked == [TiB >> i for i in range(8)]
+
+
+def test_a_disk_budget_that_cannot_be_mapped_raises_store_open_error_naming_disk_bytes(
+    tmp_path, monkeypatch
+):
+    asked = _lmdb_maps_at_most(monkeypatch, 50 * TiB)
+    floor = disk_module.map_size_floor(64 * TiB)
+    with pytest.raises(featcache.StoreOpenError,
+                       match=rf"disk_bytes={64 * TiB} \(64.0 TiB\): LMDB must map at least {floor} "
+                             r"bytes .* lower disk_bytes"):
+        rel.disk_cache(tmp_path / "store", "64TiB")
+    assert asked == [128 * TiB, floor]
+
+
+def test_huge_disk_budgets_open_or_raise_store_open_error_never_anything_else(tmp_path):
+    """For real (no patched LMDB): 64 TiB opens if this machine can map it; the largest budget
+    accepted (2**63-1 bytes) cannot be mapped anywhere; 2**64 is refused at config time (it was
+    an OverflowError from LMDB)."""
+    try:
+        with rel.disk_cache(tmp_path / "a", "64TiB") as cache:
+            cache.put(b"k", torch.ones(3))
+            cache.flush()
+            assert rel.same_bits(cache.get(b"k"), torch.ones(3))
+    except featcache.StoreOpenError as e:
+        assert "disk_bytes=" in str(e)
+    with pytest.raises(featcache.StoreOpenError, match="disk_bytes=9223372036854775807"):
+        rel.disk_cache(tmp_path / "b", 2**63 - 1)
+    with pytest.raises(ValueError, match="^disk_bytes: size 18446744073709551616 is too large"):
+        rel.disk_cache(tmp_path / "c", 2**64)
+
+
+def test_a_bad_disk_bytes_on_the_command_line_is_one_line_not_a_traceback(tmp_path, capsys,
+                                                                          monkeypatch):
+    from featcache.cli import main as cli
+    from featcache.serve import featcache_parser
+
+    with pytest.raises(SystemExit) as exited:  # argparse's one-line usage error
+        featcache_parser().parse_known_args(["m", "--disk-bytes", "9" * 400 + "TiB"])
+    assert exited.value.code == 2 and "too large" in capsys.readouterr().err
+    image = tmp_path / "a.png"
+    Image.new("RGB", (4, 4)).save(image)
+    argv = ["warm", "some/model", str(image), "--cache-dir", str(tmp_path / "store")]
+    assert cli([*argv, "--disk-bytes", "9" * 400 + "TiB"]) == 2  # OverflowError before
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "too large" in err
+    _lmdb_maps_at_most(monkeypatch, 1 << 30)
+    assert cli([*argv, "--disk-bytes", "64TiB"]) == 1  # StoreOpenError's traceback before
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "disk_bytes=" in err

@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -52,6 +53,7 @@ import torch
 
 from .. import codec
 from ..errors import CorruptEntryError, StoreFormatError, StoreOpenError
+from ..sizes import format_bytes
 from .base import Counters, Entry
 
 log = logging.getLogger("featcache")
@@ -72,9 +74,17 @@ def map_size_for(capacity_bytes: int, file_bytes: int = 0) -> int:
 
     It only reserves virtual address space (the file grows as pages are used), and a map larger
     than any process's data file means no ``MDB_MAP_FULL`` after reopening with a smaller budget
-    and no ``MDB_MAP_RESIZED`` when another process grows the file.
+    and no ``MDB_MAP_RESIZED`` when another process grows the file. A budget so large that this
+    map exceeds the address space the process may map (``ENOMEM``) is opened with a smaller one,
+    down to ``map_size_floor``.
     """
-    return max(MIN_MAP_BYTES, 2 * capacity_bytes + file_bytes)
+    return min(max(MIN_MAP_BYTES, 2 * capacity_bytes + file_bytes), sys.maxsize)
+
+
+def map_size_floor(capacity_bytes: int, file_bytes: int = 0) -> int:
+    """The smallest map a budget needs: the data file as it is, the budget of new values, and
+    headroom for B-tree pages and pages freed but not yet reusable (1/8 of the budget + 1 GiB)."""
+    return file_bytes + capacity_bytes + capacity_bytes // 8 + (1 << 30)
 
 
 class DiskOp(NamedTuple):
@@ -127,15 +137,35 @@ class DiskTier:
             file_bytes = os.path.getsize(os.path.join(self.path, "data.mdb"))
         except OSError:
             file_bytes = 0
-        try:
-            self._env = lmdb.open(
-                self.path, map_size=map_size_for(self.capacity_bytes, file_bytes), max_dbs=4,
-                readonly=self.readonly, sync=self._sync, metasync=False, writemap=False,
-                readahead=False, meminit=False, max_readers=1024, mode=0o600,
-                create=not self.readonly,
+        wanted = map_size = map_size_for(self.capacity_bytes, file_bytes)
+        floor = min(wanted, map_size_floor(self.capacity_bytes, file_bytes))
+        while True:
+            try:
+                self._env = lmdb.open(
+                    self.path, map_size=map_size, max_dbs=4,
+                    readonly=self.readonly, sync=self._sync, metasync=False, writemap=False,
+                    readahead=False, meminit=False, max_readers=1024, mode=0o600,
+                    create=not self.readonly,
+                )
+                break
+            except lmdb.MemoryError as e:  # ENOMEM: more address space than this process may map
+                if map_size <= floor:
+                    raise StoreOpenError(
+                        f"cannot open the store at {self.path!r} for disk_bytes="
+                        f"{self.capacity_bytes} ({format_bytes(self.capacity_bytes)}): LMDB must "
+                        f"map at least {floor} bytes ({format_bytes(floor)}: the budget, the data "
+                        f"file of {file_bytes} bytes and headroom) and this process cannot map "
+                        f"that much address space ({e}); lower disk_bytes"
+                    ) from e
+                map_size = max(floor, map_size // 2)
+            except (lmdb.Error, OverflowError) as e:
+                raise StoreOpenError(f"cannot open the LMDB store at {self.path!r}: {e}") from e
+        if map_size < wanted:
+            log.warning(
+                "featcache: the disk store at %s maps %s of address space, not %s (larger maps "
+                "failed: ENOMEM); processes sharing it should use the same disk_bytes",
+                self.path, format_bytes(map_size), format_bytes(wanted),
             )
-        except lmdb.Error as e:
-            raise StoreOpenError(f"cannot open the LMDB store at {self.path!r}: {e}") from e
         self._check_file()
         self._pid = os.getpid()
         create = not self.readonly
