@@ -7,7 +7,10 @@ opened lazily raise ValueError; encoded bytes are never decoded; a large image k
 time. Stored values: headers fuzzed (hypothesis) never crash the disk reader nor make it
 allocate more than the value holds; no pickle, marshal, eval or torch.load anywhere in the
 package, and a pickle planted in the store is reported corrupt (or served as the raw bytes it
-is), never run.
+is), never run. Caller input (issue 11): keys, tensors, metadata, sizes and options that the
+cache cannot store or use are refused at the call with TypeError/ValueError naming them; a disk
+batch skips an op LMDB cannot hold; disk budgets beyond the address space open with a smaller
+map or raise StoreOpenError naming ``disk_bytes``.
 
 Already proven elsewhere: empty/float/4-D arrays, empty bytes and non-image types raise
 (tests/test_keys.py::test_bad_images_raise_clear_errors); random byte strings and headers with
