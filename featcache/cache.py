@@ -54,7 +54,7 @@ from .errors import FeatCacheError
 from .hostpool import Block
 from .tiers.base import Entry, empty_stats
 from .tiers.device import DeviceTier
-from .tiers.disk import MAX_KEY_BYTES, DiskTier
+from .tiers.disk import MAX_KEY_BYTES, MAX_VALUE_BYTES, DiskTier
 from .tiers.host import HostTier
 from .tiers.remote import RemoteTier
 
@@ -206,7 +206,8 @@ class FeatureCache:
         to_host = self._host is not None and self._host.fits(nbytes)
         to_disk = (
             self._disk is not None
-            and nbytes + HEADER.size + len(meta_bytes) <= self._disk.capacity_bytes
+            and nbytes + HEADER.size + len(meta_bytes)
+            <= min(self._disk.capacity_bytes, MAX_VALUE_BYTES)
         )
         to_remote = self._publisher is not None
         if not (to_device or to_host or to_disk or to_remote):
@@ -257,9 +258,11 @@ class FeatureCache:
 
     def __contains__(self, key: object) -> bool:
         """Whether any local tier (or the way down) holds ``key``; counts nothing, promotes
-        nothing, and does not ask the remote tier (no network call)."""
-        if not isinstance(key, bytes) or self._closed:
+        nothing, and does not ask the remote tier (no network call). A key ``put`` would refuse
+        (not bytes, empty, too long) is not contained."""
+        if not _valid_key(key) or self._closed:
             return False
+        assert isinstance(key, bytes)
         if self._forks != _FORKS[0] and not self._adopted():
             return False
         if (
@@ -534,6 +537,8 @@ class FeatureCache:
     def _owned(self, features: torch.Tensor) -> torch.Tensor:
         """The tensor the device tier keeps: on the cache's device, dense, owning its storage."""
         tensor = features.detach()
+        if tensor.is_neg() or tensor.is_conj():  # lazy views: the raw bytes are not the values
+            tensor = tensor.resolve_neg().resolve_conj()
         if tensor.device != self.device:
             return tensor.to(self.device).contiguous()
         whole = (
@@ -606,8 +611,14 @@ class _NoLease:
         return None
 
 
+def _valid_key(key: object) -> bool:
+    """Whether ``key`` is one the cache stores: bytes, 1 to ``MAX_KEY_BYTES`` long (every record
+    the disk tier writes for it then fits LMDB's key limit)."""
+    return isinstance(key, bytes) and 0 < len(key) <= MAX_KEY_BYTES
+
+
 def _check_key(key: object) -> None:
     if not isinstance(key, bytes):
         raise TypeError(f"keys are bytes (from featcache.image_key), not {type(key).__name__}")
-    if not 0 < len(key) <= MAX_KEY_BYTES:
+    if not _valid_key(key):
         raise ValueError(f"a key must be 1 to {MAX_KEY_BYTES} bytes long, got {len(key)}")

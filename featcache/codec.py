@@ -61,23 +61,49 @@ class Header:
 
 
 def check_storable(tensor: torch.Tensor) -> None:
-    """Raise ``TypeError``/``ValueError`` if ``tensor`` cannot be stored."""
+    """Raise ``TypeError``/``ValueError`` if ``tensor`` cannot be stored.
+
+    Storable: a plain dense (strided) tensor of a dtype in ``DTYPE_CODES`` with data on the CPU
+    or a CUDA device. Refused: meta tensors (no data), nested, sparse and mkldnn tensors,
+    quantized dtypes, tensors of other devices, tensors wrapped by functorch transforms (vmap,
+    grad) and tensor subclasses that intercept dispatch (FakeTensor, DTensor, ...): their raw
+    bytes are not their values, or they have none. A tensor with the negative or conjugate bit
+    set is storable: the cache resolves it (``resolve_neg``) before reading its bytes.
+    """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"features must be a torch.Tensor, not {type(tensor).__name__}")
+    allowed = "pass a dense tensor on the CPU or a CUDA device"
+    if type(tensor).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        raise TypeError(f"features of type {type(tensor).__name__} (a tensor subclass that "
+                        f"intercepts dispatch) cannot be cached: {allowed}")
+    if torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        raise TypeError("features wrapped by a functorch transform (vmap, grad) cannot be cached: "
+                        "call put outside the transform")
+    if tensor.is_nested:
+        raise TypeError(f"nested tensors cannot be cached: {allowed} (e.g. one per image)")
     if tensor.layout != torch.strided:
-        raise TypeError(f"only dense (strided) tensors can be cached, not {tensor.layout}")
+        raise TypeError(f"tensors of layout {tensor.layout} cannot be cached, only dense "
+                        f"(strided) ones: {allowed} (e.g. tensor.to_dense())")
+    if tensor.device.type not in ("cpu", "cuda"):
+        why = "meta tensors hold no data" if tensor.device.type == "meta" else "the cache copies " \
+            "only from the CPU and CUDA devices"
+        raise TypeError(f"features on the {tensor.device.type} device cannot be cached ({why}): "
+                        f"{allowed}")
     if tensor.dtype not in DTYPE_CODES:
         names = ", ".join(str(d).removeprefix("torch.") for d in DTYPE_CODES)
-        raise TypeError(f"dtype {tensor.dtype} cannot be cached; supported: {names}")
+        hint = " (dequantize() it first)" if tensor.is_quantized else ""
+        raise TypeError(f"dtype {tensor.dtype} cannot be cached{hint}; supported: {names}")
     if tensor.dim() > MAX_NDIM:
         raise ValueError(f"tensors of more than {MAX_NDIM} dims cannot be cached ({tensor.dim()})")
 
 
 def check_meta(meta: object) -> bytes:
+    """``meta`` as the bytes to store (None: b""); ``TypeError``/``ValueError`` otherwise."""
     if meta is None:
         return b""
     if not isinstance(meta, bytes):
-        raise TypeError(f"meta must be bytes or None, not {type(meta).__name__}")
+        hint = " (encode text first: meta=text.encode())" if isinstance(meta, str) else ""
+        raise TypeError(f"meta must be bytes or None, not {type(meta).__name__}{hint}")
     if len(meta) > MAX_META_BYTES:
         raise ValueError(f"meta is {len(meta)} bytes; at most {MAX_META_BYTES} are stored")
     return meta

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit, urlunsplit
 
 import torch
 
-from .sizes import parse_bytes
+from .sizes import MAX_BYTES, parse_bytes
 
 # The one table of defaults (sizes as people write them; parsed by CacheConfig.create).
 DEFAULTS: dict[str, int | str | bool | None] = {
@@ -77,20 +78,38 @@ class CacheConfig:
     remote_tls_key_file: str | None = None  # rediss: the client certificate's key
 
     def __post_init__(self) -> None:
-        for name in ("device_bytes", "host_bytes", "disk_bytes", "host_slab_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative number of bytes, got {value!r}")
+        self._check_types()
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_bytes") and not 0 <= value <= MAX_BYTES:
+                raise ValueError(
+                    f"{f.name} must be 0 to {MAX_BYTES} bytes (2**63-1), got {value}"
+                )
         for name in ("demote_queue_entries", "disk_queue_entries", "remote_queue_entries",
                      "remote_breaker_failures"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         self._check_remote()
-        device = torch.device(self.device)
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:  # torch's message lists device types the cache cannot use
+            device = torch.device("meta")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} asked for, but CUDA is not available here")
         if device.type not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'cuda[:N]' or 'cpu', not {self.device!r}")
+
+    def _check_types(self) -> None:
+        """Each field holds its annotated type (a bool is not an int here), so that a bad value
+        gets a message naming the option rather than a failed comparison later."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            kinds = _FIELD_TYPES[str(f.type)]
+            if isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool)):
+                continue
+            wanted = _DESCRIBE["_bytes" if f.name.endswith("_bytes") else str(f.type)]
+            shown = "" if f.name == "remote_url" else f" {value!r}"  # may hold a password
+            raise TypeError(f"{f.name} must be {wanted}, not {type(value).__name__}{shown}")
 
     @property
     def remote_url_redacted(self) -> str | None:
@@ -129,26 +148,73 @@ class CacheConfig:
         disk_bytes: int | str | None = None,
         **options: int | str | bool | None,
     ) -> CacheConfig:
-        """Build a config from user values: sizes as ints or strings like "2GiB"; None = default."""
-        def size(name: str, value: int | str | None) -> int:
-            raw = DEFAULTS[name] if value is None else value
-            assert isinstance(raw, (int, str))
-            return parse_bytes(raw)
+        """Build a config from user values: sizes as ints or strings like "2GiB"; None = default.
 
+        Raises ``TypeError``/``ValueError`` naming the argument for a value of the wrong type or
+        out of range."""
         unknown = set(options) - set(DEFAULTS)
         if unknown:
             raise TypeError(f"unknown cache option(s): {', '.join(sorted(unknown))}")
-        extra = {k: size(k, v) if k.endswith("_bytes") else v for k, v in options.items()}
-        if "host_slab_bytes" not in extra:
-            extra["host_slab_bytes"] = size("host_slab_bytes", None)
+        if device is not None and not isinstance(device, (str, torch.device)):
+            raise TypeError(
+                f"device must be a string like 'cuda:0' or 'cpu', or a torch.device, not "
+                f"{type(device).__name__} {device!r}"
+            )
+        path = os.fspath(disk_path) if isinstance(disk_path, (str, os.PathLike)) else disk_path
+        if path is not None and not isinstance(path, str):
+            raise TypeError(f"disk_path must be a str or a path-like of str (None: no disk tier), "
+                            f"not {type(path).__name__} {path!r}")
+        extra = {k: v for k, v in options.items() if v is not None}  # None: the default
+        for name in DEFAULTS:
+            if name.endswith("_bytes") and name not in ("device_bytes", "host_bytes", "disk_bytes"):
+                extra[name] = size_option(name, extra.get(name))
         return cls(
             device=str(device) if device is not None else default_device(),
-            device_bytes=size("device_bytes", device_bytes),
-            host_bytes=size("host_bytes", host_bytes),
-            disk_path=os.fspath(disk_path) if disk_path is not None else None,
-            disk_bytes=size("disk_bytes", disk_bytes),
+            device_bytes=size_option("device_bytes", device_bytes),
+            host_bytes=size_option("host_bytes", host_bytes),
+            disk_path=path,
+            disk_bytes=size_option("disk_bytes", disk_bytes),
             **extra,  # type: ignore[arg-type]
         )
+
+
+# The annotations of CacheConfig's fields (strings: postponed evaluation) and the types they admit.
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,), "bool": (bool,), "str": (str,), "str | None": (str, type(None)),
+}
+_DESCRIBE = {
+    "_bytes": "an int number of bytes (FeatureCache also takes a string like '64MiB')",
+    "int": "an int", "bool": "True or False", "str": "a string", "str | None": "a string or None",
+}
+
+
+def size_option(name: str, value: object) -> int:
+    """The byte count of size argument ``name`` (``value`` an int, a string like "2GiB", or None:
+    the default); ``TypeError``/``ValueError`` naming ``name`` and what it takes otherwise."""
+    raw = DEFAULTS[name] if value is None else value
+    if isinstance(raw, float):
+        hint = f": pass int({raw!r}) or a string such as {_as_text(raw)!r}" if raw >= 0 else ""
+        raise TypeError(
+            f"{name} must be an int or a string like '64MiB', not the float {raw!r}{hint}"
+        )
+    try:
+        return parse_bytes(raw)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"{name} must be an int or a string like '64MiB', not {type(raw).__name__} {raw!r}"
+        ) from None
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+
+
+def _as_text(value: float) -> str:
+    """A float byte count as a size string (2.5e9 -> '2.5GB'); nan and inf have none."""
+    if not math.isfinite(value):
+        return "64MiB"
+    for power, unit in ((4, "TB"), (3, "GB"), (2, "MB"), (1, "kB")):
+        if abs(value) >= 1000**power:
+            return f"{value / 1000**power:g}{unit}"
+    return f"{value:g}B"
 
 
 def redact_url(url: str) -> str:

@@ -85,15 +85,20 @@ def main(argv: list[str]) -> int:
     from lmdeploy.archs import autoget_backend
     from lmdeploy.cli.serve import SubCliServe
 
+    from .errors import FeatCacheError
     from .lmdeploy import default_cache
 
     backend = args.backend  # as lmdeploy's handler decides it
     if backend != "pytorch":
         backend = autoget_backend(args.model_path, trust_remote_code=args.trust_remote_code)
-    cache = default_cache(path=ours.cache_dir, device_bytes=ours.device_bytes,
-                          host_bytes=ours.host_bytes, disk_bytes=ours.disk_bytes,
-                          host_only=backend == "turbomind",  # TurboMind takes host tensors
-                          remote_url=ours.remote_url)
+    try:
+        cache = default_cache(path=ours.cache_dir, device_bytes=ours.device_bytes,
+                              host_bytes=ours.host_bytes, disk_bytes=ours.disk_bytes,
+                              host_only=backend == "turbomind",  # TurboMind takes host tensors
+                              remote_url=ours.remote_url)
+    except (FeatCacheError, TypeError, ValueError) as e:  # e.g. a --disk-bytes it cannot map
+        print(f"featcache serve: error: {e}", file=sys.stderr)
+        return 1
     collector = _export_metrics(cache) if not args.disable_metrics else None
     try:
         with featcache_engine(cache, ours.namespace):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import decimal
 import re
+
+MAX_BYTES = 2**63 - 1  # the largest size accepted anywhere (8 EiB): a signed 64-bit count
 
 _UNITS = {
     "": 1, "b": 1,
@@ -18,14 +21,16 @@ def parse_bytes(value: int | str) -> int:
     """Return a byte count from an int or a string like ``"64MiB"``, ``"2 GiB"``, ``"1.5GB"``.
 
     Decimal units (kB, MB, GB, TB) are powers of 1000, binary units (KiB, MiB, GiB, TiB) powers of
-    1024. Raises ``ValueError`` for negative or unparsable sizes and ``TypeError`` for other types.
+    1024. The number is read exactly (no float rounding) and a fractional byte is dropped.
+    Raises ``ValueError`` for negative or unparsable sizes and sizes above ``MAX_BYTES``, and
+    ``TypeError`` for other types.
     """
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise TypeError(f"a size must be an int or a string like '64MiB', not {type(value).__name__}")
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"a size cannot be negative: {value}")
-        return value
+        return _bounded(value, value)
     match = _PATTERN.match(value)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
@@ -33,7 +38,21 @@ def parse_bytes(value: int | str) -> int:
             f"cannot parse size {value!r}: use an int or a number with a unit "
             "(B, kB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '64MiB'"
         )
-    return int(float(match.group(1)) * _UNITS[unit])
+    number = match.group(1)
+    if len(number.partition(".")[0].lstrip("0")) > len(str(MAX_BYTES)):
+        return _bounded(MAX_BYTES + 1, value)  # too many digits to be a size: refused unparsed
+    with decimal.localcontext() as ctx:
+        ctx.prec = len(number) + 16  # exact: digits of the number plus those of the largest unit
+        return _bounded(int(decimal.Decimal(number) * _UNITS[unit]), value)
+
+
+def _bounded(n: int, value: int | str) -> int:
+    if n > MAX_BYTES:
+        shown = repr(value) if len(str(value)) <= 40 else f"{str(value)[:32]!r}..."
+        raise ValueError(
+            f"size {shown} is too large: at most {MAX_BYTES} bytes (2**63-1, 8 EiB) are accepted"
+        )
+    return n
 
 
 def format_bytes(n: int) -> str:

@@ -88,6 +88,7 @@ def main(args: argparse.Namespace) -> int:
     from lmdeploy import GenerationConfig, PytorchEngineConfig
 
     from .cli import ProgressBar
+    from .errors import FeatCacheError
     from .lmdeploy import SECTION, default_cache, pipeline
     from .sizes import parse_bytes
 
@@ -103,7 +104,11 @@ def main(args: argparse.Namespace) -> int:
     if not paths:
         print("featcache warm: error: no images (give IMAGE files or --from-dir DIR)", file=sys.stderr)
         return 2
-    cache = default_cache(path=args.cache_dir, disk_bytes=disk_bytes)
+    try:
+        cache = default_cache(path=args.cache_dir, disk_bytes=disk_bytes)
+    except (FeatCacheError, TypeError, ValueError) as e:  # e.g. a --disk-bytes it cannot map
+        print(f"featcache warm: error: {e}", file=sys.stderr)
+        return 1
     try:
         pipe = pipeline(args.model, cache=cache, log_level="ERROR",
                         backend_config=PytorchEngineConfig(dtype=args.dtype, session_len=16384))

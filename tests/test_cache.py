@@ -204,7 +204,7 @@ def test_misuse_raises_clear_errors(tmp_path):
     with FeatureCache(device="cpu", host_bytes=0) as c:
         with pytest.raises(TypeError, match="keys are bytes"):
             c.put("abc", torch.ones(2))
-        with pytest.raises(ValueError, match="1 to 511"):
+        with pytest.raises(ValueError, match="1 to 503"):
             c.get(b"")
         with pytest.raises(TypeError, match="torch.Tensor"):
             c.put(b"k", [1.0])

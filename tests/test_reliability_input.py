@@ -7,7 +7,10 @@ opened lazily raise ValueError; encoded bytes are never decoded; a large image k
 time. Stored values: headers fuzzed (hypothesis) never crash the disk reader nor make it
 allocate more than the value holds; no pickle, marshal, eval or torch.load anywhere in the
 package, and a pickle planted in the store is reported corrupt (or served as the raw bytes it
-is), never run.
+is), never run. Caller input (issue 11): keys, tensors, metadata, sizes and options that the
+cache cannot store or use are refused at the call with TypeError/ValueError naming them; a disk
+batch skips an op LMDB cannot hold; disk budgets beyond the address space open with a smaller
+map or raise StoreOpenError naming ``disk_bytes``.
 
 Already proven elsewhere: empty/float/4-D arrays, empty bytes and non-image types raise
 (tests/test_keys.py::test_bad_images_raise_clear_errors); random byte strings and headers with
@@ -21,16 +24,19 @@ too large for every tier is not stored and reads miss
 from __future__ import annotations
 
 import ast
+import dataclasses
 import io
 import math
 import os
 import pickle
 import random
+import re
 import struct
 import time
 import warnings
 from pathlib import Path
 
+import lmdb
 import numpy as np
 import pytest
 import torch
@@ -39,7 +45,8 @@ from hypothesis import strategies as st
 from PIL import Image, ImageFile
 
 import featcache
-from featcache import codec, image_key
+from featcache import CacheConfig, FeatureCache, codec, image_key, parse_bytes
+from featcache.tiers import disk as disk_module
 from featcache.tiers.disk import DiskOp, DiskTier
 
 try:
@@ -323,3 +330,295 @@ def test_hostile_header_lengths_are_checked_against_the_value_not_trusted():
                            nbytes, nbytes, *[0] * 7, b"\0" * 16)
         with pytest.raises(featcache.CorruptEntryError):
             codec.decode_header(head + b"\0" * 32)
+
+
+# -- keys the store can hold ---------------------------------------------------------------------
+def test_the_longest_key_accepted_fits_every_record_the_store_writes(tmp_path):
+    """Every LMDB key the disk tier writes for a cache key (its value, meta and lru records,
+    the lru one 8 bytes longer) fits LMDB's 511 bytes: a 503-byte key round-trips through disk
+    after a reopen, a 504-byte one is refused at ``put`` (it used to be accepted, and its lru
+    record failed the whole disk batch with MDB_BAD_VALSIZE)."""
+    assert disk_module.MAX_KEY_BYTES == disk_module.LMDB_MAX_KEY_BYTES - 8 == 503
+    longest, value = b"k" * 503, torch.arange(6, dtype=torch.float32)
+    with rel.disk_cache(tmp_path / "store") as cache:
+        cache.put(longest, value)
+        cache.put(b"other", torch.ones(2))
+        with pytest.raises(ValueError, match="1 to 503 bytes"):
+            cache.put(b"k" * 504, value)
+        cache.flush()
+        assert cache.stats()["disk"]["errors"] == 0
+    with rel.disk_cache(tmp_path / "store") as cache:
+        assert rel.same_bits(cache.get(longest), value)
+        assert rel.same_bits(cache.get(b"other"), torch.ones(2))
+        assert cache.stats()["disk"]["errors"] == 0
+
+
+def test_a_batch_with_an_op_lmdb_cannot_hold_lands_the_rest_and_counts_a_drop(tmp_path):
+    """``DiskTier.write_batch`` skips an op whose key (empty, over ``MAX_KEY_BYTES``) or value
+    (over LMDB's 4 GiB - 1) cannot be stored: the put counts as a drop, the other ops of its
+    batch land, and the key's older value is not served. (Before: MDB_BAD_VALSIZE failed the
+    whole batch and dropped every put of it.)"""
+
+    class Huge:  # a value LMDB refuses, without allocating 4 GiB
+        def __len__(self) -> int:
+            return disk_module.MAX_VALUE_BYTES + 1
+
+    good = {b"a": codec.encode(torch.uint8, (3,), b"abc"), b"b": codec.encode(torch.uint8, (2,), b"de")}
+    tier = DiskTier(tmp_path / "store", 8 << 30, sync=False)
+    try:
+        assert tier.write_batch([DiskOp("put", b"big", good[b"a"])]) == 1
+        ops = [DiskOp("put", b"a", good[b"a"]), DiskOp("put", b"x" * 504, good[b"a"]),
+               DiskOp("put", b"", good[b"a"]), DiskOp("touch", b"y" * 600),
+               DiskOp("discard", b"z" * 600), DiskOp("put", b"big", Huge()),  # type: ignore[arg-type]
+               DiskOp("put", b"b", good[b"b"])]
+        assert tier.write_batch(ops) == 2
+        stats = tier.stats()
+        assert (stats["drops"], stats["errors"], stats["entries"]) == (3, 0, 2)
+        assert tier.get(b"a").tensor.numpy().tobytes() == b"abc"
+        assert tier.get(b"b").tensor.numpy().tobytes() == b"de"
+        assert tier.get(b"big") is None  # its older value was deleted, not left behind
+    finally:
+        tier.close()
+    rel.report("input/unstorable-ops-in-a-batch", runs=1, faults=5, wrong=0, failed=0,
+               landed=2, dropped=3)
+
+
+def test_bad_keys_are_refused_by_every_call_and_contained_by_none(tmp_path):
+    """``key in cache`` is False for a key ``put`` would refuse and counts nothing (it used to
+    ask LMDB, which counted a disk error); every other call raises TypeError/ValueError."""
+    with rel.disk_cache(tmp_path / "store", host_bytes="1MiB") as cache:
+        cache.put(b"k", torch.ones(2))
+        cache.flush()
+        before = cache.stats()
+        for bad in (b"", b"x" * 504, b"x" * 600, "k", bytearray(b"k"), None, 5):
+            assert bad not in cache
+            for call in (cache.get, cache.acquire, cache.lease, cache.discard,
+                         lambda key: cache.put(key, torch.ones(2))):
+                with pytest.raises((TypeError, ValueError), match="key"):
+                    call(bad)
+        assert cache.stats() == before
+        for meta, error in (("text", TypeError), (bytearray(b"m"), TypeError),
+                            (b"m" * (codec.MAX_META_BYTES + 1), ValueError)):
+            with pytest.raises(error, match="meta"):
+                cache.put(b"m", torch.ones(2), meta=meta)  # type: ignore[arg-type]
+        assert b"m" not in cache and cache.stats()["cache"]["puts"] == before["cache"]["puts"]
+
+
+# -- tensors the cache can store -----------------------------------------------------------------
+def _refused_tensors() -> dict[str, torch.Tensor]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.ones(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # prototype/beta/deprecated kinds: exactly what is probed
+        return _make_refused(fake)
+
+
+def _make_refused(fake: torch.Tensor) -> dict[str, torch.Tensor]:
+    kinds = {
+        "meta": torch.empty(3, device="meta"),
+        "nested": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+        "nested-jagged": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)],
+                                                    layout=torch.jagged),
+        "sparse-coo": torch.eye(3).to_sparse(),
+        "sparse-csr": torch.eye(3).to_sparse_csr(),
+        "quantized": torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8),
+        "complex": torch.ones(2, dtype=torch.complex64).conj(),  # conj bit: a complex dtype
+        "fake": fake,
+    }
+    if torch.backends.mkldnn.is_available():
+        kinds["mkldnn"] = torch.ones(2, 2).to_mkldnn()
+    return kinds
+
+
+def test_tensors_the_cache_cannot_store_are_refused_at_put(tmp_path):
+    """Meta and nested tensors used to raise NotImplementedError from ``put`` or fail in the
+    background (``worker_errors``); they, sparse/mkldnn layouts, quantized and complex dtypes,
+    FakeTensors and functorch-wrapped tensors are refused at ``put`` with a TypeError saying
+    what is allowed, and nothing is stored or counted as a worker error."""
+    with rel.disk_cache(tmp_path / "store", device_bytes="1MiB", host_bytes="1MiB") as cache:
+        for name, tensor in _refused_tensors().items():
+            with pytest.raises(TypeError, match="cannot be cached") as raised:
+                cache.put(name.encode(), tensor)
+            assert "meta tensors hold no data" in str(raised.value) or name != "meta"
+        with pytest.raises(TypeError, match="outside the transform"):
+            torch.vmap(lambda t: cache.put(b"vmap", t) or t)(torch.ones(2, 3))
+        cache.flush()
+        stats = cache.stats()
+        assert stats["cache"]["worker_errors"] == 0 and stats["cache"]["puts"] == 0
+        assert all(name.encode() not in cache for name in _refused_tensors())
+
+
+def test_neg_views_round_trip_bit_identically_from_every_tier(tmp_path):
+    """A tensor with the negative bit set (``torch._neg_view``: its storage holds the values
+    negated) is stored as its values: from the device, the host and the disk after a reopen.
+    (Before: its raw bytes were read, so the copy down failed and the device tier served the
+    lazy view.)"""
+    base = torch.arange(-3, 5, dtype=torch.float32).reshape(2, 4)
+    expected = base.neg()  # the values the view shows, materialised
+    assert torch._neg_view(base).is_neg()
+    served = {}
+    with rel.disk_cache(tmp_path / "store", device_bytes="1MiB") as cache:  # the device tier
+        cache.put(b"n", torch._neg_view(base))
+        served["device"] = cache.get(b"n")
+        cache.flush()
+        assert cache.stats()["cache"]["worker_errors"] == 0
+    with rel.disk_cache(tmp_path / "store", host_bytes="1MiB") as cache:  # the host tier
+        cache.put(b"h", torch._neg_view(base))
+        cache.flush()
+        served["host"] = cache.get(b"h")
+        assert cache.stats()["host"]["hits"] == 1
+    with rel.disk_cache(tmp_path / "store") as cache:  # disk, after the reopen
+        served["disk"] = cache.get(b"n")
+        assert cache.stats()["disk"]["hits"] == 1
+    for tier, tensor in served.items():
+        assert tensor is not None and not tensor.is_neg(), tier
+        assert rel.same_bits(tensor, expected), tier
+    rel.report("input/neg-view-tensors", runs=3, faults=3, wrong=0, failed=0)
+
+
+# -- sizes and options ---------------------------------------------------------------------------
+def test_sizes_are_parsed_exactly_and_bounded():
+    assert parse_bytes("2.01kB") == 2010  # float: 2009
+    assert parse_bytes("8388607.99999999999999999999999TiB") == 2**63 - 1
+    for bad in ("9" * 400 + "TiB", "8388608TiB", 2**63, 2**64):
+        with pytest.raises(ValueError, match=r"too large: at most 9223372036854775807 bytes"):
+            parse_bytes(bad)  # "9" * 400: OverflowError before (float -> inf -> int)
+    for bad in ("nan", "inf", "1e9"):
+        with pytest.raises(ValueError, match="cannot parse size"):
+            parse_bytes(bad)
+
+
+SIZE_ARGS = ["device_bytes", "host_bytes", "disk_bytes", "host_slab_bytes", "remote_chunk_bytes"]
+
+
+@pytest.mark.parametrize("name", SIZE_ARGS)
+def test_size_arguments_of_the_wrong_type_or_out_of_range_name_the_argument(tmp_path, name):
+    """A float size raised a bare AssertionError, 2**64 an OverflowError: now TypeError /
+    ValueError naming the argument and what it takes."""
+    def make(value: object) -> None:
+        FeatureCache(device="cpu", disk_path=tmp_path / "store", **{name: value}).close()
+
+    with pytest.raises(TypeError, match=rf"^{name} must be an int or a string like '64MiB', not "
+                                        r"the float 2500000000.0: pass int\(2500000000.0\) or a "
+                                        r"string such as '2.5GB'"):
+        make(2.5e9)
+    for value in (float("nan"), True, [1], b"1MiB"):
+        with pytest.raises(TypeError, match=rf"^{name} must be an int or a string like '64MiB'"):
+            make(value)
+    for value in (2**64, "9" * 400 + "TiB", -1, "lots"):
+        with pytest.raises(ValueError, match=rf"^{name}: "):
+            make(value)
+    with pytest.raises(TypeError, match=rf"^{name} must be an int number of bytes"):
+        CacheConfig(**{**dataclasses.asdict(CacheConfig.create(device="cpu")), name: 1.5})
+    with pytest.raises(ValueError, match=rf"^{name} must be 0 to 9223372036854775807 bytes"):
+        CacheConfig(**{**dataclasses.asdict(CacheConfig.create(device="cpu")), name: 2**63})
+
+
+@pytest.mark.parametrize("option, value, words", [
+    ("demote_queue_entries", "x", "demote_queue_entries must be an int, not str"),
+    ("disk_queue_entries", True, "disk_queue_entries must be an int, not bool"),
+    ("remote_queue_entries", 2.0, "remote_queue_entries must be an int, not float"),
+    ("remote_ttl_s", "1", "remote_ttl_s must be an int"),
+    ("remote_timeout_ms", 1.5, "remote_timeout_ms must be an int"),
+    ("disk_sync", "no", "disk_sync must be True or False"),
+    ("remote_prefix", 5, "remote_prefix must be a string"),
+    ("remote_url", 5, "remote_url must be a string or None"),
+    ("device", 5, "device must be a string like 'cuda:0' or 'cpu'"),
+    ("disk_path", b"/tmp/store", "disk_path must be a str or a path-like of str"),
+])
+def test_options_of_the_wrong_type_raise_type_errors_naming_them(option, value, words):
+    """These used to fail comparisons with a raw TypeError, or pass (bool, float)."""
+    with pytest.raises(TypeError, match=re.escape(words)):
+        FeatureCache(**{"device": "cpu", option: value})
+
+
+def test_an_unknown_device_string_is_a_value_error():
+    with pytest.raises(ValueError, match="device must be 'cuda\\[:N\\]' or 'cpu', not 'gpu'"):
+        FeatureCache(device="gpu")  # torch's RuntimeError before
+
+
+# -- disk budgets beyond the address space -------------------------------------------------------
+TiB = 1 << 40
+
+
+def _lmdb_maps_at_most(monkeypatch, limit: int) -> list[int]:
+    """Make ``lmdb.open`` fail with ENOMEM for maps over ``limit`` (as mmap does past the address
+    space) and open smaller ones for real, with a small map; returns the sizes asked for."""
+    real_open, asked = lmdb.open, []
+
+    def fake_open(path, map_size, **kwargs):
+        asked.append(map_size)
+        if map_size > limit:
+            raise lmdb.MemoryError(f"{path}: Cannot allocate memory")
+        return real_open(path, map_size=min(map_size, 64 << 20), **kwargs)
+
+    monkeypatch.setattr(lmdb, "open", fake_open)
+    return asked
+
+
+def test_a_disk_budget_beyond_the_address_space_falls_back_to_a_smaller_map(tmp_path,
+                                                                                monkeypatch):
+    """64 TiB used to fail with "Cannot allocate memory" (a map of twice the budget): the map
+    falls back to smaller sizes, down to budget + data file + headroom."""
+    asked = _lmdb_maps_at_most(monkeypatch, 100 * TiB)
+    with rel.disk_cache(tmp_path / "store", "64TiB") as cache:
+        cache.put(b"k", torch.ones(3))
+        cache.flush()
+        assert rel.same_bits(cache.get(b"k"), torch.ones(3))
+    floor = disk_module.map_size_floor(64 * TiB)
+    assert asked == [128 * TiB, floor] and 72 * TiB < floor < 100 * TiB
+    # A small budget under a small address space (ulimit -v): halved from the 1 TiB default.
+    asked = _lmdb_maps_at_most(monkeypatch, 8 << 30)
+    DiskTier(tmp_path / "small", 1 << 30).close()
+    assert asked == [TiB >> i for i in range(8)]
+
+
+def test_a_disk_budget_that_cannot_be_mapped_raises_store_open_error_naming_disk_bytes(
+    tmp_path, monkeypatch
+):
+    asked = _lmdb_maps_at_most(monkeypatch, 50 * TiB)
+    floor = disk_module.map_size_floor(64 * TiB)
+    with pytest.raises(featcache.StoreOpenError,
+                       match=rf"disk_bytes={64 * TiB} \(64.0 TiB\): LMDB must map at least {floor} "
+                             r"bytes .* lower disk_bytes"):
+        rel.disk_cache(tmp_path / "store", "64TiB")
+    assert asked == [128 * TiB, floor]
+
+
+def test_huge_disk_budgets_open_or_raise_store_open_error_never_anything_else(tmp_path):
+    """For real (no patched LMDB): 64 TiB opens if this machine can map it; the largest budget
+    accepted (2**63-1 bytes) cannot be mapped anywhere; 2**64 is refused at config time (it was
+    an OverflowError from LMDB)."""
+    try:
+        with rel.disk_cache(tmp_path / "a", "64TiB") as cache:
+            cache.put(b"k", torch.ones(3))
+            cache.flush()
+            assert rel.same_bits(cache.get(b"k"), torch.ones(3))
+    except featcache.StoreOpenError as e:
+        assert "disk_bytes=" in str(e)
+    with pytest.raises(featcache.StoreOpenError, match="disk_bytes=9223372036854775807"):
+        rel.disk_cache(tmp_path / "b", 2**63 - 1)
+    with pytest.raises(ValueError, match="^disk_bytes: size 18446744073709551616 is too large"):
+        rel.disk_cache(tmp_path / "c", 2**64)
+
+
+def test_a_bad_disk_bytes_on_the_command_line_is_one_line_not_a_traceback(tmp_path, capsys,
+                                                                          monkeypatch):
+    from featcache.cli import main as cli
+    from featcache.serve import featcache_parser
+
+    with pytest.raises(SystemExit) as exited:  # argparse's one-line usage error
+        featcache_parser().parse_known_args(["m", "--disk-bytes", "9" * 400 + "TiB"])
+    assert exited.value.code == 2 and "too large" in capsys.readouterr().err
+    image = tmp_path / "a.png"
+    Image.new("RGB", (4, 4)).save(image)
+    argv = ["warm", "some/model", str(image), "--cache-dir", str(tmp_path / "store")]
+    assert cli([*argv, "--disk-bytes", "9" * 400 + "TiB"]) == 2  # OverflowError before
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "too large" in err
+    _lmdb_maps_at_most(monkeypatch, 1 << 30)
+    assert cli([*argv, "--disk-bytes", "64TiB"]) == 1  # StoreOpenError's traceback before
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "disk_bytes=" in err

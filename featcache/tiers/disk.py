@@ -42,6 +42,7 @@ import logging
 import os
 import stat
 import struct
+import sys
 import threading
 import time
 import weakref
@@ -55,6 +56,7 @@ import torch
 
 from .. import codec
 from ..errors import CorruptEntryError, StoreFormatError, StoreOpenError
+from ..sizes import format_bytes
 from .base import Counters, Entry
 from .lmdbcheck import check_data_file
 
@@ -64,7 +66,10 @@ FORMAT_TAG = b"featcache-lmdb-2"
 _META = struct.Struct("<QQ")
 _STAMP = struct.Struct(">Q")
 _U64 = struct.Struct("<Q")
-MAX_KEY_BYTES = 511  # LMDB's default key size limit
+LMDB_MAX_KEY_BYTES = 511  # LMDB's default key size limit, for the keys of every table
+# The longest cache key: its lru record (an 8-byte stamp + the key) must fit as well.
+MAX_KEY_BYTES = LMDB_MAX_KEY_BYTES - _STAMP.size
+MAX_VALUE_BYTES = 0xFFFFFFFF  # LMDB's largest value (MAXDATASIZE); a larger put fails its txn
 MIN_MAP_BYTES = 1 << 40
 
 
@@ -73,9 +78,17 @@ def map_size_for(capacity_bytes: int, file_bytes: int = 0) -> int:
 
     It only reserves virtual address space (the file grows as pages are used), and a map larger
     than any process's data file means no ``MDB_MAP_FULL`` after reopening with a smaller budget
-    and no ``MDB_MAP_RESIZED`` when another process grows the file.
+    and no ``MDB_MAP_RESIZED`` when another process grows the file. A budget so large that this
+    map exceeds the address space the process may map (``ENOMEM``) is opened with a smaller one,
+    down to ``map_size_floor``.
     """
-    return max(MIN_MAP_BYTES, 2 * capacity_bytes + file_bytes)
+    return min(max(MIN_MAP_BYTES, 2 * capacity_bytes + file_bytes), sys.maxsize)
+
+
+def map_size_floor(capacity_bytes: int, file_bytes: int = 0) -> int:
+    """The smallest map a budget needs: the data file as it is, the budget of new values, and
+    headroom for B-tree pages and pages freed but not yet reusable (1/8 of the budget + 1 GiB)."""
+    return file_bytes + capacity_bytes + capacity_bytes // 8 + (1 << 30)
 
 
 class _Shut(Exception):
@@ -263,15 +276,35 @@ class DiskTier:
             file_bytes = os.path.getsize(os.path.join(self.path, "data.mdb"))
         except OSError:
             file_bytes = 0
-        try:
-            self._env = lmdb.open(
-                self.path, map_size=map_size_for(self.capacity_bytes, file_bytes), max_dbs=4,
-                readonly=self.readonly, sync=self._sync, metasync=False, writemap=False,
-                readahead=False, meminit=False, max_readers=1024, mode=0o600,
-                create=not self.readonly,
+        wanted = map_size = map_size_for(self.capacity_bytes, file_bytes)
+        floor = min(wanted, map_size_floor(self.capacity_bytes, file_bytes))
+        while True:
+            try:
+                self._env = lmdb.open(
+                    self.path, map_size=map_size, max_dbs=4,
+                    readonly=self.readonly, sync=self._sync, metasync=False, writemap=False,
+                    readahead=False, meminit=False, max_readers=1024, mode=0o600,
+                    create=not self.readonly,
+                )
+                break
+            except lmdb.MemoryError as e:  # ENOMEM: more address space than this process may map
+                if map_size <= floor:
+                    raise StoreOpenError(
+                        f"cannot open the store at {self.path!r} for disk_bytes="
+                        f"{self.capacity_bytes} ({format_bytes(self.capacity_bytes)}): LMDB must "
+                        f"map at least {floor} bytes ({format_bytes(floor)}: the budget, the data "
+                        f"file of {file_bytes} bytes and headroom) and this process cannot map "
+                        f"that much address space ({e}); lower disk_bytes"
+                    ) from e
+                map_size = max(floor, map_size // 2)
+            except (lmdb.Error, OverflowError) as e:
+                raise StoreOpenError(f"cannot open the LMDB store at {self.path!r}: {e}") from e
+        if map_size < wanted:
+            log.warning(
+                "featcache: the disk store at %s maps %s of address space, not %s (larger maps "
+                "failed: ENOMEM); processes sharing it should use the same disk_bytes",
+                self.path, format_bytes(map_size), format_bytes(wanted),
             )
-        except lmdb.Error as e:
-            raise StoreOpenError(f"cannot open the LMDB store at {self.path!r}: {e}") from e
         self._check_file()
         self._pid = os.getpid()
         create = not self.readonly
@@ -445,11 +478,14 @@ class DiskTier:
         """Apply ``ops`` in order in one transaction, then evict down to the budget; return how
         many puts landed.
 
-        A put larger than the budget does not land and deletes the key's older value. When the
-        transaction fails (file system full, I/O error) nothing of it lands: its puts are counted
-        as drops, and a second transaction deletes the keys of its puts and discards so that no
-        older value of theirs is served later. Should that fail too, the keys are unclean: reads
-        miss them, and the next batches delete them first.
+        A put larger than the budget does not land and deletes the key's older value. An op whose
+        key cannot be stored (empty, or longer than ``MAX_KEY_BYTES``) is skipped, and so is a put
+        of a value longer than ``MAX_VALUE_BYTES`` (after deleting the key's older value): such a
+        put counts as a drop and the rest of the batch lands. When the transaction fails (file
+        system full, I/O error) nothing of it lands: its puts are counted as drops, and a second
+        transaction deletes the keys of its puts and discards so that no older value of theirs is
+        served later. Should that fail too, the keys are unclean: reads miss them, and the next
+        batches delete them first.
         """
         with self._lock:
             unclean = list(self._unclean)
@@ -492,6 +528,7 @@ class DiskTier:
         """One write transaction for ``ops`` (see ``write_batch``); raises ``lmdb.Error``."""
         stored = 0
         evicted = 0
+        skipped = 0  # puts LMDB could not hold (see write_batch): drops once the batch commits
         self._reader_check()
         with env.begin(write=True) as txn:
             used = self._used(txn)
@@ -499,6 +536,12 @@ class DiskTier:
             last = _stamp_of(bytes(cursor.key())) if cursor.last() else 0
             stamp = max(time.time_ns(), last + 1) - 1  # each put and touch takes the next one
             for op in ops:
+                if not 0 < len(op.key) <= MAX_KEY_BYTES:
+                    # Nothing of such a key can be stored (LMDB refuses an empty key, and its
+                    # lru record would pass the limit), so there is nothing to delete either.
+                    if op.kind == "put":
+                        skipped += 1
+                    continue
                 if op.kind == "discard":
                     used = self._less(txn, used, self._delete(txn, op.key))
                 elif op.kind == "touch":
@@ -508,6 +551,9 @@ class DiskTier:
                     used = self._less(txn, used, self._delete(txn, op.key))
                     size = len(op.value)
                     if size > self.capacity_bytes:
+                        continue
+                    if size > MAX_VALUE_BYTES:
+                        skipped += 1
                         continue
                     while used + size > self.capacity_bytes:
                         freed = self._evict_oldest(txn, cursor)
@@ -532,6 +578,9 @@ class DiskTier:
             txn.put(b"used_bytes", _U64.pack(used), db=self._info)
         with self._lock:
             self._counters.evictions += evicted
+            self._counters.drops += skipped
+        if skipped:
+            log.debug("featcache: %d disk puts skipped (key or value too long for LMDB)", skipped)
         return stored
 
     def _evict_oldest(self, txn: lmdb.Transaction, cursor: lmdb.Cursor) -> int | None:
