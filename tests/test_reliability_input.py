@@ -606,6 +606,7 @@ def test_huge_disk_budgets_open_or_raise_store_open_error_never_anything_else(tm
 
 def test_a_bad_disk_bytes_on_the_command_line_is_one_line_not_a_traceback(tmp_path, capsys,
                                                                           monkeypatch):
+    pytest.importorskip("lmdeploy")  # serve and warm are lmdeploy's commands (absent on the GPU box)
     from featcache.cli import main as cli
     from featcache.serve import featcache_parser
 
