@@ -109,10 +109,10 @@ class Sha256Count:
                 mod._resolve_fingerprint = self._wrap(original)
 
     def _wrap(self, original: Any) -> Any:
-        def counted(input_mm: dict[str, Any]) -> bytes:
+        def counted(input_mm: dict[str, Any], *args: Any) -> bytes:  # qwen2_vl: + grid_thw
             self.calls += 1
             self.computed += input_mm.get("fingerprint") is None
-            out: bytes = original(input_mm)
+            out: bytes = original(input_mm, *args)
             return out
         return counted
 
@@ -264,6 +264,35 @@ def max_diffs(save: str, model: str, path: str, prefix: bool, labels: list[str],
     return out
 
 
+def fake_pass(counter: Sha256Count) -> None:
+    """``one_pass`` (plain) over a stand-in pipeline: the request loop, hashing, saving."""
+    import lmdeploy
+    import torch
+    from lmdeploy.messages import Response
+
+    class FakePipe:
+        def __call__(self, prompt: Any, gen_config: Any) -> Any:
+            r = Response(text="", generate_token_len=2, input_token_len=5, token_ids=[1, 2],
+                         logits=torch.randn(6 if gen_config.output_logits == "all" else 2, 7))
+            return [r] if isinstance(prompt, list) else r
+
+        def close(self) -> None:
+            pass
+
+    real = lmdeploy.pipeline
+    lmdeploy.pipeline = lambda *a, **k: FakePipe()
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, "config.json"), "w") as f:
+                json.dump(dict(architectures=["Qwen2VLForConditionalGeneration"]), f)
+            for prefix in (False, True):
+                res = one_pass(d, "plain", prefix, counter, os.path.join(d, "save"))
+                assert len(res["rows"]) == len(requests())
+                assert res["rows"][0]["logits_shape"] == ([6, 7] if not prefix else [2, 7])
+    finally:
+        lmdeploy.pipeline = real
+
+
 def dry_run() -> int:
     """What can go wrong before the GPU: imports, requests, configs, compare on fake records."""
     import featcache.lmdeploy  # noqa: F401
@@ -285,9 +314,12 @@ def dry_run() -> int:
     with turbomind_binding.installed():
         counter = Sha256Count()
         import lmdeploy.turbomind.models.internvl as ivl
+        import lmdeploy.turbomind.models.qwen2_vl as q2
 
         assert ivl._resolve_fingerprint(dict(fingerprint=b"x" * 32)) == b"x" * 32
-        assert counter.take() == dict(fingerprints=1, sha256_over_pixels=0)
+        assert q2._resolve_fingerprint(dict(fingerprint=b"y" * 32), (1, 2, 2)) == b"y" * 32
+        assert counter.take() == dict(fingerprints=2, sha256_over_pixels=0)
+        fake_pass(counter)
 
     def fake(path: str, prefix: bool, sha: str) -> dict[str, Any]:
         rows = [dict(label=label, token_ids=[1, 2], cached_tokens=0, logits_sha256=f"{sha}{i}")
