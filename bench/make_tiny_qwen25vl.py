@@ -2,10 +2,10 @@
 
     python bench/make_tiny_qwen25vl.py OUT_DIR [--dtype bfloat16]
 
-The Qwen2-VL builder of ../shared/device/make_tiny_vlm.py with Qwen2.5-VL's classes: a 2-layer
+The Qwen2-VL builder of bench/device/make_tiny_vlm.py with Qwen2.5-VL's classes: a 2-layer
 windowed ViT (hidden 128, head_dim 64, window 112 px, the last block full attention) and a 2-layer
-LLM (hidden 256, head_dim 64). Pass ``--shared DIR`` for where make_tiny_vlm.py lives (on the GPU
-machine: .devbundle/bin). Then: ``python bench/e2e_lmdeploy.py check --model OUT_DIR/qwen25vl_tiny``.
+LLM (hidden 256, head_dim 64). ``--shared DIR``: where make_tiny_vlm.py lives (default
+bench/device). Then: ``python bench/e2e_lmdeploy.py check --model OUT_DIR/qwen25vl_tiny``.
 """
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--shared", default=".devbundle/bin",
-                        help="folder holding make_tiny_vlm.py (default .devbundle/bin)")
+    here = os.path.dirname(os.path.abspath(__file__))
+    parser.add_argument("--shared", default=os.path.join(here, "device"),
+                        help="folder holding make_tiny_vlm.py (default bench/device)")
     args = parser.parse_args()
     path = build(args.out, args.dtype, args.shared)
     print(f"wrote {path}: {sorted(os.listdir(path))}")

@@ -18,7 +18,7 @@ or reads ``--model DIR``. Then:
    memory + ``put``) and on a hit (served from the host cache), timed; the hit's tensor must be
    the miss's features bit for bit, on the host, in the engine dtype.
 
-Needs lmdeploy's Python (no TurboMind: the bundle of shared/device works), transformers,
+Needs lmdeploy's Python (no TurboMind: bench/device/make_bundle.sh's bundle works), transformers,
 safetensors. Prints one JSON object (and writes it to ``--out``).
 """
 

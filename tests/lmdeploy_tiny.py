@@ -5,7 +5,7 @@ from a checkpoint: ``config.json`` (float32, ``architectures`` set explicitly), 
 tokenizer with the model's special tokens, and the processor configs. No weights are written:
 nothing on the CPU runs a model forward (the engine and the vision towers need CUDA), and lmdeploy's
 ``ImageEncoder`` for the PyTorch backend never loads them. Shapes follow
-``shared/device/make_tiny_vlm.py`` (the GPU check builds its checkpoints with it):
+``bench/device/make_tiny_vlm.py`` (the GPU check builds its checkpoints with it):
 
 - InternVL-HF: 56 px tiles, patch 14, pixel shuffle 0.5 -> 4 image tokens a tile, up to 4 crops
   plus a thumbnail per image;

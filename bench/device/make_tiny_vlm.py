@@ -1,0 +1,251 @@
+#!/usr/bin/env python3
+"""Build tiny, random-initialised, hub-free VLM checkpoints that lmdeploy 0.18 (PyTorch engine
+and TurboMind) can load. Run where the models are used (the GPU machine builds its own in seconds).
+
+    python3 bench/device/make_tiny_vlm.py OUT_DIR [--arch internvl|qwen2vl|internvl_chat|all]
+                                          [--dtype bfloat16|float16|float32]
+
+Writes OUT_DIR/internvl_hf_tiny, OUT_DIR/qwen2vl_tiny and/or OUT_DIR/internvl_chat_tiny:
+config.json (with `architectures` written explicitly), tokenizer files (byte-level BPE, no merges,
+plus the special tokens the processors need), processor/preprocessor configs and
+model.safetensors (random weights). internvl_chat_tiny is a legacy ``InternVLChatModel``
+checkpoint (InternViT + MLP projector + Qwen2 LLM, ps_version v2, dynamic tiling) with its own
+small ``configuration_internvl_chat.py`` (load it with ``trust_remote_code=True``; no hub access).
+
+Head dims are 64 in both the LLM and the ViT so that lmdeploy's Triton attention kernels see a
+realistic shape. Needs only torch + transformers (>= 5.x; tested with 5.17 and 5.24) + tokenizers.
+"""
+import argparse
+import json
+import os
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers.pre_tokenizers import ByteLevel
+
+LLM = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, max_position_embeddings=4096)
+
+
+def _bpe_tokenizer_file(out, special):
+    """Byte-level BPE with no merges: every byte is one token; specials appended at the end."""
+    vocab = {ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(special)
+    path = os.path.join(out, '_tmp_tokenizer.json')
+    tok.save(path)
+    return path
+
+
+def _patch_config(out, arch, dtype):
+    """Write architectures + dtype explicitly (save_pretrained may leave them null / float32)."""
+    p = os.path.join(out, 'config.json')
+    c = json.load(open(p))
+    c['architectures'] = [arch]
+    for d in [c] + [c[k] for k in ('text_config', ) if isinstance(c.get(k), dict)]:
+        d['dtype'] = dtype
+        d['torch_dtype'] = dtype
+    json.dump(c, open(p, 'w'), indent=2)
+
+
+def _save(model_cls, cfg, out, arch, dtype, eos_token_id, pad_token_id):
+    torch.manual_seed(0)
+    m = model_cls(cfg).to(getattr(torch, dtype)).eval()
+    m.save_pretrained(out, safe_serialization=True)
+    _patch_config(out, arch, dtype)
+    json.dump(dict(eos_token_id=eos_token_id, pad_token_id=pad_token_id, bos_token_id=pad_token_id),
+              open(os.path.join(out, 'generation_config.json'), 'w'), indent=2)
+    from safetensors import safe_open
+    keys = list(safe_open(os.path.join(out, 'model.safetensors'), 'pt').keys())
+    assert any(k.endswith('lm_head.weight') for k in keys), 'lm_head.weight missing from checkpoint'
+
+
+def internvl_hf(out, dtype='bfloat16'):
+    """HF-native InternVL (InternVLForConditionalGeneration) with a Qwen2 LLM.
+
+    56 px tiles, patch 14 -> 16 patches, pixel-shuffle 0.5 -> 4 image tokens per tile; up to
+    4 crops + thumbnail per image.
+    """
+    from transformers import (
+        GotOcr2ImageProcessorFast,
+        InternVLConfig,
+        InternVLForConditionalGeneration,
+        InternVLProcessor,
+        InternVLVideoProcessor,
+        Qwen2TokenizerFast,
+    )
+    os.makedirs(out, exist_ok=True)
+    special = ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<img>', '</img>', '<IMG_CONTEXT>', '<video>']
+    tmp = _bpe_tokenizer_file(out, special)
+    tok = Qwen2TokenizerFast(tokenizer_file=tmp, eos_token='<|im_end|>', pad_token='<|endoftext|>',
+                             extra_special_tokens={'start_image_token': '<img>', 'end_image_token': '</img>',
+                                                   'context_image_token': '<IMG_CONTEXT>',
+                                                   'video_token': '<video>'})
+    os.remove(tmp)
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
+        "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+        "<IMG_CONTEXT>\n{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    ip = GotOcr2ImageProcessorFast(size={'height': 56, 'width': 56}, crop_to_patches=True, min_patches=1,
+                                   max_patches=4)
+    proc = InternVLProcessor(image_processor=ip, tokenizer=tok, video_processor=InternVLVideoProcessor(),
+                             image_seq_length=4, chat_template=tok.chat_template)
+    proc.save_pretrained(out)
+    cfg = InternVLConfig(
+        vision_config=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256,
+                           image_size=[56, 56], patch_size=[14, 14]),
+        text_config=dict(model_type='qwen2', vocab_size=len(tok), architectures=['Qwen2ForCausalLM'],
+                         tie_word_embeddings=False, bos_token_id=tok.pad_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **LLM),
+        image_token_id=tok.convert_tokens_to_ids('<IMG_CONTEXT>'), image_seq_length=4, downsample_ratio=0.5,
+        tie_word_embeddings=False)  # untied: lm_head must be written to the checkpoint
+    cfg.architectures = ['InternVLForConditionalGeneration']
+    _save(InternVLForConditionalGeneration, cfg, out, 'InternVLForConditionalGeneration', dtype,
+          tok.eos_token_id, tok.pad_token_id)
+    return out
+
+
+def qwen2vl(out, dtype='bfloat16'):
+    """Qwen2-VL with a 2-layer ViT (embed 128, head_dim 64) and a 2-layer LLM (hidden 256, head_dim 64)."""
+    from transformers import (
+        Qwen2TokenizerFast,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+    os.makedirs(out, exist_ok=True)
+    special = ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<|vision_start|>', '<|vision_end|>',
+               '<|image_pad|>', '<|video_pad|>']
+    tmp = _bpe_tokenizer_file(out, special)
+    tok = Qwen2TokenizerFast(tokenizer_file=tmp, eos_token='<|im_end|>', pad_token='<|endoftext|>')
+    os.remove(tmp)
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    ip = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=28 * 28 * 64)
+    proc = Qwen2VLProcessor(image_processor=ip, tokenizer=tok, video_processor=Qwen2VLVideoProcessor(),
+                            chat_template=tok.chat_template)
+    proc.save_pretrained(out)
+    ids = tok.convert_tokens_to_ids
+    cfg = Qwen2VLConfig(
+        # mrope_section sums to head_dim/2
+        vocab_size=len(tok), rope_scaling={'type': 'mrope', 'mrope_section': [8, 12, 12]},
+        vision_config=dict(depth=2, embed_dim=128, hidden_size=LLM['hidden_size'], num_heads=2, mlp_ratio=2,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_chans=3),
+        image_token_id=ids('<|image_pad|>'), video_token_id=ids('<|video_pad|>'),
+        vision_start_token_id=ids('<|vision_start|>'), vision_end_token_id=ids('<|vision_end|>'),
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.pad_token_id,
+        tie_word_embeddings=False, **LLM)
+    cfg.architectures = ['Qwen2VLForConditionalGeneration']
+    _save(Qwen2VLForConditionalGeneration, cfg, out, 'Qwen2VLForConditionalGeneration', dtype,
+          tok.eos_token_id, tok.pad_token_id)
+    return out
+
+
+REMOTE_CONFIG = '''"""Minimal remote config of the tiny legacy InternVL (bench/device/make_tiny_vlm.py)."""
+from transformers import PretrainedConfig, Qwen2Config
+
+
+class InternVisionConfig(PretrainedConfig):
+    model_type = "intern_vit_6b"
+
+
+class InternVLChatConfig(PretrainedConfig):
+    model_type = "internvl_chat"
+
+    def __init__(self, vision_config=None, llm_config=None, **kwargs):
+        super().__init__(**kwargs)
+        self.vision_config = InternVisionConfig(**(vision_config or {}))
+        self.llm_config = Qwen2Config(**(llm_config or {}))
+'''
+
+
+def internvl_chat(out, dtype='bfloat16'):
+    """Legacy InternVL (InternVLChatModel, as InternVL2/2.5 checkpoints): InternViT (2 x 128, 56 px,
+    patch 14, packed qkv, layer scale), pixel shuffle 0.5 (v2) -> MLP projector -> Qwen2 LLM.
+    4 image tokens a tile, up to 4 tiles + thumbnail (lmdeploy's dynamic preprocess, torchvision)."""
+    from safetensors.torch import save_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2TokenizerFast
+    os.makedirs(out, exist_ok=True)
+    special = ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<img>', '</img>', '<IMG_CONTEXT>']
+    tmp = _bpe_tokenizer_file(out, special)
+    tok = Qwen2TokenizerFast(tokenizer_file=tmp, eos_token='<|im_end|>', pad_token='<|endoftext|>')
+    os.remove(tmp)
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.save_pretrained(out)
+    vit, inter, size, patch = 128, 256, 56, 14
+    llm = dict(model_type='qwen2', architectures=['Qwen2ForCausalLM'], vocab_size=len(tok),
+               tie_word_embeddings=False, bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+               pad_token_id=tok.pad_token_id, dtype=dtype, torch_dtype=dtype, **LLM)
+    config = dict(
+        model_type='internvl_chat', architectures=['InternVLChatModel'], template='internvl2_5',
+        auto_map={'AutoConfig': 'configuration_internvl_chat.InternVLChatConfig'},
+        vision_config=dict(model_type='intern_vit_6b', architectures=['InternVisionModel'], hidden_size=vit,
+                           num_attention_heads=2, num_hidden_layers=2, intermediate_size=inter,
+                           num_channels=3, image_size=size, patch_size=patch, layer_norm_eps=1e-6,
+                           norm_type='layer_norm', qk_normalization=False, qkv_bias=True,
+                           hidden_act='gelu', use_flash_attn=False, drop_path_rate=0.0, dtype=dtype),
+        llm_config=llm, force_image_size=size, downsample_ratio=0.5, ps_version='v2', select_layer=-1,
+        dynamic_image_size=True, use_thumbnail=True, min_dynamic_patch=1, max_dynamic_patch=4,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, dtype=dtype, torch_dtype=dtype)
+    json.dump(config, open(os.path.join(out, 'config.json'), 'w'), indent=2)
+    with open(os.path.join(out, 'configuration_internvl_chat.py'), 'w') as f:
+        f.write(REMOTE_CONFIG)
+    ids = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.pad_token_id)
+    json.dump(ids, open(os.path.join(out, 'generation_config.json'), 'w'), indent=2)
+    torch.manual_seed(0)
+    t = getattr(torch, dtype)
+    w = {f'language_model.{k}': v.to(t).contiguous() for k, v in Qwen2ForCausalLM(Qwen2Config(**{
+        k: v for k, v in llm.items() if k not in ('model_type', 'architectures')})).state_dict().items()}
+    n = (size // patch) ** 2
+
+    def rnd(*shape, std=0.02):
+        return (torch.randn(*shape) * std).to(t)
+
+    v = 'vision_model.'
+    w[v + 'embeddings.class_embedding'] = rnd(1, 1, vit)
+    w[v + 'embeddings.position_embedding'] = rnd(1, n + 1, vit)
+    w[v + 'embeddings.patch_embedding.weight'] = rnd(vit, 3, patch, patch)
+    w[v + 'embeddings.patch_embedding.bias'] = rnd(vit)
+    for i in range(config['vision_config']['num_hidden_layers']):
+        p = f'{v}encoder.layers.{i}.'
+        w.update({p + 'ls1': torch.full((vit,), 0.5, dtype=t), p + 'ls2': torch.full((vit,), 0.5, dtype=t),
+                  p + 'norm1.weight': 1 + rnd(vit), p + 'norm1.bias': rnd(vit),
+                  p + 'norm2.weight': 1 + rnd(vit), p + 'norm2.bias': rnd(vit),
+                  p + 'attn.qkv.weight': rnd(3 * vit, vit), p + 'attn.qkv.bias': rnd(3 * vit),
+                  p + 'attn.proj.weight': rnd(vit, vit), p + 'attn.proj.bias': rnd(vit),
+                  p + 'mlp.fc1.weight': rnd(inter, vit), p + 'mlp.fc1.bias': rnd(inter),
+                  p + 'mlp.fc2.weight': rnd(vit, inter), p + 'mlp.fc2.bias': rnd(vit)})
+    h = LLM['hidden_size']
+    w.update({'mlp1.0.weight': 1 + rnd(4 * vit), 'mlp1.0.bias': rnd(4 * vit),
+              'mlp1.1.weight': rnd(h, 4 * vit), 'mlp1.1.bias': rnd(h),
+              'mlp1.3.weight': rnd(h, h), 'mlp1.3.bias': rnd(h)})
+    save_file(w, os.path.join(out, 'model.safetensors'), metadata={'format': 'pt'})
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument('out')
+    ap.add_argument('--arch', default='all', choices=['internvl', 'qwen2vl', 'internvl_chat', 'both', 'all'])
+    ap.add_argument('--dtype', default='bfloat16', choices=['bfloat16', 'float16', 'float32'])
+    a = ap.parse_args()
+    built = []
+    if a.arch in ('internvl', 'both', 'all'):
+        built.append(internvl_hf(os.path.join(a.out, 'internvl_hf_tiny'), a.dtype))
+    if a.arch in ('qwen2vl', 'both', 'all'):
+        built.append(qwen2vl(os.path.join(a.out, 'qwen2vl_tiny'), a.dtype))
+    if a.arch in ('internvl_chat', 'all'):
+        built.append(internvl_chat(os.path.join(a.out, 'internvl_chat_tiny'), a.dtype))
+    for b in built:
+        size = sum(os.path.getsize(os.path.join(b, f)) for f in os.listdir(b))
+        print(f'wrote {b} ({size / 1e6:.2f} MB): {sorted(os.listdir(b))}')
+
+
+if __name__ == '__main__':
+    main()
