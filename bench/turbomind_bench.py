@@ -39,6 +39,7 @@ import gc
 import itertools
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -395,7 +396,10 @@ def summarise(raw: dict[str, list[Any]]) -> dict[str, Any]:
             ttft_p99_ms=round(statistics.median(x["p99_ms"] for x in d if x.get("n")), 2),
             requests=sum(x["requests"] for x in d), errors=sum(x["errors"] for x in d),
             parts_mean_ms=d[-1]["parts_mean_ms"])
-    errors = [r.get("error") for r in a_rows + c_rows + [t for c in chats for t in c] if r.get("error")]
+    seq = a_rows + c_rows + [t for c in chats for t in c]
+    out["sha256_over_pixels"] = sum(r["parts"].get("calls", {}).get("sha256_computed", 0) for r in seq)
+    out["sequential_requests"] = len(seq)
+    errors = [r.get("error") for r in seq if r.get("error")]
     out["request_errors"] = len(errors)
     if errors:
         out["request_error_samples"] = errors[:3]
@@ -558,6 +562,7 @@ def run_all(args: argparse.Namespace, builder: Callable[[str, Any], Any], out: s
                     print(f"[bench] {path}: close failed: {e}", flush=True)
             if cache is not None:
                 cache.close()
+            shutil.rmtree(store, ignore_errors=True)
             del pipe
             gc.collect()
             if torch.cuda.is_available():
