@@ -6,11 +6,16 @@
 #   bash bench/device/run_turbomind.sh recv DIR...    # keep carried dirs: .devbundle, .tmx, .tmNN
 #   bash bench/device/run_turbomind.sh final DIR...   # recv, assemble in /tmp/lmd, then test
 #   bash bench/device/run_turbomind.sh test           # only the checks (assembled earlier)
+#   bash bench/device/run_turbomind.sh bench          # only the speed bench (assembled earlier)
 #
 # Env: TM_MODELS (default "internvl_hf_tiny qwen2vl_tiny internvl_chat_tiny"), TM_PATHS (default:
 # what bench/turbomind_check.py paths says per model), TM_TIMEOUT (s per check process, 150),
-# TM_BUDGET (s for the whole call, 540: later checks are skipped, rerun them with `test`).
-# $OUT gets final.log, run.log (the checks' whole output), results.jsonl, summary.json.
+# TM_BUDGET (s for the whole call, 540: later checks are skipped, rerun them with `test`; the bench
+# gets what is left), TM_SKIP_CHECKS=1 (`final` assembles without the tiny checks), TM_BENCH=1
+# (`final` then runs the bench too, in the same call), TM_BENCH_ARGS (more arguments for
+# bench/turbomind_bench.py run, e.g. "--n 5 --reps 3 --d-requests 96").
+# $OUT gets final.log, run.log (the checks' whole output), results.jsonl, summary.json; the bench
+# adds bench.json (rewritten after each engine) and bench.log (its whole output).
 set -uo pipefail
 R=$PWD; P=/tmp/tmparts; T0=$(date +%s)
 mode=${1:-recv}; shift || true
@@ -42,6 +47,7 @@ zstandard.ZstdDecompressor(max_window_size=2**31).copy_stream(sys.stdin.buffer, 
   echo "[final] assembled in $(($(date +%s)-T0)) s: $(du -sh /tmp/lmd | cut -f1) in /tmp/lmd"
 fi
 
+[ -d /tmp/lmd/lmdeploy/turbomind ] || { echo "[$mode] /tmp/lmd is not assembled: run final first, on the same warm machine"; exit 8; }
 # the wheel's .so wants nvidia-nccl-cu12's libnccl.so.2; the device's own (cu13, torch's) serves
 NCCL=$(python3 -c "import nvidia.nccl as m, os; print(os.path.join(list(m.__path__)[0], 'lib'))" 2>/dev/null)
 [ -e "$NCCL/libnccl.so.2" ] || NCCL=$(dirname "$(find / -name libnccl.so.2 2>/dev/null | head -1)")
@@ -53,6 +59,29 @@ ldd /tmp/lmd/lmdeploy/turbomind/_turbomind*.so | grep -E 'cublas|cudart|nccl|lib
 
 C="python3 bench/turbomind_check.py"
 $C import || exit 5
+
+run_bench() {  # the real-shape checkpoint (built here, never carried), then the speed bench
+  local t=$(date +%s) left lim rc
+  python3 bench/device/make_real_shape.py /tmp/models >> $O/bench.log 2>&1 \
+    || { echo "[bench] make_real_shape.py failed (bench.log)"; tail -5 $O/bench.log; return 6; }
+  echo "[bench] checkpoint ready in $(($(date +%s)-t)) s: $(du -sh /tmp/models/internvl3_2b_shape | cut -f1)"
+  left=$(( ${TM_BUDGET:-540} - ($(date +%s) - T0) ))
+  [ $left -gt 120 ] || { echo "[bench] SKIPPED: $left s left (run it with: bench)"; return 7; }
+  lim=$(( left - 10 ))
+  timeout -k 10 $lim python3 bench/turbomind_bench.py run --model /tmp/models/internvl3_2b_shape \
+    --out $O/bench.json --budget $(( lim - 40 )) ${TM_BENCH_ARGS:-} >> $O/bench.log 2>&1
+  rc=$?
+  echo "[bench] rc=$rc in $(($(date +%s)-t)) s"
+  sed -n '/^\[bench\] series/,$p' $O/bench.log | cut -c1-400
+  return $rc
+}
+
+if [ "$mode" = bench ]; then run_bench; rc=$?; echo "[done] $(($(date +%s)-T0)) s"; exit $rc; fi
+if [ "${TM_SKIP_CHECKS:-0}" = 1 ]; then
+  echo "[test] tiny checks skipped (TM_SKIP_CHECKS=1)"
+  rc=0; [ "${TM_BENCH:-0}" = 1 ] && { run_bench; rc=$?; }
+  echo "[done] $(($(date +%s)-T0)) s"; exit $rc
+fi
 [ -f /tmp/models/internvl_chat_tiny/model.safetensors ] \
   || python3 bench/device/make_tiny_vlm.py /tmp/models --arch all 2>&1 | grep -v -i deprecat
 for m in ${TM_MODELS:-internvl_hf_tiny qwen2vl_tiny internvl_chat_tiny}; do
@@ -67,4 +96,6 @@ for m in ${TM_MODELS:-internvl_hf_tiny qwen2vl_tiny internvl_chat_tiny}; do
   done
 done
 $C compare $O/results.jsonl --save /tmp/tmcheck --out $O/summary.json
+rc=0; [ "${TM_BENCH:-0}" = 1 ] && { run_bench; rc=$?; }
 echo "[done] $(($(date +%s)-T0)) s"
+exit $rc
