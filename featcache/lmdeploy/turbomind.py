@@ -13,8 +13,11 @@ On top of the frontend (``frontend.py``, which keys images before preprocessing 
 lmdeploy's preprocessing for hits), each keyed image's per-image dict gets:
 
 - on a hit, the cached pixel tensor (no preprocessing, no copy);
-- on a miss, lmdeploy's pixels, stored in the cache (page-locked when CUDA is available, so
-  TurboMind's upload is a fast one; demotion to disk is asynchronous);
+- on a miss, lmdeploy's pixels themselves, stored in the cache (no copy; demotion to disk is
+  asynchronous). They stay in pageable memory: page-locking 15 MB of pixels took 8.7 ms on a
+  fresh allocation on an H200 host (14.6 ms per miss with the copy, 2026-11-30,
+  docs/benchmarks.md), while TurboMind's upload of pageable pixels costs about 0.7 ms more than
+  of pinned ones, once per request that uses them;
 - in both cases ``fingerprint = fingerprint(key)``: a function of the featcache key alone, so the
   same image carries the same fingerprint in every process and after restarts, and lmdeploy's
   sha256 over the pixels never runs for keyed images.
@@ -126,7 +129,6 @@ class NativePixels:
         self.keyed = keyed
         self.frontend = frontend
         self.vision_dtype = vision_dtype
-        self.pin = torch.cuda.is_available()
 
     def __call__(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out = self.keyed(list(messages))  # a copy: the fallback needs the caller's messages
@@ -158,9 +160,8 @@ class NativePixels:
             if pixels.is_floating_point() and pixels.dtype != dtype:  # as to_tm_tensor would
                 pixels = pixels.to(dtype)
                 meta = encode_item({**item, "pixel_values": pixels}, self.frontend.namespace)
-            if self.pin:  # TurboMind uploads from page-locked memory at full speed
-                pixels = torch.empty_like(pixels, memory_format=torch.contiguous_format,
-                                          pin_memory=True).copy_(pixels)
+            # 2026-11-30: a copy into page-locked memory here cost 14.6 ms per miss (8.7 ms of it
+            # allocating), to save ~0.7 ms of upload per use: the pixels are kept as they are.
             self.cache.put(ref.key, pixels, meta=meta)
             item["pixel_values"] = pixels
             count(SECTION, "tm_pixels_stored")
