@@ -177,7 +177,7 @@ def instrument(pipe: Any, path: str) -> dict[str, Any]:
     cache.put = PROBE.wrap("fc_put", cache.put)
     if isinstance(hook, NativePixels):
         hook._serve = PROBE.wrap("fc_serve", hook._serve)
-        found["pin"] = hook.pin
+        found["pin"] = getattr(hook, "pin", False)
         found["vision_dtype"] = str(hook.vision_dtype)
     if path == "features":
         server = vm.forward.__self__
