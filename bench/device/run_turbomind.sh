@@ -7,6 +7,8 @@
 #   bash bench/device/run_turbomind.sh final DIR...   # recv, assemble in /tmp/lmd, then test
 #   bash bench/device/run_turbomind.sh test           # only the checks (assembled earlier)
 #   bash bench/device/run_turbomind.sh bench          # only the speed bench (assembled earlier)
+#   bash bench/device/run_turbomind.sh exec CMD ARG...  # CMD in the assembled environment
+#                                                       # (assembled earlier); output to exec.log
 #
 # Env: TM_MODELS (default "internvl_hf_tiny qwen2vl_tiny internvl_chat_tiny"), TM_PATHS (default:
 # what bench/turbomind_check.py paths says per model), TM_TIMEOUT (s per check process, 150),
@@ -20,6 +22,7 @@ set -uo pipefail
 R=$PWD; P=/tmp/tmparts; T0=$(date +%s)
 mode=${1:-recv}; shift || true
 mkdir -p $P
+EXEC=(); [ "$mode" = exec ] && { EXEC=("$@"); set --; }
 for d in "$@"; do
   case "$d" in
     .devbundle) rm -rf /tmp/devbundle && cp -r .devbundle /tmp/devbundle ;;
@@ -57,6 +60,10 @@ export PYTHONPATH=/tmp/site:/tmp/lmd:$R PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELIS
 echo "[env] $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader); NCCL=$NCCL"
 ldd /tmp/lmd/lmdeploy/turbomind/_turbomind*.so | grep -E 'cublas|cudart|nccl|libcuda\.|not found'
 
+if [ "$mode" = exec ]; then
+  "${EXEC[@]}" > >(tee -a $O/exec.log) 2>&1; rc=$?
+  echo "[exec] rc=$rc: ${EXEC[*]}"; echo "[done] $(($(date +%s)-T0)) s"; exit $rc
+fi
 C="python3 bench/turbomind_check.py"
 $C import || exit 5
 
