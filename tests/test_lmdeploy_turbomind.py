@@ -458,3 +458,13 @@ def test_pixel_shuffle_order_matches_turbomind_kernel():
     hidden = torch.randn(3, 1 + grid * grid, c)
     ours = InternVLModel.pixel_shuffle(None, hidden[:, 1:].reshape(3, grid, grid, c), 0.5)
     assert torch.equal(ours.reshape(3, -1, 4 * c), turbomind_pixel_shuffle(hidden, grid))
+
+
+def test_features_diff_bench_dry_run():
+    """bench/turbomind_features_diff.py's CPU dry-run: the pass-through checkpoint (checked with
+    transformers), the request loops and the comparisons on stand-in pipelines."""
+    bench = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench")
+    out = subprocess.run([sys.executable, os.path.join(bench, "turbomind_features_diff.py"),
+                          "dry-run"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": os.path.dirname(bench)})
+    assert out.returncode == 0 and "DRY-RUN OK" in out.stdout, out.stderr[-3000:]
