@@ -11,7 +11,10 @@ model (``InternVLForConditionalGeneration``) from "pixels to the C++ vision mode
   tensor in the engine's dtype, as is; the misses run through ``InternVLTower`` (the checkpoint's
   own vision tower and projector, transformers' InternVL classes, on the GPU when there is one),
   are copied once into page-locked host memory and put in the cache (demotion to disk is
-  asynchronous);
+  asynchronous). The tower runs in TurboMind's vision dtype and its output is cast to the engine
+  dtype, as TurboMind's C++ ViT does; it computes the same function as that ViT but rounds at
+  other points (docs/turbomind.md, "Features path: how it differs"), so outputs are close to, not
+  identical with, plain TurboMind's;
 - ``FeatureServer.to_turbomind`` packs them with lmdeploy's own ``proc_messages`` and
   ``to_turbomind_aux``. TurboMind's ``prepare_embeddings`` then copies host memory into host
   memory of the same dtype: no device copy, no synchronisation, on the request path of a hit.
