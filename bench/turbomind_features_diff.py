@@ -151,6 +151,7 @@ def ask(pipe: Any, imgs: list[Any], gen: Any, capture: Capture | None = None) ->
     for img in imgs:
         t = time.perf_counter()
         out = pipe((PROMPT, img), gen_config=gen)
+        out = out[0] if isinstance(out, list) else out
         row: dict[str, Any] = dict(token_ids=list(out.token_ids), input_len=out.input_token_len,
                                    ms=(time.perf_counter() - t) * 1e3)
         row["logits"] = None if out.logits is None else out.logits.float().cpu().clone()
