@@ -379,3 +379,92 @@ def test_tower_matches_lmdeploys_reference(tmp_path_factory):
     path = result["features_path"]
     assert path["hit_identical_to_miss"] and path["hit_same_tensor"]
     assert path["served_device"] == "cpu" and path["served_dtype"] == "float32"
+
+
+def test_tower_runs_in_turbomind_vision_dtype(tmp_path_factory, binding):
+    """TurboMind runs its ViT in the vision dtype it resolves (``_vision_dtype``) and casts the
+    features to the engine dtype: the features path's tower does the same, under its own
+    namespace; with equal dtypes the namespace is unchanged."""
+    from lmdeploy.messages import TurbomindEngineConfig
+
+    from featcache.lmdeploy.vision_tower import InternVLTower
+
+    path = weighted_checkpoint(tmp_path_factory)
+    namespaces = {}
+    for vision in (torch.float32, torch.float16, None):
+        prompt = tiny.PromptPath(path, ENGINE_DTYPE, backend="turbomind")
+        ctx = types.SimpleNamespace(dtype=vision)
+        tm = types.SimpleNamespace(source_model=types.SimpleNamespace(
+            vision_model=types.SimpleNamespace(_ctx=ctx))) if vision is not None else None
+        engine = types.SimpleNamespace(vl_encoder=prompt.encoder, prompt_processor=prompt.processor,
+                                       backend_config=TurbomindEngineConfig(dtype=ENGINE_DTYPE),
+                                       engine=tm)
+        with FeatureCache(device="cpu", device_bytes="64MiB", host_bytes=0) as cache:
+            wrap(types.SimpleNamespace(async_engine=engine), cache, turbomind="features")
+            namespaces[vision] = prompt.model.preprocess.frontend.namespace
+            out = prompt.prompt(request_of(1))
+            feats = out["input_embeddings"][0]
+            assert feats.dtype == torch.float16 and feats.device.type == "cpu"
+            px = tiny.PromptPath(path, ENGINE_DTYPE, backend="turbomind")
+            pixels = px.prompt(request_of(1))["multimodal"][0]["pixel_values"]
+            px.close()
+            tower = InternVLTower.from_pretrained(path, vision or torch.float16, "cpu")
+            want = tower(pixels)
+            assert torch.equal(feats, want.reshape(-1, want.shape[-1]).to(torch.float16))
+        prompt.close()
+        gc.collect()
+    assert namespaces[torch.float16] == namespaces[None] != namespaces[torch.float32]
+
+
+def test_turbomind_vit_differences_in_kind():
+    """Checkpoint settings under which TurboMind's C++ ViT computes another function (not only
+    other rounding) than the checkpoint's own code; none for the InternVL3 defaults."""
+    from transformers import InternVLConfig
+
+    from featcache.lmdeploy.vision_tower import turbomind_vit_differences
+
+    assert turbomind_vit_differences(InternVLConfig()) == []
+    cfg = InternVLConfig(vision_feature_layer=-2, vision_feature_select_strategy="full",
+                         projector_hidden_act="gelu_pytorch_tanh",
+                         vision_config=dict(use_mean_pooling=False, hidden_act="silu"))
+    got = " | ".join(turbomind_vit_differences(cfg))
+    for word in ("vision_feature_layer=-2", "CLS", "hidden_act='silu'", "projector_hidden_act"):
+        assert word in got
+    assert "use_mean_pooling" not in got  # the final norm only applies to the last layer
+    cfg = InternVLConfig(vision_config=dict(use_mean_pooling=False))
+    assert "final LayerNorm" in turbomind_vit_differences(cfg)[0]
+
+
+def turbomind_pixel_shuffle(hidden: torch.Tensor, grid: int) -> torch.Tensor:
+    """lmdeploy 0.18's ``pixelShuffleKernel`` (src/turbomind/models/internvit/internvit_kernels.cu)
+    index for index: hidden [batch, 1 + grid*grid, C] (CLS first) -> [batch, (grid/2)^2, 4C]."""
+    batch, seq, c = hidden.shape
+    out_grid = grid // 2
+    out = hidden.new_empty(batch, out_grid * out_grid, 4 * c)
+    for token in range(out_grid * out_grid):
+        ow, oh = token // out_grid, token % out_grid
+        t = 1 + (ow * 2) * grid + oh * 2
+        for k, src in enumerate((t, t + 1, t + grid, t + grid + 1)):
+            out[:, token, k * c:(k + 1) * c] = hidden[:, src]
+    return out
+
+
+def test_pixel_shuffle_order_matches_turbomind_kernel():
+    """transformers' ``InternVLModel.pixel_shuffle`` (ps_version v2), as ``get_image_features``
+    applies it after dropping CLS, is a permutation equal to TurboMind's kernel."""
+    from transformers import InternVLModel
+
+    grid, c = 8, 6
+    hidden = torch.randn(3, 1 + grid * grid, c)
+    ours = InternVLModel.pixel_shuffle(None, hidden[:, 1:].reshape(3, grid, grid, c), 0.5)
+    assert torch.equal(ours.reshape(3, -1, 4 * c), turbomind_pixel_shuffle(hidden, grid))
+
+
+def test_features_diff_bench_dry_run():
+    """bench/turbomind_features_diff.py's CPU dry-run: the pass-through checkpoint (checked with
+    transformers), the request loops and the comparisons on stand-in pipelines."""
+    bench = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench")
+    out = subprocess.run([sys.executable, os.path.join(bench, "turbomind_features_diff.py"),
+                          "dry-run"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": os.path.dirname(bench)})
+    assert out.returncode == 0 and "DRY-RUN OK" in out.stdout, out.stderr[-3000:]

@@ -11,7 +11,10 @@ model (``InternVLForConditionalGeneration``) from "pixels to the C++ vision mode
   tensor in the engine's dtype, as is; the misses run through ``InternVLTower`` (the checkpoint's
   own vision tower and projector, transformers' InternVL classes, on the GPU when there is one),
   are copied once into page-locked host memory and put in the cache (demotion to disk is
-  asynchronous);
+  asynchronous). The tower runs in TurboMind's vision dtype and its output is cast to the engine
+  dtype, as TurboMind's C++ ViT does; it computes the same function as that ViT but rounds at
+  other points (docs/turbomind.md, "Features path: how it differs"), so outputs are close to, not
+  identical with, plain TurboMind's;
 - ``FeatureServer.to_turbomind`` packs them with lmdeploy's own ``proc_messages`` and
   ``to_turbomind_aux``. TurboMind's ``prepare_embeddings`` then copies host memory into host
   memory of the same dtype: no device copy, no synchronisation, on the request path of a hit.
@@ -73,7 +76,7 @@ def engine_dtype(backend_config: Any, fallback: torch.dtype | None) -> torch.dty
 
 def install_features(pipe: Any, cache: FeatureCache, arch: str, namespace: str | None) -> None:
     """The features path on a TurboMind pipeline (called through ``wrap``)."""
-    from .turbomind import check_host_cache
+    from .turbomind import _vision_dtype, check_host_cache
 
     check_features_arch(arch)
     check_host_cache(cache)
@@ -82,16 +85,48 @@ def install_features(pipe: Any, cache: FeatureCache, arch: str, namespace: str |
     if encoder._uses_new_preprocess:
         raise ValueError(f"featcache: {arch} uses lmdeploy's new preprocess API; not supported")
     dtype = engine_dtype(engine.backend_config, encoder.mm_feature_dtype)
+    # TurboMind runs its C++ ViT in its own vision dtype (resolved from vision_config) and casts
+    # the features to the engine dtype (internvit.cc, EnsureFloatDtype): the tower does the same
+    tower_dtype = _vision_dtype(getattr(engine, "engine", None)) or dtype
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
-    tower = InternVLTower.from_pretrained(encoder.model.model_path, dtype, device)
-    namespace = namespace or model_identity(
-        encoder.model.model_path, arch, dtype, extra={"turbomind": "features",
-                                                      "tower": "transformers"})
+    tower = InternVLTower.from_pretrained(encoder.model.model_path, tower_dtype, device)
+    for line in turbomind_vit_differences(tower.config):
+        log.warning("featcache: features path on %s: %s", arch, line)
+    extra = {"turbomind": "features", "tower": "transformers"}
+    if tower_dtype != dtype:  # (equal dtypes keep the namespace features were cached under)
+        extra["tower_dtype"] = str(tower_dtype).removeprefix("torch.")
+    namespace = namespace or model_identity(encoder.model.model_path, arch, dtype, extra=extra)
     install_frontend(encoder.model, cache, namespace, engine.prompt_processor)
     FeatureServer(cache, tower, dtype).install(encoder.model)
     pipe.featcache = cache
     log.info("featcache: serving %s features to TurboMind (namespace %s)", arch, namespace)
+
+
+def turbomind_vit_differences(config: Any) -> list[str]:
+    """Where the checkpoint's own computation (transformers, lmdeploy's PyTorch engine, this
+    tower) differs in *kind* from TurboMind's C++ ViT (lmdeploy 0.18 ``internvit.cc``), which
+    always takes the last layer's output without a final norm, drops the CLS token, applies a 2x2
+    pixel shuffle and erf GELUs. Empty for InternVL3 / InternVL3.5 HF checkpoints; any entry means
+    features-path outputs differ from plain TurboMind by more than rounding."""
+    vision = config.vision_config
+    out = []
+    if config.vision_feature_layer != -1:
+        out.append(f"vision_feature_layer={config.vision_feature_layer}: TurboMind's ViT always "
+                   "uses the last layer")
+    if config.vision_feature_select_strategy != "default":
+        out.append(f"vision_feature_select_strategy={config.vision_feature_select_strategy!r}: "
+                   "TurboMind's ViT always drops the CLS token")
+    if config.vision_feature_layer == -1 and not getattr(vision, "use_mean_pooling", True):
+        out.append("use_mean_pooling=False: transformers applies a final LayerNorm to the last "
+                   "layer; TurboMind's ViT does not")
+    if float(config.downsample_ratio) != 0.5:
+        out.append(f"downsample_ratio={config.downsample_ratio}: TurboMind's pixel shuffle is 2x2")
+    for name, act in (("hidden_act", vision.hidden_act),
+                      ("projector_hidden_act", config.projector_hidden_act)):
+        if act != "gelu":
+            out.append(f"{name}={act!r}: TurboMind's ViT uses the erf GELU")
+    return out
 
 
 class InternVLTower:
