@@ -12,6 +12,7 @@ Per model, one server at a time, the same requests in the same order:
    the PyTorch engine's: a TurboMind server has its own namespace, so warm is skipped there);
 3. `featcache serve MODEL --cache-dir STORE` with the same flags and the same chats; featcache's
    counters are read from the server's /metrics after every turn, `featcache stats` at the end.
+   STORE is --store-root/<model name>, emptied first, outside --out.
 
 Every turn is one streamed request through the `openai` client, greedy (temperature 0), with
 lmdeploy's `return_token_ids` (so a chunk comes with the first token even when the random model's
@@ -32,6 +33,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -288,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", action="append", required=True, help="checkpoint dir (repeatable)")
     p.add_argument("--backend", choices=["pytorch", "turbomind"], default="pytorch")
     p.add_argument("--out", default="serve_out")
+    p.add_argument("--store-root", default="/tmp/serve_chat_store",
+                   help="featcache's stores, one per model, emptied first (kept out of --out: an LMDB "
+                   "map file is as large as its budget)")
     p.add_argument("--eager", action="store_true", help="PyTorch: --eager-mode (faster start)")
     p.add_argument("--skip-warm", action="store_true",
                    help="no `featcache warm` step (PyTorch; TurboMind never warms: other namespace)")
@@ -303,18 +308,19 @@ def main(argv: list[str] | None = None) -> int:
     out_root = os.path.abspath(args.out)
     plans = []
     for model in args.model:
-        out = os.path.join(out_root, os.path.basename(model.rstrip("/"))) if len(args.model) > 1 else out_root
-        plans.append((model, out, commands(model, args.backend, os.path.join(out, "store"), args.eager,
-                                           args.server_arg)))
+        name = os.path.basename(model.rstrip("/"))
+        out = os.path.join(out_root, name) if len(args.model) > 1 else out_root
+        store = os.path.join(os.path.abspath(args.store_root), name)
+        plans.append((model, out, store, commands(model, args.backend, store, args.eager, args.server_arg)))
     warm = args.backend == "pytorch" and not args.skip_warm
     if args.dry_run:
-        for model, out, cmds in plans:
-            print(f"[dry-run] model {model} -> {out}")
+        for model, out, store, cmds in plans:
+            print(f"[dry-run] model {model} -> {out} (store {store})")
             for name, cmd in cmds.items():
                 print(f"[dry-run] {name}: {shlex.join(cmd)}")
             if warm:
                 print(f"[dry-run] before featcache: {sys.executable} -m featcache warm {model} "
-                      f"{out}/a.png --cache-dir {out}/store")
+                      f"{out}/a.png --cache-dir {store}")
             try:
                 print("[dry-run] parsed:", json.dumps(check_commands(cmds)))
             except ImportError as e:
@@ -329,14 +335,13 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"backend": args.backend, "max_tokens": args.max_tokens, "models": {},
                               "skipped": []}
     rc = 0
-    for model, out, cmds in plans:
+    for model, out, store, cmds in plans:
         os.makedirs(out, exist_ok=True)
-        images = {}
-        for name, seed in IMAGE_SEEDS.items():
-            url = data_url(None, seed)
-            with open(os.path.join(out, f"{name}.png"), "wb") as f:
-                f.write(base64.b64decode(url.split(",", 1)[1]))
-            images[name] = url
+        shutil.rmtree(store, ignore_errors=True)  # featcache starts cold
+        images = {name: data_url(None, seed) for name, seed in IMAGE_SEEDS.items()}
+        if warm:  # `featcache warm` reads a file: the same bytes the chats send
+            with open(os.path.join(out, "a.png"), "wb") as f:
+                f.write(base64.b64decode(images["a"].split(",", 1)[1]))
         res: dict[str, Any] = {}
         result["models"][model] = res
         for name in ["plain", "featcache"]:
@@ -345,7 +350,6 @@ def main(argv: list[str] | None = None) -> int:
                 result["skipped"].append(f"{model} {name}: {left:.0f} s left")
                 print(f"[serve] SKIPPED {model} {name}: {left:.0f} s left", flush=True)
                 continue
-            store = os.path.join(out, "store")
             if name == "featcache" and warm:
                 t = time.monotonic()
                 w = subprocess.run([sys.executable, "-m", "featcache", "warm", model,
