@@ -1,34 +1,101 @@
 """`featcache serve` end to end on a GPU: the OpenAI client, multi-turn, against plain lmdeploy.
 
-    python bench/serve_chat.py --model DIR [--out DIR] [--eager]
+    python bench/serve_chat.py --model DIR [--model DIR ...] [--backend pytorch|turbomind]
+                               [--out DIR] [--eager] [--skip-warm] [--dry-run]
 
-1. plain `lmdeploy serve api_server` (PyTorch engine): examples/chat.py, 4 turns resending a
-   1344x1008 image, twice (two images);
-2. `featcache warm MODEL warmed.png` into a fresh store;
-3. `featcache serve` over that store (prefix caching on): the chat with the warmed image (its
-   turn 1 is a disk hit) and with a new image (turn 1 computes it); then `/metrics` and
-   `featcache stats`.
-Prints each server's per-turn time to first token and writes everything under --out.
+Per model, one server at a time, the same requests in the same order:
+
+1. plain `lmdeploy serve api_server MODEL --backend B --enable-prefix-caching ...`: a one-turn
+   warm-up chat, then the chats (default: image A 4 turns, image B 4 turns, image A again in a
+   fresh context, 3 turns), each resending its 1344x1008 PNG as a base64 data URL every turn;
+2. (PyTorch only, unless --skip-warm) `featcache warm MODEL A.png` into a fresh store (its keys are
+   the PyTorch engine's: a TurboMind server has its own namespace, so warm is skipped there);
+3. `featcache serve MODEL --cache-dir STORE` with the same flags and the same chats; featcache's
+   counters are read from the server's /metrics after every turn, `featcache stats` at the end.
+   STORE is --store-root/<model name>, emptied first, outside --out.
+
+Every turn is one streamed request through the `openai` client, greedy (temperature 0), with
+lmdeploy's `return_token_ids` (so a chunk comes with the first token even when the random model's
+tokens decode to no text) and `ignore_eos` (so every answer has --max-tokens tokens). Per turn:
+time to first token, whole request, prompt tokens, `usage.prompt_tokens_details.cached_tokens`,
+the answer's token ids, and (featcache) the change of each featcache_*_total counter. The report
+sets the featcache answers against the plain ones, token by token (`tokens_identical`).
+
+--dry-run prints the server commands (checked against featcache's and lmdeploy's own parsers when
+lmdeploy is installed) and the chat plan, then exits: no GPU, no server.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import re
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
+QUESTIONS = ["What is in this picture?", "Describe the colours.", "What stands out most?",
+             "Summarise it in five words.", "What would you title it?", "Anything unusual?"]
+# (name, image, turns, index of the first question): A twice (the second time in a fresh context
+# with another first question: an image hit in featcache, not a prefix hit), B once
+CHATS = [("image_a", "a", 4, 0), ("image_b", "b", 4, 0), ("image_a_again", "a", 3, 4)]
+IMAGE_SEEDS = {"a": 1, "b": 2, "warmup": 3}
+PORTS = {"plain": 23400, "featcache": 23401}
 
-def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+
+# -- servers ---------------------------------------------------------------------------------------
+
+def server_flags(backend: str, eager: bool, extra: list[str]) -> list[str]:
+    """The flags both servers get (TurboMind's as bench/turbomind_bench.py builds its engines)."""
+    flags = ["--backend", backend, "--enable-prefix-caching", "--session-len", "8192",
+             "--log-level", "WARNING"]
+    if backend == "turbomind":
+        flags += ["--cache-max-entry-count", "0.2"]
+    else:
+        flags += ["--cache-max-entry-count", "0.05"] + (["--eager-mode"] if eager else [])
+    return flags + list(extra)
+
+
+def commands(model: str, backend: str, store: str, eager: bool = False,
+             extra: list[str] | None = None) -> dict[str, list[str]]:
+    common = server_flags(backend, eager, extra or [])
+    py = sys.executable
+    return {
+        "plain": [py, "-m", "lmdeploy", "serve", "api_server", model, "--server-port",
+                  str(PORTS["plain"]), *common],
+        "featcache": [py, "-m", "featcache", "serve", model, "--cache-dir", store, "--server-port",
+                      str(PORTS["featcache"]), *common],
+    }
+
+
+def check_commands(cmds: dict[str, list[str]]) -> dict[str, Any]:
+    """Parse both command lines with featcache's and lmdeploy's own parsers (needs lmdeploy)."""
+    from featcache.serve import featcache_parser, lmdeploy_parser
+
+    out: dict[str, Any] = {}
+    plain = lmdeploy_parser().parse_args(cmds["plain"][5:])
+    ours, rest = featcache_parser().parse_known_args(cmds["featcache"][4:])
+    served = lmdeploy_parser().parse_args(rest)
+    for name, a in [("plain", plain), ("featcache", served)]:
+        out[name] = {"model_path": a.model_path, "backend": a.backend, "server_port": a.server_port,
+                     "enable_prefix_caching": a.enable_prefix_caching, "session_len": a.session_len,
+                     "cache_max_entry_count": a.cache_max_entry_count}
+    out["featcache"]["cache_dir"] = ours.cache_dir
+    return out
+
+
+def wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
@@ -37,102 +104,286 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 300) -> None:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read()
             return
         except OSError:
-            time.sleep(1)
-    raise TimeoutError("server not ready")
+            time.sleep(0.5)
+    raise TimeoutError(f"server not ready in {timeout:.0f} s")
 
 
-def start(cmd: list[str], port: int, log: str) -> subprocess.Popen:
+def start(cmd: list[str], port: int, log: str, timeout: float) -> tuple[subprocess.Popen, float]:
     f = open(log, "w")
     proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     t = time.monotonic()
-    wait_ready(port, proc)
-    print(f"[serve] ready in {time.monotonic() - t:.0f} s: {' '.join(cmd[:4])} ...", flush=True)
-    return proc
-
-
-def stop(proc: subprocess.Popen) -> int:
-    os.killpg(proc.pid, signal.SIGINT)
     try:
-        return proc.wait(60)
+        wait_ready(port, proc, timeout)
+    except BaseException:
+        stop(proc)
+        print(f"[serve] FAILED to start: {shlex.join(cmd)}\n{tail(log)}", flush=True)
+        raise
+    took = time.monotonic() - t
+    print(f"[serve] ready in {took:.1f} s: {shlex.join(cmd[1:6])} ...", flush=True)
+    return proc, took
+
+
+def stop(proc: subprocess.Popen, wait: float = 45) -> int:
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+    except ProcessLookupError:
+        return proc.wait()
+    try:
+        return proc.wait(wait)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         return proc.wait()
 
 
-def chat(port: int, image: str, turns: int = 4) -> dict[str, list]:
-    """examples/chat.py against the server: time to first token (ms) and cached prompt tokens per
-    turn."""
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "chat.py"),
-                          "--base-url", f"http://127.0.0.1:{port}/v1", "--image", image,
-                          "--turns", str(turns), "--max-tokens", "1"],  # the first chunk is the answer
-                         capture_output=True, text=True, timeout=300)
-    print(out.stdout, out.stderr[-2000:], flush=True)
-    out.check_returncode()
-    return {"ttft_ms": [float(m) for m in re.findall(r"time to first token ([\d.]+) ms", out.stdout)],
-            "cached_tokens": [int(m) for m in re.findall(r"\((\d+) cached\)", out.stdout)]}
+def tail(path: str, n: int = 4000) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-n:]
+    except OSError:
+        return ""
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", required=True)
+# -- the client ------------------------------------------------------------------------------------
+
+def counters(base: str) -> dict[str, float]:
+    """featcache's counters (featcache_*_total, labels kept) from the server's /metrics."""
+    text = urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^(featcache_[A-Za-z0-9_]*_total)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in sorted(after.items()) if v != before.get(k, 0.0)}
+
+
+def _extra(obj: Any, name: str) -> Any:
+    """A field the openai types do not declare (lmdeploy's ``output_ids``)."""
+    value = getattr(obj, name, None)
+    if value is None:
+        value = (getattr(obj, "model_extra", None) or {}).get(name)
+    return value
+
+
+def run_chat(base_url: str, image_url: str, turns: int, first_question: int = 0,
+             max_tokens: int = 8, metrics: bool = False, model: str | None = None) -> list[dict]:
+    """One chat through the openai client: the image in the first user message, resent with the
+    history every turn. One dict per turn."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=120)
+    model = model or client.models.list().data[0].id
+    history: list[dict] = []
+    out = []
+    for turn in range(turns):
+        question = QUESTIONS[(first_question + turn) % len(QUESTIONS)]
+        content: list[dict] | str = question
+        if turn == 0:
+            content = [{"type": "text", "text": question},
+                       {"type": "image_url", "image_url": {"url": image_url}}]
+        history.append({"role": "user", "content": content})
+        before = counters(base_url) if metrics else {}
+        start = time.perf_counter()
+        ttft, parts, ids, usage = None, [], [], None
+        stream = client.chat.completions.create(
+            model=model, messages=history, stream=True, max_tokens=max_tokens, temperature=0,
+            stream_options={"include_usage": True},
+            extra_body={"return_token_ids": True, "ignore_eos": True, "top_k": 1})
+        for chunk in stream:
+            usage = chunk.usage or usage
+            if not chunk.choices:
+                continue
+            if ttft is None:  # the first token's chunk (return_token_ids: even with no text)
+                ttft = time.perf_counter() - start
+            choice = chunk.choices[0]
+            parts.append(choice.delta.content or "")
+            ids.extend(_extra(choice, "output_ids") or [])
+        total = time.perf_counter() - start
+        details = getattr(usage, "prompt_tokens_details", None)
+        row = {"turn": turn + 1, "ttft_ms": round(ttft * 1e3, 2) if ttft is not None else None,
+               "total_ms": round(total * 1e3, 2),
+               "prompt_tokens": getattr(usage, "prompt_tokens", None),
+               "cached_tokens": getattr(details, "cached_tokens", None),
+               "completion_tokens": getattr(usage, "completion_tokens", None),
+               "output_ids": ids, "text": "".join(parts)}
+        if metrics:
+            row["featcache"] = delta(before, counters(base_url))
+        out.append(row)
+        print(f"  turn {turn + 1}: ttft {row['ttft_ms']} ms, total {row['total_ms']} ms, "
+              f"{row['prompt_tokens']} prompt tokens ({row['cached_tokens']} cached), ids "
+              f"{ids[:8]}{'...' if len(ids) > 8 else ''}"
+              + (f", featcache {_short(row['featcache'])}" if metrics else ""), flush=True)
+        history.append({"role": "assistant", "content": row["text"]})
+    return out
+
+
+def _short(counts: dict[str, float]) -> str:
+    keep = {k.removeprefix("featcache_").removesuffix("_total"): int(v) for k, v in counts.items()
+            if not k.startswith("featcache_lookup_seconds")}
+    return json.dumps(keep, separators=(",", ":"))
+
+
+def serve_and_chat(name: str, cmd: list[str], port: int, images: dict[str, str], out: str,
+                   max_tokens: int, ready_timeout: float) -> dict[str, Any]:
+    base = f"http://127.0.0.1:{port}"
+    proc, took = start(cmd, port, os.path.join(out, f"{name}.log"), ready_timeout)
+    res: dict[str, Any] = {"command": shlex.join(cmd), "ready_s": round(took, 1), "chats": {}}
+    metrics = name == "featcache"
+    try:
+        print(f"[{name}] warm-up", flush=True)
+        res["warmup"] = run_chat(base, images["warmup"], 1, max_tokens=max_tokens, metrics=metrics)
+        for chat, image, turns, first in CHATS:
+            print(f"[{name}] {chat}", flush=True)
+            res["chats"][chat] = run_chat(base, images[image], turns, first, max_tokens, metrics)
+        if metrics:
+            text = urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
+            res["metrics_featcache_lines"] = [line for line in text.splitlines()
+                                              if line.startswith("featcache_") and not line.endswith(" 0.0")]
+    except Exception as e:  # keep what ran; the log tail says why
+        res["error"] = f"{type(e).__name__}: {e}"
+        print(f"[{name}] ERROR {res['error']}\n{tail(os.path.join(out, f'{name}.log'))}", flush=True)
+    finally:
+        res["server_rc"] = stop(proc)
+    return res
+
+
+def compare(plain: dict, fc: dict) -> dict[str, Any]:
+    """Token ids turn by turn, featcache against plain; TTFT ratios; featcache hits per turn."""
+    rows, mismatches = [], []
+    for chat in fc.get("chats", {}):
+        for p, f in zip(plain.get("chats", {}).get(chat, []), fc["chats"][chat], strict=False):
+            same = p["output_ids"] == f["output_ids"] and bool(p["output_ids"])
+            if not same:
+                mismatches.append(f"{chat}#{f['turn']}")
+            hits = {k: v for k, v in f.get("featcache", {}).items() if "hit" in k}
+            rows.append({"chat": chat, "turn": f["turn"], "tokens_identical": same,
+                         "ttft_ms_plain": p["ttft_ms"], "ttft_ms_featcache": f["ttft_ms"],
+                         "speedup": (round(p["ttft_ms"] / f["ttft_ms"], 2)
+                                     if p["ttft_ms"] and f["ttft_ms"] else None),
+                         "cached_plain": p["cached_tokens"], "cached_featcache": f["cached_tokens"],
+                         "featcache_hits": hits})
+    turns = len(rows)
+    return {"turns_compared": turns, "tokens_identical": turns > 0 and not mismatches,
+            "mismatches": mismatches, "per_turn": rows}
+
+
+def print_table(model: str, cmp: dict) -> None:
+    print(f"[serve] {model}: {cmp['turns_compared']} turns, tokens identical: "
+          f"{cmp['tokens_identical']} {cmp['mismatches'] or ''}", flush=True)
+    print("  chat            turn  ttft plain / featcache ms   x     cached plain / featcache  ids  "
+          "featcache hits", flush=True)
+    for r in cmp["per_turn"]:
+        print(f"  {r['chat']:<15} {r['turn']:>4}  "
+              f"{r['ttft_ms_plain']!s:>10} / {r['ttft_ms_featcache']!s:<10} "
+              f"{r['speedup']!s:>5}  {r['cached_plain']!s:>6} / {r['cached_featcache']!s:<6}   "
+              f"{'same' if r['tokens_identical'] else 'DIFF'}  {_short(r['featcache_hits'])}", flush=True)
+
+
+# -- main ------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", action="append", required=True, help="checkpoint dir (repeatable)")
+    p.add_argument("--backend", choices=["pytorch", "turbomind"], default="pytorch")
     p.add_argument("--out", default="serve_out")
-    p.add_argument("--eager", action="store_true", help="--eager-mode (faster start, no CUDA graphs)")
+    p.add_argument("--store-root", default="/tmp/serve_chat_store",
+                   help="featcache's stores, one per model, emptied first (kept out of --out: an LMDB "
+                   "map file is as large as its budget)")
+    p.add_argument("--eager", action="store_true", help="PyTorch: --eager-mode (faster start)")
     p.add_argument("--skip-warm", action="store_true",
-                   help="no `featcache warm` step (the first image is then computed on its turn 1)")
-    args = p.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    import base64
+                   help="no `featcache warm` step (PyTorch; TurboMind never warms: other namespace)")
+    p.add_argument("--max-tokens", type=int, default=8, help="new tokens per turn (default 8)")
+    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for both servers (repeatable), "
+                   "e.g. --server-arg=--trust-remote-code")
+    p.add_argument("--budget", type=float, default=480,
+                   help="seconds for the whole run: no server starts with less than 60 s left")
+    p.add_argument("--dry-run", action="store_true", help="print the commands and the plan; exit")
+    args = p.parse_args(argv)
+    t0 = time.monotonic()
+    out_root = os.path.abspath(args.out)
+    plans = []
+    for model in args.model:
+        name = os.path.basename(model.rstrip("/"))
+        out = os.path.join(out_root, name) if len(args.model) > 1 else out_root
+        store = os.path.join(os.path.abspath(args.store_root), name)
+        plans.append((model, out, store, commands(model, args.backend, store, args.eager, args.server_arg)))
+    warm = args.backend == "pytorch" and not args.skip_warm
+    if args.dry_run:
+        for model, out, store, cmds in plans:
+            print(f"[dry-run] model {model} -> {out} (store {store})")
+            for name, cmd in cmds.items():
+                print(f"[dry-run] {name}: {shlex.join(cmd)}")
+            if warm:
+                print(f"[dry-run] before featcache: {sys.executable} -m featcache warm {model} "
+                      f"{out}/a.png --cache-dir {store}")
+            try:
+                print("[dry-run] parsed:", json.dumps(check_commands(cmds)))
+            except ImportError as e:
+                print(f"[dry-run] not parsed ({e}; needs lmdeploy)")
+        print("[dry-run] chats (each server, in order): warmup 1 turn, "
+              + ", ".join(f"{c} {t} turns (image {i})" for c, i, t, _ in CHATS)
+              + f"; {args.max_tokens} new tokens per turn, greedy, ignore_eos, return_token_ids")
+        return 0
 
-    from chat import data_url  # examples/chat.py
+    from chat import data_url  # examples/chat.py: 1344x1008 noise PNG
 
-    images = {}
-    for name, seed in [("warmed", 1), ("other", 2), ("plain_a", 1), ("plain_b", 2), ("warmup", 3)]:
-        path = os.path.join(args.out, f"{name}.png")
-        with open(path, "wb") as f:
-            f.write(base64.b64decode(data_url(None, seed).split(",", 1)[1]))
-        images[name] = path
-    common = ["--backend", "pytorch", "--session-len", "8192", "--cache-max-entry-count", "0.05",
-              "--log-level", "WARNING"] + (["--eager-mode"] if args.eager else [])
-    py = sys.executable
-    result: dict = {"model": args.model, "eager": args.eager}
-
-    plain = start([py, "-m", "lmdeploy", "serve", "api_server", args.model, "--server-port", "23400",
-                   "--enable-prefix-caching", *common], 23400, os.path.join(args.out, "plain.log"))
-    try:
-        chat(23400, images["warmup"], turns=1)  # the server's first request pays one-time costs
-        result["plain_ttft_ms"] = {"image_a": chat(23400, images["plain_a"]),
-                                   "image_b": chat(23400, images["plain_b"])}
-    finally:
-        stop(plain)
-
-    store = os.path.join(args.out, "store")
-    if not args.skip_warm:
-        t = time.monotonic()
-        warm = subprocess.run([py, "-m", "featcache", "warm", args.model, images["warmed"], "--cache-dir",
-                               store], capture_output=True, text=True, timeout=400)
-        print(warm.stdout, warm.stderr[-3000:], flush=True)
-        result["warm"] = {"rc": warm.returncode, "stdout": warm.stdout.strip(),
-                          "seconds": round(time.monotonic() - t, 1)}
-    fc = start([py, "-m", "featcache", "serve", args.model, "--cache-dir", store, "--server-port",
-                "23401", "--enable-prefix-caching", *common], 23401, os.path.join(args.out, "featcache.log"))
-    try:
-        chat(23401, images["warmup"], turns=1)
-        result["featcache_ttft_ms"] = {"warmed_image": chat(23401, images["warmed"]),
-                                       "new_image": chat(23401, images["other"])}
-        metrics = urllib.request.urlopen("http://127.0.0.1:23401/metrics", timeout=5).read().decode()
-        result["metrics_featcache_lines"] = [line for line in metrics.splitlines()
-                                             if line.startswith("featcache_") and " 0.0" not in line][:60]
-    finally:
-        result["featcache_server_rc"] = stop(fc)
-    stats = subprocess.run([py, "-m", "featcache", "stats", store, "--json"], capture_output=True,
-                           text=True, timeout=60)
-    result["stats"] = json.loads(stats.stdout) if stats.returncode == 0 else stats.stderr
-    with open(os.path.join(args.out, "serve_chat.json"), "w") as f:
+    result: dict[str, Any] = {"backend": args.backend, "max_tokens": args.max_tokens, "models": {},
+                              "skipped": []}
+    rc = 0
+    for model, out, store, cmds in plans:
+        os.makedirs(out, exist_ok=True)
+        shutil.rmtree(store, ignore_errors=True)  # featcache starts cold
+        images = {name: data_url(None, seed) for name, seed in IMAGE_SEEDS.items()}
+        if warm:  # `featcache warm` reads a file: the same bytes the chats send
+            with open(os.path.join(out, "a.png"), "wb") as f:
+                f.write(base64.b64decode(images["a"].split(",", 1)[1]))
+        res: dict[str, Any] = {}
+        result["models"][model] = res
+        for name in ["plain", "featcache"]:
+            left = args.budget - (time.monotonic() - t0)
+            if left < 60:
+                result["skipped"].append(f"{model} {name}: {left:.0f} s left")
+                print(f"[serve] SKIPPED {model} {name}: {left:.0f} s left", flush=True)
+                continue
+            if name == "featcache" and warm:
+                t = time.monotonic()
+                w = subprocess.run([sys.executable, "-m", "featcache", "warm", model,
+                                    os.path.join(out, "a.png"), "--cache-dir", store],
+                                   capture_output=True, text=True, timeout=max(30, left - 60))
+                print(w.stdout, w.stderr[-3000:], flush=True)
+                res["warm"] = {"rc": w.returncode, "stdout": w.stdout.strip(),
+                               "seconds": round(time.monotonic() - t, 1)}
+                left = args.budget - (time.monotonic() - t0)
+            try:
+                res[name] = serve_and_chat(name, cmds[name], PORTS[name], images, out, args.max_tokens,
+                                           ready_timeout=min(300, max(30, left - 30)))
+            except Exception as e:
+                res[name] = {"command": shlex.join(cmds[name]), "error": f"{type(e).__name__}: {e}"}
+            if name == "featcache":
+                stats = subprocess.run([sys.executable, "-m", "featcache", "stats", store, "--json"],
+                                       capture_output=True, text=True, timeout=60)
+                res["stats"] = json.loads(stats.stdout) if stats.returncode == 0 else stats.stderr[-2000:]
+        if "plain" in res and "featcache" in res:
+            res["compare"] = compare(res["plain"], res["featcache"])
+            print_table(model, res["compare"])
+            rc |= 0 if res["compare"]["tokens_identical"] else 1
+        if any("error" in res.get(k, {}) for k in ("plain", "featcache")):
+            rc |= 2
+        with open(os.path.join(out_root, "serve_chat.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    result["seconds"] = round(time.monotonic() - t0, 1)
+    with open(os.path.join(out_root, "serve_chat.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print("[serve] RESULT", json.dumps({k: v for k, v in result.items() if k != "metrics_featcache_lines"}),
-          flush=True)
-    print("\n".join(result.get("metrics_featcache_lines", [])), flush=True)
-    return 0
+    for model, res in result["models"].items():
+        for line in res.get("featcache", {}).get("metrics_featcache_lines", []):
+            print(f"[metrics] {os.path.basename(model)} {line}")
+    print(f"[serve] done in {result['seconds']} s, rc={rc}; {out_root}/serve_chat.json", flush=True)
+    return rc
 
 
 if __name__ == "__main__":

@@ -38,7 +38,9 @@ class StandInEngine:
     def __init__(self, model_path, backend_config, **kwargs):
         self.kwargs = kwargs
         self.backend_config = backend_config
-        self.path = tiny.PromptPath(model_path)
+        backend = kwargs.get("backend", "pytorch")
+        self.path = (tiny.PromptPath(model_path, "float16", backend="turbomind") if backend == "turbomind"
+                     else tiny.PromptPath(model_path))
         self.vl_encoder = self.path.encoder
         self.prompt_processor = self.path.processor
         self.inner = object()
@@ -109,6 +111,65 @@ def test_serve_builds_lmdeploys_server_with_featcache_in_process(served, tmp_pat
     assert "featcache_" in seen["metrics"], seen["metrics"][:500]
     with pytest.raises(FeatCacheError, match="closed"):  # closed when the server stopped
         cache.put(b"k" * 16, torch.zeros(1))
+
+
+def test_serve_turbomind_installs_the_native_path_on_a_host_cache(served, monkeypatch):
+    """`featcache serve MODEL --backend turbomind`: lmdeploy's handler builds a TurbomindEngineConfig
+    (TurboMind itself needs CUDA: the backend choice is answered "turbomind", the engine is the
+    stand-in over lmdeploy's real TurboMind prompt path); featcache's native path goes on it with a
+    host-only cache."""
+    import lmdeploy.archs
+    from lmdeploy.messages import TurbomindEngineConfig
+
+    monkeypatch.setattr(lmdeploy.archs, "autoget_backend", lambda *a, **k: "turbomind")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (0, 0))  # load_vl_model asks
+    seen = served("--enable-prefix-caching", "--backend", "turbomind")
+
+    assert seen["rc"] == 0
+    [engine] = StandInEngine.built
+    assert engine.kwargs["backend"] == "turbomind"
+    assert isinstance(engine.backend_config, TurbomindEngineConfig)
+    assert engine.backend_config.enable_prefix_caching is True
+    assert not hasattr(engine.backend_config, "enable_mp_engine")
+    cache = engine.featcache
+    assert cache.config.device == "cpu"  # TurboMind takes host tensors: no GPU tier
+    assert getattr(engine.path.model.preprocess, "_featcache", False)  # the native path's hook
+    assert "featcache_" in seen["metrics"]
+    with pytest.raises(FeatCacheError, match="closed"):  # closed when the server stopped
+        cache.put(b"k" * 16, torch.zeros(1))
+
+
+def test_serve_turbomind_hits_through_the_prompt_path(model, tmp_path, monkeypatch):
+    """The same wiring as `featcache serve --backend turbomind` (wrap on a TurboMind engine), a
+    request sent twice: the second is a hit with no preprocessing."""
+    from lmdeploy.messages import TurbomindEngineConfig
+
+    from featcache import FeatureCache
+    from featcache.lmdeploy import wrap
+    from featcache.lmdeploy.frontend import SECTION
+    from featcache.lmdeploy.refs import REF_KEY
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (0, 0))
+    engine = StandInEngine(model, TurbomindEngineConfig(dtype="float16", enable_prefix_caching=True),
+                           backend="turbomind")
+    cache = FeatureCache(device="cpu", device_bytes="64MiB", host_bytes=0)
+    try:
+        wrap(types.SimpleNamespace(async_engine=engine), cache)
+        msgs = tiny.messages(tiny.image_item(tiny.noise_image(120, 90, seed=5)))
+        first = engine.path.prompt(msgs)
+        second = engine.path.prompt(msgs)
+        refs = [out["multimodal"][0][REF_KEY] for out in (first, second)]
+        assert not refs[0].hit and refs[1].hit and refs[0].key == refs[1].key
+        assert len(engine.path.calls) == 1  # lmdeploy preprocessed once
+        assert torch.equal(first["multimodal"][0]["pixel_values"], second["multimodal"][0]["pixel_values"])
+        assert cache.stats()[SECTION]["hits"] == 1
+        del refs, first, second
+    finally:
+        engine.close()
+        import gc
+
+        gc.collect()
+        cache.close()
 
 
 def test_serve_metrics_off_and_refusals(served, capsys):

@@ -4,6 +4,8 @@
 # only while the machine stays warm (30 s after a call returns): the calls follow each other.
 #
 #   bash bench/device/run_turbomind.sh recv DIR...    # keep carried dirs: .devbundle, .tmx, .tmNN
+#                                                     # (.srv: the server's wheels, installed into
+#                                                     # /tmp/srvsite, first on PYTHONPATH)
 #   bash bench/device/run_turbomind.sh final DIR...   # recv, assemble in /tmp/lmd, then test
 #   bash bench/device/run_turbomind.sh test           # only the checks (assembled earlier)
 #   bash bench/device/run_turbomind.sh bench          # only the speed bench (assembled earlier)
@@ -26,6 +28,8 @@ EXEC=(); [ "$mode" = exec ] && { EXEC=("$@"); set --; }
 for d in "$@"; do
   case "$d" in
     .devbundle) rm -rf /tmp/devbundle && cp -r .devbundle /tmp/devbundle ;;
+    .srv) rm -rf /tmp/srvsite && python3 -m pip install -q --no-index --no-deps --no-compile \
+            --no-cache-dir --target /tmp/srvsite .srv/*.whl && echo "[recv] .srv: $(ls .srv | wc -l) wheels in /tmp/srvsite" ;;
     *) [ -d "$d" ] && cp "$d"/* $P/ || echo "MISSING $d" ;;
   esac
 done
@@ -56,7 +60,8 @@ NCCL=$(python3 -c "import nvidia.nccl as m, os; print(os.path.join(list(m.__path
 [ -e "$NCCL/libnccl.so.2" ] || NCCL=$(dirname "$(find / -name libnccl.so.2 2>/dev/null | head -1)")
 mkdir -p /tmp/lmd/nvidia/nccl && ln -sfn "$NCCL" /tmp/lmd/nvidia/nccl/lib
 export LD_LIBRARY_PATH=/tmp/lmd/nvidia/cublas/lib:/tmp/lmd/nvidia/cuda_runtime/lib:$NCCL${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export PYTHONPATH=/tmp/site:/tmp/lmd:$R PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+SRV=; [ -d /tmp/srvsite ] && SRV=/tmp/srvsite:   # the server's wheels (.srv), when carried
+export PYTHONPATH=$SRV/tmp/site:/tmp/lmd:$R PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 echo "[env] $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader); NCCL=$NCCL"
 ldd /tmp/lmd/lmdeploy/turbomind/_turbomind*.so | grep -E 'cublas|cudart|nccl|libcuda\.|not found'
 
