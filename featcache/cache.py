@@ -28,14 +28,14 @@ Invariants:
 - a value read from a lower tier is installed in the tiers above only if no put or discard of its
   key started after the read began (a per-key generation, checked under ``_order``): a
   promotion never undoes a newer put or a discard;
-- the cache is closed at interpreter exit (``atexit``: its threads must not be killed mid-copy),
+- an unclosed cache is closed when collected or at interpreter exit (``weakref.finalize``: its
+  threads must not be killed mid-copy),
   and a forked child rebuilds its tiers and threads on first use (empty memory tiers, the disk
   store reopened): nothing inherited from the parent's threads or LMDB environment is used.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import threading
@@ -60,20 +60,8 @@ from .tiers.remote import RemoteTier
 
 log = logging.getLogger("featcache")
 
-# Every open cache, closed at interpreter exit: left to die with the interpreter, a background
-# thread caught inside torch's C++ code is unwound by force and the process aborts (SIGABRT,
-# "terminate called without an active exception"), losing the writes in flight.
-_LIVE: weakref.WeakSet[FeatureCache] = weakref.WeakSet()
 _FORKS = [0]  # bumped in every forked child: a cache built before it rebuilds on first use
 _ADOPT_LOCK = threading.Lock()
-
-
-def _close_all() -> None:
-    for cache in list(_LIVE):
-        try:
-            cache.close()
-        except Exception:  # exiting anyway: say so, close the others
-            log.exception("featcache: closing a cache at exit failed")
 
 
 def _after_fork_in_child() -> None:
@@ -82,9 +70,48 @@ def _after_fork_in_child() -> None:
     _ADOPT_LOCK = threading.Lock()  # another thread of the parent may have held it
 
 
-atexit.register(_close_all)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _release(forks: int, demoter: Demoter | None, device: DeviceTier, host: HostTier | None,
+             disk: DiskTier | None, remote: RemoteTier | None) -> None:
+    """Flush and close what one build of a cache made. Run once (``weakref.finalize``): by
+    ``close()``, when the cache is collected unclosed, or at interpreter exit. Left to die with
+    the interpreter, a background thread caught inside torch's C++ code is unwound by force and
+    the process aborts (SIGABRT, "terminate called without an active exception"), losing the
+    writes in flight."""
+    if forks != _FORKS[0]:  # inherited by a forked child: its threads are the parent's
+        if disk is not None:
+            disk.close()  # the inherited environment, so that the child may open the store
+        return
+    if demoter is not None and demoter.runs_current_thread():
+        # collected inside one of its own threads: that thread cannot wait for itself
+        threading.Thread(target=_release, args=(forks, demoter, device, host, disk, remote),
+                         name="featcache-release", daemon=True).start()
+        return
+    if demoter is not None:
+        demoter.close()
+    device.close()
+    if host is not None:
+        host.close()
+    if disk is not None:
+        disk.close()
+    if remote is not None:
+        remote.close()
+
+
+def _weakly(method: Callable[[bytes], None]) -> Callable[[bytes], None]:
+    """``method`` through a weak reference: a tier's callback must not keep its cache alive
+    (an unclosed cache that nobody references is released by its finalizer)."""
+    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
+
+    def call(key: bytes) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(key)
+
+    return call
 
 
 class Lease:
@@ -146,7 +173,6 @@ class FeatureCache:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._closed = False
         self._build()
-        _LIVE.add(self)
 
     def _build(self) -> None:
         """The tiers, the background threads and the books (at construction, and again in a
@@ -165,14 +191,14 @@ class FeatureCache:
         self._disk: DiskTier | None = None
         if cfg.disk_path is not None and cfg.disk_bytes > 0:
             self._disk = DiskTier(
-                cfg.disk_path, cfg.disk_bytes, sync=cfg.disk_sync, on_corrupt=self._drop_corrupt
+                cfg.disk_path, cfg.disk_bytes, sync=cfg.disk_sync, on_corrupt=_weakly(self._drop_corrupt)
             )
             pool = self._host.pool if self._host is not None else None
             self._writer = DiskWriter(self._disk, self._copier, pool, cfg.disk_queue_entries)
         self._remote: RemoteTier | None = None
         self._publisher: RemotePublisher | None = None
         if cfg.remote_url is not None:
-            self._remote = RemoteTier.from_config(cfg, on_corrupt=self._drop_remote)
+            self._remote = RemoteTier.from_config(cfg, on_corrupt=_weakly(self._drop_remote))
             pool = self._host.pool if self._host is not None else None
             self._publisher = RemotePublisher(self._remote, self._copier, pool, cfg.remote_queue_entries)
         self._demoter = (
@@ -183,6 +209,9 @@ class FeatureCache:
         self._counts: Counter[str] = Counter()
         self._events: dict[str, Counter[str]] = {}  # counters of integrations, by section
         self._counts_lock = threading.Lock()
+        self._finalizer = weakref.finalize(
+            self, _release, self._forks, self._demoter, self._device, self._host, self._disk,
+            self._remote)
 
     # -- public API ----------------------------------------------------------------------------
     def put(self, key: bytes, features: torch.Tensor, meta: bytes | None = None) -> None:
@@ -331,26 +360,12 @@ class FeatureCache:
         }
 
     def close(self) -> None:
-        """Flush, stop the background threads and release every tier. Idempotent."""
+        """Flush, stop the background threads and release every tier. Idempotent. (An unclosed
+        cache is closed when it is collected, or at interpreter exit.)"""
         if self._closed:
             return
-        if self._forks != _FORKS[0]:  # a forked child that never used it: nothing to flush
-            self._closed = True
-            _LIVE.discard(self)
-            if self._disk is not None:
-                self._disk.close()  # the inherited environment, so the child may open the store
-            return
-        _LIVE.discard(self)
-        if self._demoter is not None:
-            self._demoter.close()
         self._closed = True
-        self._device.close()
-        if self._host is not None:
-            self._host.close()
-        if self._disk is not None:
-            self._disk.close()
-        if self._remote is not None:
-            self._remote.close()
+        self._finalizer()
 
     def __enter__(self) -> FeatureCache:
         return self
@@ -598,8 +613,7 @@ class FeatureCache:
                     "be used in a forked child; create the cache in the child, or start children "
                     "with the 'spawn' method"
                 )
-            if self._disk is not None:
-                self._disk.close()  # the inherited environment (safe: see DiskTier)
+            self._finalizer()  # the parent's build: closes the inherited environment only
             self._build()
 
 

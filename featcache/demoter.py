@@ -99,6 +99,10 @@ class _Worker:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def is_current(self) -> bool:
+        """Whether the caller runs in this worker's thread."""
+        return threading.current_thread() is self._thread
+
     @property
     def depth(self) -> int:
         return self._queue.qsize()
@@ -477,6 +481,10 @@ class Demoter(_Worker):
             if self.publisher is not None and job.to_remote:
                 self.publisher.submit(job.key, host_entry)
         return True
+
+    def runs_current_thread(self) -> bool:
+        """Whether the caller is one of the demoter's, the writer's or the publisher's threads."""
+        return any(w.is_current() for w in (self, self.writer, self.publisher) if w is not None)
 
     def flush(self) -> None:
         self.join_queue()
