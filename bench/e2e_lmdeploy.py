@@ -41,6 +41,7 @@ class VisionCounter:
     """Counts vision-model calls of the supported classes (patched under featcache's wrappers)."""
 
     def __init__(self) -> None:
+        import lmdeploy.pytorch.models.internvl as legacy
         import lmdeploy.pytorch.models.internvl3_hf as ivl
         import lmdeploy.pytorch.models.qwen2_5_vl as q25
         import lmdeploy.pytorch.models.qwen2_vl as q2
@@ -60,6 +61,7 @@ class VisionCounter:
             setattr(cls, name, counted)
 
         wrap(ivl.InternVLForConditionalGeneration, "get_image_features")
+        wrap(legacy.InternVLChatModel, "extract_feature")  # InternVL2 (the seed models)
         for vt in (q2.Qwen2VisionTransformerPretrainedModel,
                    q25.Qwen2_5_VisionTransformerPretrainedModel):
             wrap(getattr(vt, "__wrapped__", vt), "forward")
@@ -70,17 +72,26 @@ class VisionCounter:
         return out
 
 
+def remote_code(model: str) -> bool:
+    """Whether the checkpoint brings its own config classes (``auto_map``: legacy InternVL2)."""
+    import os
+
+    with open(os.path.join(model, "config.json")) as f:
+        return "auto_map" in json.load(f)
+
+
 def build(kind: str, model: str, prefix: bool, cache: Any = None, eager: bool = True) -> Any:
     from lmdeploy import PytorchEngineConfig
     from lmdeploy import pipeline as plain_pipeline
 
     cfg = PytorchEngineConfig(session_len=8192, cache_max_entry_count=0.05, eager_mode=eager,
                               enable_prefix_caching=prefix)
+    kw = dict(backend_config=cfg, log_level="ERROR", trust_remote_code=remote_code(model))
     if kind == "plain":
-        return plain_pipeline(model, backend_config=cfg, log_level="ERROR")
+        return plain_pipeline(model, **kw)
     from featcache.lmdeploy import pipeline
 
-    return pipeline(model, backend_config=cfg, cache=cache, log_level="ERROR")
+    return pipeline(model, cache=cache, **kw)
 
 
 # -- check ---------------------------------------------------------------------------------------
@@ -390,10 +401,12 @@ def profile(model: str, size: tuple[int, int], n: int) -> dict[str, Any]:
             cfg.enable_prefix_caching = name.endswith("_prefix")
             cache = FeatureCache(device="cuda", device_bytes="2GiB", host_bytes="4GiB",
                                  disk_path=tmp, disk_bytes="8GiB")
-            pipe = fc_pipeline(model, backend_config=cfg, cache=cache, log_level="ERROR")
+            pipe = fc_pipeline(model, backend_config=cfg, cache=cache, log_level="ERROR",
+                               trust_remote_code=remote_code(model))
         else:
             with keep_prefix_caching(name == "plain_prefix", set(SPECS)):
-                pipe = lmdeploy.pipeline(model, backend_config=cfg, log_level="ERROR")
+                pipe = lmdeploy.pipeline(model, backend_config=cfg, log_level="ERROR",
+                                         trust_remote_code=remote_code(model))
         engine = pipe.async_engine
         spent: dict[str, list[float]] = {"request_preprocess_ms": [], "vision_preprocess_ms": []}
         original_pre = engine.preprocess
