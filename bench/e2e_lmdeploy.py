@@ -161,7 +161,9 @@ def run_check(pipe: Any, counter: VisionCounter) -> list[dict[str, Any]]:
     return rows
 
 
-def check(model: str) -> dict[str, Any]:
+def check(model: str, tier_bytes: int = 12 << 10) -> dict[str, Any]:
+    """``tier_bytes``: device and host tier sizes, about one image's features (the default fits the
+    tiny models; a real-shape model needs its own: 256 tokens x LLM hidden x 2 bytes a tile)."""
     from featcache import FeatureCache
 
     counter = VisionCounter()
@@ -172,7 +174,7 @@ def check(model: str) -> dict[str, Any]:
                                       ("featcache_prefix", "fc", True, 1),
                                       ("featcache_restart", "fc", True, 1)]:
         # tiers of about one image each, so requests are served from host and disk too
-        cache = FeatureCache(device="cuda", device_bytes=12 << 10, host_bytes=12 << 10,
+        cache = FeatureCache(device="cuda", device_bytes=tier_bytes, host_bytes=tier_bytes,
                              disk_path=dirs[store], disk_bytes=64 << 20) if kind == "fc" else None
         t = time.time()
         pipe = build(kind, model, prefix, cache)
@@ -575,11 +577,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json")
     parser.add_argument("--n", type=int, default=10, help="requests per series (bench)")
     parser.add_argument("--size", default="1344x1008", help="image size for bench, WxH")
+    parser.add_argument("--tier-bytes", type=int, default=12 << 10,
+                        help="check: device and host tier bytes, about one image's features")
     parser.add_argument("--answer-tokens", type=int, default=1,
                         help="tokens per chat answer in (b) (bench; >1: first token streamed)")
     args = parser.parse_args(argv)
     if args.mode == "check":
-        results = check(args.model)
+        results = check(args.model, args.tier_bytes)
         v = results["verdict"]
         ok = (all(v[k]["token_identical"] for k in ("featcache", "featcache_prefix", "featcache_restart"))
               and v["featcache_restart"]["vision_images"] in (None, 0)
