@@ -41,6 +41,7 @@ class VisionCounter:
     """Counts vision-model calls of the supported classes (patched under featcache's wrappers)."""
 
     def __init__(self) -> None:
+        import lmdeploy.pytorch.models.internvl as legacy
         import lmdeploy.pytorch.models.internvl3_hf as ivl
         import lmdeploy.pytorch.models.qwen2_5_vl as q25
         import lmdeploy.pytorch.models.qwen2_vl as q2
@@ -60,6 +61,7 @@ class VisionCounter:
             setattr(cls, name, counted)
 
         wrap(ivl.InternVLForConditionalGeneration, "get_image_features")
+        wrap(legacy.InternVLChatModel, "extract_feature")  # InternVL2 (the seed models)
         for vt in (q2.Qwen2VisionTransformerPretrainedModel,
                    q25.Qwen2_5_VisionTransformerPretrainedModel):
             wrap(getattr(vt, "__wrapped__", vt), "forward")
@@ -70,17 +72,26 @@ class VisionCounter:
         return out
 
 
+def remote_code(model: str) -> bool:
+    """Whether the checkpoint brings its own config classes (``auto_map``: legacy InternVL2)."""
+    import os
+
+    with open(os.path.join(model, "config.json")) as f:
+        return "auto_map" in json.load(f)
+
+
 def build(kind: str, model: str, prefix: bool, cache: Any = None, eager: bool = True) -> Any:
     from lmdeploy import PytorchEngineConfig
     from lmdeploy import pipeline as plain_pipeline
 
     cfg = PytorchEngineConfig(session_len=8192, cache_max_entry_count=0.05, eager_mode=eager,
                               enable_prefix_caching=prefix)
+    kw = dict(backend_config=cfg, log_level="ERROR", trust_remote_code=remote_code(model))
     if kind == "plain":
-        return plain_pipeline(model, backend_config=cfg, log_level="ERROR")
+        return plain_pipeline(model, **kw)
     from featcache.lmdeploy import pipeline
 
-    return pipeline(model, backend_config=cfg, cache=cache, log_level="ERROR")
+    return pipeline(model, cache=cache, **kw)
 
 
 # -- check ---------------------------------------------------------------------------------------
@@ -150,7 +161,9 @@ def run_check(pipe: Any, counter: VisionCounter) -> list[dict[str, Any]]:
     return rows
 
 
-def check(model: str) -> dict[str, Any]:
+def check(model: str, tier_bytes: int = 12 << 10) -> dict[str, Any]:
+    """``tier_bytes``: device and host tier sizes, about one image's features (the default fits the
+    tiny models; a real-shape model needs its own: 256 tokens x LLM hidden x 2 bytes a tile)."""
     from featcache import FeatureCache
 
     counter = VisionCounter()
@@ -161,7 +174,7 @@ def check(model: str) -> dict[str, Any]:
                                       ("featcache_prefix", "fc", True, 1),
                                       ("featcache_restart", "fc", True, 1)]:
         # tiers of about one image each, so requests are served from host and disk too
-        cache = FeatureCache(device="cuda", device_bytes=12 << 10, host_bytes=12 << 10,
+        cache = FeatureCache(device="cuda", device_bytes=tier_bytes, host_bytes=tier_bytes,
                              disk_path=dirs[store], disk_bytes=64 << 20) if kind == "fc" else None
         t = time.time()
         pipe = build(kind, model, prefix, cache)
@@ -390,10 +403,12 @@ def profile(model: str, size: tuple[int, int], n: int) -> dict[str, Any]:
             cfg.enable_prefix_caching = name.endswith("_prefix")
             cache = FeatureCache(device="cuda", device_bytes="2GiB", host_bytes="4GiB",
                                  disk_path=tmp, disk_bytes="8GiB")
-            pipe = fc_pipeline(model, backend_config=cfg, cache=cache, log_level="ERROR")
+            pipe = fc_pipeline(model, backend_config=cfg, cache=cache, log_level="ERROR",
+                               trust_remote_code=remote_code(model))
         else:
             with keep_prefix_caching(name == "plain_prefix", set(SPECS)):
-                pipe = lmdeploy.pipeline(model, backend_config=cfg, log_level="ERROR")
+                pipe = lmdeploy.pipeline(model, backend_config=cfg, log_level="ERROR",
+                                         trust_remote_code=remote_code(model))
         engine = pipe.async_engine
         spent: dict[str, list[float]] = {"request_preprocess_ms": [], "vision_preprocess_ms": []}
         original_pre = engine.preprocess
@@ -562,11 +577,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json")
     parser.add_argument("--n", type=int, default=10, help="requests per series (bench)")
     parser.add_argument("--size", default="1344x1008", help="image size for bench, WxH")
+    parser.add_argument("--tier-bytes", type=int, default=12 << 10,
+                        help="check: device and host tier bytes, about one image's features")
     parser.add_argument("--answer-tokens", type=int, default=1,
                         help="tokens per chat answer in (b) (bench; >1: first token streamed)")
     args = parser.parse_args(argv)
     if args.mode == "check":
-        results = check(args.model)
+        results = check(args.model, args.tier_bytes)
         v = results["verdict"]
         ok = (all(v[k]["token_identical"] for k in ("featcache", "featcache_prefix", "featcache_restart"))
               and v["featcache_restart"]["vision_images"] in (None, 0)

@@ -482,7 +482,9 @@ def engine_config(args: argparse.Namespace) -> Any:
 
 def real_builder(args: argparse.Namespace) -> Callable[[str, Any], Any]:
     def build(path: str, cache: Any) -> Any:
-        kw = dict(backend_config=engine_config(args), log_level="WARNING")
+        with open(os.path.join(args.model, "config.json")) as f:
+            remote = "auto_map" in json.load(f)  # legacy InternVL2 (the seed models): own config classes
+        kw = dict(backend_config=engine_config(args), log_level="WARNING", trust_remote_code=remote)
         if path == "plain":
             from lmdeploy import pipeline as plain_pipeline
 

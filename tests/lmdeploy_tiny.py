@@ -70,7 +70,8 @@ class PromptPath:
     backend (or ``backend="turbomind"``) for one tiny checkpoint; ``calls`` records the images (as
     ``PIL.Image.size``) that each call of the model's own ``preprocess`` was given."""
 
-    def __init__(self, path: str, dtype: str = "float16", backend: str = "pytorch") -> None:
+    def __init__(self, path: str, dtype: str = "float16", backend: str = "pytorch",
+                 trust_remote_code: bool = False) -> None:
         from lmdeploy.messages import PytorchEngineConfig, TurbomindEngineConfig
         from lmdeploy.model import get_chat_template
         from lmdeploy.serve.processors.multimodal import MultimodalProcessor
@@ -80,9 +81,10 @@ class PromptPath:
         # float16: InternVL-HF's pixel_values are cast to it, Qwen2-VL's stay float32 (as on a GPU);
         # 'bfloat16' would ask CUDA whether bf16 works
         config = (PytorchEngineConfig if backend == "pytorch" else TurbomindEngineConfig)(dtype=dtype)
-        self.encoder = ImageEncoder(path, backend, backend_config=config)
+        self.encoder = ImageEncoder(path, backend, backend_config=config, trust_remote_code=trust_remote_code)
         self.model = self.encoder.model
-        self.processor = MultimodalProcessor(Tokenizer(path), get_chat_template(path, None),
+        template = get_chat_template(path, None, trust_remote_code=trust_remote_code)
+        self.processor = MultimodalProcessor(Tokenizer(path), template,
                                              vl_encoder=self.encoder, backend=backend)
         self.calls: list[list[tuple[int, int]]] = []
         original = self.model.preprocess
