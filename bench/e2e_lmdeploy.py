@@ -2,16 +2,36 @@
 
     python bench/e2e_lmdeploy.py check --model DIR [--json OUT]   # fidelity (tiny checkpoints)
     python bench/e2e_lmdeploy.py bench --model DIR [--json OUT]   # speed (real-shape checkpoint)
+    python bench/e2e_lmdeploy.py breakdown --model DIR [--json OUT]  # where a request's time goes
+    python bench/e2e_lmdeploy.py merge A.json B.json --json OUT   # engines run in separate calls
+    python bench/e2e_lmdeploy.py dry-run [--json PREFIX]          # CPU: both over a stand-in pipeline
 
 check: the same requests (repeated, distinct, multi-image, batched, a multi-turn chat resending
 its images, identical text over different images) through plain lmdeploy and through featcache
 with prefix caching off and on; greedy token ids must be identical, the vision model must run once
 per distinct image, and the prefix cache must never serve one image's KV for another.
 
-bench: time to first token (one new token; median, p90) and requests/s for (a) the same image in
-fresh contexts, (b) a 4-turn chat resending its image, (c) all-distinct images, (d) 32 concurrent
-clients over a pool of 8 images; plain lmdeploy and featcache (prefix caching on) in the same run.
-Needs a GPU and lmdeploy 0.18 (see docs/benchmarks.md for how it was run).
+bench: time to first token (one new token) and requests/s for (a) the same image in fresh
+contexts, (b) a 4-turn chat resending its image, (c) all-distinct images, (d) 32 concurrent clients
+over a pool of 8 images; plain lmdeploy and featcache (prefix caching on), one engine at a time
+(``--engines``). Each engine is warmed first (every path once), then the series run ``--reps`` times
+interleaved (a b c d, a b c d, ...). Per series and chat turn: median, p10/p90, min/max over all
+reps and each rep's median; ratios from the medians over all reps; a series whose p90 exceeds
+``--spread-limit`` (2) x its median, or (d) whose reps' requests/s differ by more than that factor,
+is flagged and makes no ratio. The JSON is rewritten after every rep; plot it with
+bench/plot_bench.py.
+
+breakdown: where a request's time goes, per engine, for ``--n`` distinct images (misses) and ``--n``
+repeats of one image in fresh contexts (featcache: hits; the text before the image differs, so the
+prefix cache cannot cover it): lmdeploy's request preprocessing and image preprocessing, featcache's
+frontend (host time); the vision model, featcache's serving and the prefill forward minus both (GPU
+time: CUDA events around the live model's vision call and forward, class-level wrappers as
+``VisionCounter``); engine overhead = wall - preprocessing - forwards; then a few requests with
+``Tensor.cpu()`` / ``.to(cpu)`` / ``copy_`` from a CUDA tensor counted (feature-sized: >= 1 MiB).
+Prints a table and an ANSWER line (the D2H copies where lmdeploy 0.5/0.6 did its ``.cpu()``; a
+featcache hit's own cost and what it saves), writes it all to ``--json``.
+
+Needs a GPU and lmdeploy 0.18 (see docs/benchmarks.md for how it was run), except ``dry-run``.
 """
 
 from __future__ import annotations
@@ -23,6 +43,7 @@ import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -80,12 +101,15 @@ def remote_code(model: str) -> bool:
         return "auto_map" in json.load(f)
 
 
-def build(kind: str, model: str, prefix: bool, cache: Any = None, eager: bool = True) -> Any:
+def build(kind: str, model: str, prefix: bool, cache: Any = None, eager: bool = True,
+          kv_fraction: float = 0.05, session_len: int = 8192) -> Any:
+    """``kv_fraction``: ``cache_max_entry_count``, the share of free GPU memory for the KV cache
+    (0.05 fits the 2B's series; the 26B's 32 clients of (d) need ~0.3)."""
     from lmdeploy import PytorchEngineConfig
     from lmdeploy import pipeline as plain_pipeline
 
-    cfg = PytorchEngineConfig(session_len=8192, cache_max_entry_count=0.05, eager_mode=eager,
-                              enable_prefix_caching=prefix)
+    cfg = PytorchEngineConfig(session_len=session_len, cache_max_entry_count=kv_fraction,
+                              eager_mode=eager, enable_prefix_caching=prefix)
     kw = dict(backend_config=cfg, log_level="ERROR", trust_remote_code=remote_code(model))
     if kind == "plain":
         return plain_pipeline(model, **kw)
@@ -228,6 +252,18 @@ def summary(walls: list[float]) -> dict[str, float]:
                 p90_ms=round(percentile(walls, 0.9), 2))
 
 
+def spread(xs: list[float], limit: float = 2.0) -> dict[str, Any]:
+    """Median and spread of one series (all reps pooled); ``noisy`` when p90 > ``limit`` x median:
+    such a series makes no ratio."""
+    if not xs:
+        return dict(n=0, noisy=True)
+    med = statistics.median(xs)
+    p90 = percentile(xs, 0.9)
+    return dict(n=len(xs), median_ms=round(med, 2), p10_ms=round(percentile(xs, 0.1), 2),
+                p90_ms=round(p90, 2), min_ms=round(min(xs), 2), max_ms=round(max(xs), 2),
+                noisy=bool(p90 > limit * med))
+
+
 def timed(prompts: list[Any], pipe: Any, gen: Any) -> list[float]:
     walls = []
     for p in prompts:
@@ -257,8 +293,8 @@ def chat_turn(chat: int, turn: int, im: Any) -> dict[str, Any]:
     return dict(role="user", content=f"and what about detail {turn}?")
 
 
-def chats(pipe: Any, gen: Any, size: tuple[int, int],
-          count: int) -> tuple[list[list[float]], list[list[int]], Any]:
+def chats(pipe: Any, gen: Any, size: tuple[int, int], count: int,
+          seed: int = 100) -> tuple[list[list[float]], list[list[int]], Any]:
     """``count`` 4-turn chats, each resending its image (in its first user message) every turn:
     time to first token (ms) and cached prompt tokens per turn, and the last response. With one
     new token the time is the request's wall time; with more, the first token's, by streaming."""
@@ -266,10 +302,10 @@ def chats(pipe: Any, gen: Any, size: tuple[int, int],
     cached: list[list[int]] = [[] for _ in range(4)]
     out = None
     for c in range(count):
-        im = image(100 + c, size)
+        im = image(seed + c, size)
         hist: list[dict[str, Any]] = []
         for turn in range(4):
-            hist.append(chat_turn(c, turn, im))
+            hist.append(chat_turn(seed + c, turn, im))
             if gen.max_new_tokens == 1:
                 t = time.perf_counter()
                 out = pipe([hist], gen_config=gen)[0]
@@ -282,57 +318,302 @@ def chats(pipe: Any, gen: Any, size: tuple[int, int],
     return walls, cached, out
 
 
-def bench(model: str, size: tuple[int, int], n: int, answer_tokens: int = 1) -> dict[str, Any]:
-    """``answer_tokens``: tokens each chat turn of (b) generates (its TTFT is then streamed)."""
+ENGINES = {"plain": ("plain", True), "featcache": ("fc", True), "featcache_noprefix": ("fc", False)}
+
+
+def make_cache(args: argparse.Namespace, tmp: str) -> Any:
+    from featcache import FeatureCache
+
+    return FeatureCache(device=args.cache_device, device_bytes="2GiB", host_bytes="4GiB",
+                        disk_path=tmp, disk_bytes="8GiB")
+
+
+def real_builder(args: argparse.Namespace) -> Any:
+    """``build(engine, cache) -> pipeline``; CUDA graphs unless ``--eager`` (as deployed)."""
+    def b(engine: str, cache: Any) -> Any:
+        kind, prefix = ENGINES[engine]
+        return build(kind, args.model, prefix, cache, eager=args.eager, kv_fraction=args.kv_fraction,
+                     session_len=args.session_len)
+    return b
+
+
+def warm(pipe: Any, gen: Any, size: tuple[int, int], clients: int = 4) -> None:
+    """Every path the series take, once, before anything is timed: misses, a hit in a fresh
+    context, a 2-turn chat, a short concurrent burst."""
+    ims = [image(900 + i, size) for i in range(3)]
+    timed([(f"warm {i}", im) for i, im in enumerate(ims + ims[:1])], pipe, gen)
+    hist = [chat_turn(900, 0, ims[1])]
+    pipe([hist], gen_config=gen)
+    pipe([hist + [dict(role="assistant", content="ok"), chat_turn(900, 1, ims[1])]], gen_config=gen)
+    _concurrent(pipe, [(f"warm client {i}", ims[i % 3]) for i in range(2 * clients)], gen,
+                clients=clients, session_base=90_000)
+
+
+def bench_engine(pipe: Any, args: argparse.Namespace, size: tuple[int, int], deadline: float,
+                 save: Any = None) -> dict[str, Any]:
+    """Warm, then (a) (b) (c) (d) ``--reps`` times, interleaved (a b c d, a b c d, ...)."""
     from lmdeploy import GenerationConfig
 
     gen = GenerationConfig(max_new_tokens=1, do_sample=False)
-    results: dict[str, Any] = {"model": model, "image_size": size}
-    for name, kind in [("plain", "plain"), ("featcache", "fc")]:
-        from featcache import FeatureCache
+    chat_gen = gen if args.answer_tokens == 1 else GenerationConfig(
+        max_new_tokens=args.answer_tokens, do_sample=False, ignore_eos=True)
+    t = time.time()
+    warm(pipe, gen, size)
+    res: dict[str, Any] = dict(warm_s=round(time.time() - t, 1))
+    pool = [image(300 + i, size) for i in range(8)]
+    for i, p in enumerate(pool):  # the pool seen once, as a server would have by then
+        pipe((f"pool picture {i}: what is this?", p), gen_config=gen)
+    raw: dict[str, list[Any]] = dict(a=[], b=[], c=[], d=[])
+    res["raw"] = raw
+    for rep in range(args.reps):
+        if rep and time.time() > deadline - args.rep_reserve_s:
+            res["reps_skipped"] = f"stopped after {rep} reps: {deadline - time.time():.0f} s left"
+            print(f"[e2e] {res['reps_skipped']}", flush=True)
+            break
+        same = image(10_000 + rep, size)
+        first = timed([(f"rep {rep}: prime the cache with this picture", same)], pipe, gen)[0]
+        rows = timed([(f"rep {rep} question {i}: what is in the picture?", same)
+                      for i in range(args.n)], pipe, gen)
+        raw["a"].append(dict(first_ms=first, ms=rows))
+        walls, cached, out = chats(pipe, chat_gen, size, args.chats, seed=20_000 + 100 * rep)
+        raw["b"].append(dict(ms=walls, cached=cached, input_tokens_turn_4=out.input_token_len))
+        raw["c"].append(timed([(f"rep {rep} question {i}: what is in the picture?",
+                                image(30_000 + 100 * rep + i, size)) for i in range(args.n)], pipe, gen))
+        prompts = [(f"rep {rep} client {i}: what is this?", pool[i % 8]) for i in range(args.d_requests)]
+        raw["d"].append(_concurrent(pipe, prompts, gen, clients=args.clients,
+                                    session_base=100_000 * (rep + 1)))
+        print(f"[e2e] rep {rep}: a {statistics.median(rows):.1f} ms, c "
+              f"{statistics.median(raw['c'][-1]):.1f} ms, b "
+              + " / ".join(f"{statistics.median(w):.1f}" for w in walls)
+              + f" ms, d {raw['d'][-1]['requests_per_s']} req/s", flush=True)
+        if save is not None:
+            save()
+    res["reps"] = len(raw["a"])
+    res.update(summarise(raw, args.spread_limit))
+    return res
 
+
+def summarise(raw: dict[str, list[Any]], limit: float) -> dict[str, Any]:
+    """Per series: all reps pooled (median, p10/p90, min/max, ``noisy``) and each rep's median."""
+    def rep_medians(reps: list[list[float]]) -> list[float]:
+        return [round(statistics.median(r), 2) for r in reps if r]
+
+    out: dict[str, Any] = {}
+    out["a_same_image_fresh_context"] = dict(
+        **spread([x for r in raw["a"] for x in r["ms"]], limit),
+        per_rep_median_ms=rep_medians([r["ms"] for r in raw["a"]]),
+        first_ms=[round(r["first_ms"], 2) for r in raw["a"]])
+    out["b_multi_turn"] = {
+        f"turn_{t + 1}": dict(**spread([x for r in raw["b"] for x in r["ms"][t]], limit),
+                              per_rep_median_ms=rep_medians([r["ms"][t] for r in raw["b"]]))
+        for t in range(4)} if raw["b"] else {}
+    out["b_cached_tokens_by_turn"] = [[x for r in raw["b"] for x in r["cached"][t]] for t in range(4)]
+    out["b_input_tokens_turn_4"] = raw["b"][-1]["input_tokens_turn_4"] if raw["b"] else None
+    out["c_distinct_images"] = dict(**spread([x for r in raw["c"] for x in r], limit),
+                                    per_rep_median_ms=rep_medians(raw["c"]))
+    if raw["d"]:
+        rps = [d["requests_per_s"] for d in raw["d"]]
+        ttft = spread([x for d in raw["d"] for x in d["ttft_ms"]], limit)
+        out["d_concurrent_32_clients_pool_8"] = dict(
+            requests_per_s=round(statistics.median(rps), 2), requests_per_s_min=min(rps),
+            requests_per_s_max=max(rps), requests_per_s_by_rep=rps,
+            # throughput is the ratio here: noisy when the reps disagree by more than the limit
+            noisy=bool(max(rps) > limit * min(rps)),
+            ttft=ttft, clients=raw["d"][0]["clients"], requests=sum(d["n"] for d in raw["d"]))
+    return out
+
+
+SERIES = [("a_same_image_speedup", "a_same_image_fresh_context", "plain/fc"),
+          *[(f"b_turn_{t}_speedup", f"b_multi_turn.turn_{t}", "plain/fc") for t in range(1, 5)],
+          ("c_distinct_slowdown", "c_distinct_images", "fc/plain")]
+
+
+def _get(d: dict[str, Any], path: str) -> Any:
+    for k in path.split("."):
+        d = d.get(k, {}) if isinstance(d, dict) else {}
+    return d
+
+
+def ratios(plain: dict[str, Any], fc: dict[str, Any], limit: float = 2.0) -> dict[str, Any]:
+    """Plain vs featcache from the medians over all reps; a ratio whose either series is noisy
+    (p90 > limit x median; for (d), requests/s of the reps apart by more than the limit) is None,
+    and named in ``flagged`` with the numbers."""
+    out: dict[str, Any] = {}
+    flagged: dict[str, str] = {}
+    for name, path, how in SERIES:
+        p, f = _get(plain, path), _get(fc, path)
+        if not p.get("n") or not f.get("n"):
+            out[name] = None
+            continue
+        bad = [f"{who} p90 {s['p90_ms']} > {limit} x median {s['median_ms']}"
+               for who, s in (("plain", p), ("featcache", f)) if s.get("noisy")]
+        if bad:
+            out[name] = None
+            flagged[name] = "; ".join(bad)
+            continue
+        a, b = (p["median_ms"], f["median_ms"]) if how == "plain/fc" else (f["median_ms"], p["median_ms"])
+        out[name] = round(a / b, 2)
+    pd, fd = plain.get("d_concurrent_32_clients_pool_8"), fc.get("d_concurrent_32_clients_pool_8")
+    if pd and fd:
+        bad = [f"{who} requests/s by rep {d['requests_per_s_by_rep']} apart by > {limit}x"
+               for who, d in (("plain", pd), ("featcache", fd)) if d.get("noisy")]
+        if bad:
+            out["d_requests_per_s_gain"] = None
+            flagged["d_requests_per_s_gain"] = "; ".join(bad)
+        else:
+            out["d_requests_per_s_gain"] = round(fd["requests_per_s"] / pd["requests_per_s"], 2)
+        if pd["ttft"].get("n") and fd["ttft"].get("n"):
+            out["d_ttft_median_ratio"] = round(fd["ttft"]["median_ms"] / pd["ttft"]["median_ms"], 2)
+    out["flagged"] = flagged
+    return out
+
+
+def bench_meta(args: argparse.Namespace, mode: str) -> dict[str, Any]:
+    import subprocess
+
+    m: dict[str, Any] = dict(mode=mode, model=args.model, label=args.label or _label(args.model),
+                             args={k: v for k, v in vars(args).items() if k != "builder"},
+                             torch=torch.__version__, started=time.strftime("%Y-%m-%d %H:%M:%S"))
+    try:
+        import lmdeploy
+
+        m["lmdeploy"] = lmdeploy.__version__
+    except ImportError:
+        m["lmdeploy"] = None
+    if torch.cuda.is_available():
+        m["gpu"] = torch.cuda.get_device_name()
+    try:
+        m["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                     text=True, timeout=5).stdout.strip() or None
+    except Exception:  # noqa: BLE001 - the device copy may have no .git
+        m["commit"] = None
+    return m
+
+
+def _label(model: str) -> str:
+    import os
+
+    return os.path.basename(os.path.normpath(model)) or model
+
+
+def run_engines(args: argparse.Namespace, builder: Any, mode: str,
+                per_engine: Any) -> dict[str, Any]:
+    """Build each engine of ``--engines`` in turn (one at a time, GPU memory freed between), run
+    ``per_engine(pipe, engine, cache, save)`` on it; the JSON is rewritten after each engine and
+    rep, so a run cut short still leaves what it measured."""
+    results: dict[str, Any] = {"meta": bench_meta(args, mode), "model": args.model, "engines": []}
+    deadline = time.time() + args.budget
+
+    def save() -> None:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1, default=str)
+
+    for engine in args.engines.split(","):
+        if engine not in ENGINES:
+            raise SystemExit(f"unknown engine {engine!r}: one of {sorted(ENGINES)}")
         with tempfile.TemporaryDirectory() as tmp:
-            cache = FeatureCache(device="cuda", device_bytes="2GiB", host_bytes="4GiB",
-                                 disk_path=tmp, disk_bytes="8GiB") if kind == "fc" else None
-            pipe = build(kind, model, True, cache, eager=False)  # CUDA graphs, as deployed
-            res: dict[str, Any] = {}
-            timed([(f"warm {i}", image(900 + i, size)) for i in range(3)], pipe, gen)
-            same = image(1, size)
-            res["a_same_image_fresh_context"] = summary(
-                timed([(f"question {i}: what is in the picture?", same) for i in range(n)], pipe, gen))
-            chat_gen = gen if answer_tokens == 1 else GenerationConfig(
-                max_new_tokens=answer_tokens, do_sample=False, ignore_eos=True)
-            chat_walls, chat_cached, out = chats(pipe, chat_gen, size, max(3, n // 3))
-            res["b_multi_turn"] = {f"turn_{i + 1}": summary(w) for i, w in enumerate(chat_walls)}
-            res["b_cached_tokens_by_turn"] = chat_cached
-            res["b_input_tokens_turn_4"] = out.input_token_len
-            res["c_distinct_images"] = summary(
-                timed([(f"question {i}: what is in the picture?", image(200 + i, size))
-                       for i in range(n)], pipe, gen))
-            pool = [image(300 + i, size) for i in range(8)]
-            prompts = [(f"client {i}: what is this?", pool[i % 8]) for i in range(64)]
-            for p in prompts[:8]:  # the pool seen once, as a server would have by then
-                pipe(p, gen_config=gen)
-            t = time.perf_counter()
-            res["d_concurrent_32_clients_pool_8"] = _concurrent(pipe, prompts, gen, clients=32)
-            res["d_concurrent_32_clients_pool_8"]["wall_s"] = round(time.perf_counter() - t, 2)
-            if cache is not None:
-                res["stats"] = cache.stats()
-            pipe.close()
-            if cache is not None:
-                cache.close()
-        results[name] = res
+            cache = make_cache(args, tmp) if ENGINES[engine][0] == "fc" else None
+            t = time.time()
+            pipe = builder(engine, cache)
+            build_s = round(time.time() - t, 1)
+            print(f"[e2e] {engine}: built in {build_s} s", flush=True)
+            try:
+                res = per_engine(pipe, engine, cache, deadline, save)
+                res["build_s"] = build_s
+                if cache is not None:
+                    res["stats"] = cache.stats()
+                results[engine] = res
+                results["engines"].append(engine)
+            finally:
+                pipe.close()
+                if cache is not None:
+                    cache.close()
         del pipe
         gc.collect()
-        torch.cuda.empty_cache()
-        print(f"[e2e] {name}: {json.dumps({k: v for k, v in res.items() if k != 'stats'})}",
-              flush=True)
-    results["ratios"] = ratios(results["plain"], results["featcache"])
-    print("[e2e] RATIOS", json.dumps(results["ratios"]), flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        save()
     return results
 
 
-def _concurrent(pipe: Any, prompts: list[Any], gen: Any, clients: int) -> dict[str, float]:
+def bench(args: argparse.Namespace, builder: Any) -> dict[str, Any]:
+    """The (a)-(d) series per engine, then the ratios (when both plain and featcache ran)."""
+    w, h = (int(x) for x in args.size.split("x"))
+
+    def per_engine(pipe: Any, engine: str, cache: Any, deadline: float, save: Any) -> dict[str, Any]:
+        res = bench_engine(pipe, args, (w, h), deadline, save)
+        print(f"[e2e] {engine}: " + json.dumps({k: v for k, v in res.items() if k not in ("raw", "stats")}),
+              flush=True)
+        return res
+
+    results = run_engines(args, builder, "bench", per_engine)
+    add_ratios(results, args.spread_limit)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    report(results)
+    return results
+
+
+def add_ratios(results: dict[str, Any], limit: float) -> None:
+    fc = next((e for e in ("featcache", "featcache_noprefix") if e in results), None)
+    if "plain" in results and fc:
+        results["ratios"] = ratios(results["plain"], results[fc], limit)
+        results["ratios"]["featcache_engine"] = fc
+
+
+def report(results: dict[str, Any]) -> None:
+    """The table in the log: median [p10, p90] ms per series and engine, then the ratios."""
+    def cell(s: dict[str, Any]) -> str:
+        if not s.get("n"):
+            return "-"
+        return f"{s['median_ms']} [{s['p10_ms']}, {s['p90_ms']}]" + (" NOISY" if s.get("noisy") else "")
+
+    rows = [("a same image", "a_same_image_fresh_context")] + [
+        (f"b turn {t}", f"b_multi_turn.turn_{t}") for t in range(1, 5)] + [
+        ("c distinct", "c_distinct_images"), ("d TTFT", "d_concurrent_32_clients_pool_8.ttft")]
+    engines = [e for e in results.get("engines", []) if e in results]
+    print(f"[e2e] TABLE {results['meta']['label']}: TTFT median [p10, p90] ms, reps "
+          + ", ".join(f"{e} {results[e].get('reps')}" for e in engines))
+    print("  " + f"{'series':14s}" + "".join(f"{e:>34s}" for e in engines))
+    for label, path in rows:
+        print("  " + f"{label:14s}" + "".join(f"{cell(_get(results[e], path)):>34s}" for e in engines))
+    line = "  " + f"{'d req/s':14s}"
+    for e in engines:
+        d = results[e].get("d_concurrent_32_clients_pool_8")
+        line += f"{(str(d['requests_per_s']) + ' ' + str(d['requests_per_s_by_rep'])) if d else '-':>34s}"
+    print(line)
+    if "ratios" in results:
+        print("[e2e] RATIOS " + json.dumps(results["ratios"]), flush=True)
+
+
+def merge(paths: list[str], out: str | None, limit: float) -> dict[str, Any]:
+    """Engines of one model run in separate calls (the 26B: one engine load per 600 s call), merged
+    into one result with the ratios."""
+    merged: dict[str, Any] = {}
+    for p in paths:
+        with open(p) as f:
+            r = json.load(f)
+        if not merged:
+            merged = {"meta": r["meta"], "model": r["model"], "engines": [], "merged_from": []}
+        elif r["model"] != merged["model"]:
+            raise SystemExit(f"{p}: model {r['model']} is not {merged['model']}")
+        merged["merged_from"].append(p)
+        for e in r["engines"]:
+            merged[e] = r[e]
+            if e not in merged["engines"]:
+                merged["engines"].append(e)
+    add_ratios(merged, limit)
+    if out:
+        with open(out, "w") as f:
+            json.dump(merged, f, indent=1, default=str)
+    report(merged)
+    return merged
+
+
+def _concurrent(pipe: Any, prompts: list[Any], gen: Any, clients: int,
+                session_base: int = 10_000) -> dict[str, Any]:
     """``clients`` concurrent sessions through the engine's async API; TTFT per request."""
     engine = pipe.async_engine
     ttfts: list[float] = []
@@ -341,7 +622,7 @@ def _concurrent(pipe: Any, prompts: list[Any], gen: Any, clients: int) -> dict[s
         t = time.perf_counter()
         messages = [dict(role="user", content=[
             dict(type="text", text=prompt[0]), dict(type="image_data", image_data=dict(data=prompt[1]))])]
-        request = await engine.preprocess(messages, session_id=10_000 + i, gen_config=gen)
+        request = await engine.preprocess(messages, session_id=session_base + i, gen_config=gen)
         first = True
         async for _ in engine.generate(request, stream_response=True):
             if first:
@@ -360,23 +641,385 @@ def _concurrent(pipe: Any, prompts: list[Any], gen: Any, clients: int) -> dict[s
         return time.perf_counter() - t
 
     wall = pipe._run(coro=main()).result()  # on the pipeline's own event-loop thread
-    return {**summary(ttfts), "requests_per_s": round(len(prompts) / wall, 2)}
+    return {**summary(ttfts), "requests_per_s": round(len(prompts) / wall, 2), "wall_s": round(wall, 2),
+            "clients": clients, "ttft_ms": [round(x, 2) for x in ttfts]}
 
 
-def ratios(plain: dict[str, Any], fc: dict[str, Any]) -> dict[str, float]:
-    def r(a: float, b: float) -> float:
-        return round(a / b, 2)
+# -- breakdown -----------------------------------------------------------------------------------
 
-    return {
-        "a_same_image_speedup": r(plain["a_same_image_fresh_context"]["median_ms"],
-                                  fc["a_same_image_fresh_context"]["median_ms"]),
-        **{f"b_turn_{t}_speedup": r(plain["b_multi_turn"][f"turn_{t}"]["median_ms"],
-                                    fc["b_multi_turn"][f"turn_{t}"]["median_ms"]) for t in range(1, 5)},
-        "c_distinct_slowdown": r(fc["c_distinct_images"]["median_ms"],
-                                 plain["c_distinct_images"]["median_ms"]),
-        "d_requests_per_s_gain": r(fc["d_concurrent_32_clients_pool_8"]["requests_per_s"],
-                                   plain["d_concurrent_32_clients_pool_8"]["requests_per_s"]),
-    }
+class Spans:
+    """Named spans summed per request: host time (perf_counter) and, where CUDA runs, GPU time by
+    CUDA events recorded on the current stream (resolved after the request, never during it). A
+    span opened while a CUDA graph is being captured is not timed."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open: list[tuple[str, float, float, Any, Any]] = []
+        self.enabled = True
+
+    def span(self, name: str, fn: Any, *a: Any, **k: Any) -> Any:
+        if not self.enabled:
+            return fn(*a, **k)
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if cuda and torch.cuda.is_current_stream_capturing():
+            return fn(*a, **k)
+        start = end = None
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            host = (time.perf_counter() - t) * 1e3
+            if end is not None:
+                end.record()
+            with self.lock:
+                self.open.append((name, host, t, start, end))
+
+    def add(self, name: str, host_ms: float) -> None:
+        with self.lock:
+            self.open.append((name, host_ms, time.perf_counter(), None, None))
+
+    def take(self) -> dict[str, Any]:
+        """``{name: ms}`` (GPU time where there is one, else host), ``{name}_host`` and counts."""
+        with self.lock:
+            spans, self.open = self.open, []
+        out: dict[str, Any] = {}
+        calls: dict[str, int] = {}
+        for name, host, _, start, end in spans:
+            ms = host
+            if end is not None:
+                end.synchronize()
+                ms = start.elapsed_time(end)
+            out[name] = out.get(name, 0.0) + ms
+            out[f"{name}_host"] = out.get(f"{name}_host", 0.0) + host
+            calls[name] = calls.get(name, 0) + 1
+        out["calls"] = calls
+        return out
+
+
+SPANS = Spans()
+_PATCHED: dict[Any, Any] = {}
+
+
+def _patch(owner: Any, attr: str, make: Any) -> None:
+    """Replace ``owner.attr`` by ``make(original)``, once per (owner, attr)."""
+    if (owner, attr) in _PATCHED:
+        return
+    original = getattr(owner, attr)
+    _PATCHED[(owner, attr)] = original
+    setattr(owner, attr, make(original))
+
+
+def _is_decoding(a: tuple[Any, ...], k: dict[str, Any]) -> bool:
+    meta = k.get("attn_metadata", a[3] if len(a) > 3 else None)
+    return bool(getattr(meta, "is_decoding", False))
+
+
+def install_stage_timers(models: list[tuple[Any, str | None, Any]] | None = None) -> list[str]:
+    """Class-level timers on what the live model runs (as ``VisionCounter``: featcache's per-instance
+    vision wrapper then wraps these, so ``vision`` times only real vision-model runs): each model
+    class's ``forward`` (``forward_prefill`` / ``forward_decode`` by ``attn_metadata.is_decoding``),
+    its vision call (``vision``), and featcache's ``_serve`` (``fc_serve``: the vision call of a step
+    with featcache, hits' leases, puts and the concatenation). ``models``: (class, vision method or
+    None, vision submodule class or None); default: the four architectures featcache supports."""
+    import featcache.lmdeploy.models as fcm
+
+    if models is None:
+        import importlib
+
+        import lmdeploy.pytorch.models.qwen2_5_vl as q25
+        import lmdeploy.pytorch.models.qwen2_vl as q2
+
+        models = []
+        for spec in fcm.SPECS.values():
+            cls = getattr(importlib.import_module(f"lmdeploy.pytorch.models.{spec.module}"), spec.cls)
+            models.append((getattr(cls, "__wrapped__", cls), None if spec.submodule else spec.vision, None))
+        for vt in (q2.Qwen2VisionTransformerPretrainedModel, q25.Qwen2_5_VisionTransformerPretrainedModel):
+            models.append((None, None, getattr(vt, "__wrapped__", vt)))
+    done = []
+    for cls, vision, tower in models:
+        if cls is not None:
+            def fwd(orig: Any) -> Any:
+                def forward(self_: Any, *a: Any, **k: Any) -> Any:
+                    name = "forward_decode" if _is_decoding(a, k) else "forward_prefill"
+                    return SPANS.span(name, orig, self_, *a, **k)
+                return forward
+            _patch(cls, "forward", fwd)
+            done.append(f"{cls.__name__}.forward")
+        if cls is not None and vision is not None:
+            def vis(orig: Any) -> Any:
+                def call(self_: Any, *a: Any, **k: Any) -> Any:
+                    return SPANS.span("vision", orig, self_, *a, **k)
+                return call
+            _patch(cls, vision, vis)
+            done.append(f"{cls.__name__}.{vision}")
+        if tower is not None:
+            def tow(orig: Any) -> Any:
+                def forward(self_: Any, *a: Any, **k: Any) -> Any:
+                    return SPANS.span("vision", orig, self_, *a, **k)
+                return forward
+            _patch(tower, "forward", tow)
+            done.append(f"{tower.__name__}.forward")
+
+    def serve(orig: Any) -> Any:
+        def _serve(*a: Any, **k: Any) -> Any:
+            return SPANS.span("fc_serve", orig, *a, **k)
+        return _serve
+    _patch(fcm, "_serve", serve)  # looked up by name in featcache's vision wrapper, per call
+    done.append("featcache.lmdeploy.models._serve")
+    return done
+
+
+class D2HCounter:
+    """Counts device-to-host copies made from Python while active: ``Tensor.cpu()``,
+    ``Tensor.to(<cpu>)`` and ``cpu_tensor.copy_(device_tensor)`` (calls, bytes, host ms; those of
+    >= 1 MiB apart: feature-sized). Patches ``torch.Tensor`` while open: use it for a few requests,
+    not timed ones."""
+
+    LARGE = 1 << 20
+
+    def __init__(self, on_device: Any = None) -> None:
+        self.on_device = on_device or (lambda t: t.is_cuda)
+        self.rows: list[tuple[str, int, float]] = []
+        self.lock = threading.Lock()
+        self.saved: dict[str, Any] = {}
+
+    def __enter__(self) -> D2HCounter:
+        counter = self
+
+        def record(what: str, nbytes: int, fn: Any, *a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            r = fn(*a, **k)
+            with counter.lock:
+                counter.rows.append((what, nbytes, (time.perf_counter() - t) * 1e3))
+            return r
+
+        cpu, to, copy_ = torch.Tensor.cpu, torch.Tensor.to, torch.Tensor.copy_
+        self.saved = dict(cpu=cpu, to=to, copy_=copy_)
+
+        def p_cpu(self_: Any, *a: Any, **k: Any) -> Any:
+            if counter.on_device(self_):
+                return record("cpu", self_.nbytes, cpu, self_, *a, **k)
+            return cpu(self_, *a, **k)
+
+        def p_to(self_: Any, *a: Any, **k: Any) -> Any:
+            dev = k.get("device", a[0] if a else None)
+            to_host = isinstance(dev, (str, torch.device)) and str(dev).startswith("cpu")
+            if to_host and counter.on_device(self_):
+                return record("to_cpu", self_.nbytes, to, self_, *a, **k)
+            return to(self_, *a, **k)
+
+        def p_copy(self_: Any, src: Any, *a: Any, **k: Any) -> Any:
+            if (isinstance(src, torch.Tensor) and self_.device.type == "cpu"
+                    and not counter.on_device(self_) and counter.on_device(src)):
+                return record("copy_to_cpu", src.nbytes, copy_, self_, src, *a, **k)
+            return copy_(self_, src, *a, **k)
+
+        torch.Tensor.cpu, torch.Tensor.to, torch.Tensor.copy_ = p_cpu, p_to, p_copy  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for k, v in self.saved.items():
+            setattr(torch.Tensor, k, v)
+
+    def take(self) -> dict[str, Any]:
+        with self.lock:
+            rows, self.rows = self.rows, []
+        large = [r for r in rows if r[1] >= self.LARGE]
+        return dict(calls=len(rows), mbytes=round(sum(r[1] for r in rows) / 2**20, 3),
+                    ms=round(sum(r[2] for r in rows), 3), large_calls=len(large),
+                    large_mbytes=round(sum(r[1] for r in large) / 2**20, 3),
+                    large_ms=round(sum(r[2] for r in large), 3),
+                    by_kind={k: sum(1 for r in rows if r[0] == k) for k in {r[0] for r in rows}})
+
+
+def instrument_preprocess(pipe: Any) -> None:
+    """Host-time wrappers on the live pipeline (instance attributes): lmdeploy's request
+    preprocessing (template, tokenizer, image preprocessing), its image preprocessing, and
+    featcache's frontend hook around it (keying, lookup, tagging)."""
+    engine = pipe.async_engine
+    original_pre = engine.preprocess
+
+    async def request_preprocess(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return await original_pre(*a, **k)
+        finally:
+            SPANS.add("request_preprocess", (time.perf_counter() - t) * 1e3)
+
+    engine.preprocess = request_preprocess
+    vm = engine.vl_encoder.model
+    hook = vm.preprocess
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                SPANS.add(name, (time.perf_counter() - t) * 1e3)
+        return wrapper
+
+    frontend = getattr(hook, "frontend", None)
+    if frontend is None:
+        vm.preprocess = timed("image_preprocess", hook)
+    else:
+        vm.preprocess = timed("fc_frontend", hook)
+        frontend.original = timed("image_preprocess", frontend.original)
+
+
+STAGES = ("wall", "request_preprocess", "image_preprocess", "fc_frontend_own", "vision", "fc_serve_own",
+          "prefill", "decode", "engine_overhead", "forward_prefill_host", "vision_calls", "forward_calls")
+
+
+def derive(spans: dict[str, Any], wall: float) -> dict[str, float]:
+    """One request's stages (ms). ``prefill`` = the prefill forwards minus the vision model and
+    featcache's own serving inside them; ``engine_overhead`` = wall - request preprocessing - every
+    model forward (scheduling, the engine loop, input/output copies, detokenizing, the response)."""
+    g = spans.get
+    calls = spans.get("calls", {})
+    vision = g("vision", 0.0)
+    serve_own = max(0.0, g("fc_serve", 0.0) - vision) if calls.get("fc_serve") else 0.0
+    fwd = g("forward_prefill", 0.0)
+    d = dict(wall=wall, request_preprocess=g("request_preprocess", 0.0),
+             image_preprocess=g("image_preprocess", 0.0),
+             fc_frontend_own=max(0.0, g("fc_frontend", 0.0) - g("image_preprocess", 0.0))
+             if calls.get("fc_frontend") else 0.0,
+             vision=vision, fc_serve_own=serve_own, prefill=fwd - vision - serve_own,
+             decode=g("forward_decode", 0.0),
+             engine_overhead=wall - g("request_preprocess", 0.0) - fwd - g("forward_decode", 0.0),
+             forward_prefill_host=g("forward_prefill_host", 0.0),
+             vision_calls=float(calls.get("vision", 0)),
+             forward_calls=float(calls.get("forward_prefill", 0) + calls.get("forward_decode", 0)))
+    return {k: round(v, 3) for k, v in d.items()}
+
+
+def breakdown_message(i: int, im: Any, tag: str) -> list[dict[str, Any]]:
+    """Text *before* the image differs per request: the prefix cache cannot cover the image span,
+    so a repeated image is served by featcache (or, plain, by the vision model), not by KV reuse."""
+    return [dict(role="user", content=[
+        dict(type="text", text=f"{tag} request {i}: look at this picture"),
+        dict(type="image_data", image_data=dict(data=im)), dict(type="text", text="what is in it?")])]
+
+
+def breakdown_engine(pipe: Any, args: argparse.Namespace, size: tuple[int, int],
+                     on_device: Any = None) -> dict[str, Any]:
+    """Per-request stages of ``--n`` misses (distinct images) and ``--n`` repeats of one image in
+    fresh contexts (featcache: hits), one new token each; then a few requests with the D2H counter."""
+    from lmdeploy import GenerationConfig
+
+    gen = GenerationConfig(max_new_tokens=1, do_sample=False)
+    instrument_preprocess(pipe)
+
+    def request(msgs: list[dict[str, Any]]) -> dict[str, Any]:
+        SPANS.take()
+        t = time.perf_counter()
+        out = pipe([msgs], gen_config=gen)[0]
+        wall = (time.perf_counter() - t) * 1e3
+        row = derive(SPANS.take(), wall)
+        row["input_tokens"] = out.input_token_len
+        row["cached_tokens"] = out.cached_tokens
+        return row
+
+    for i in range(3):  # warm: two misses, a repeat
+        request(breakdown_message(i, image(800 + min(i, 1), size), "warm"))
+    res: dict[str, Any] = {}
+    res["miss"] = [request(breakdown_message(i, image(50_000 + i, size), "miss")) for i in range(args.n)]
+    same = image(60_000, size)
+    res["repeat_first"] = request(breakdown_message(0, same, "prime"))
+    res["repeat"] = [request(breakdown_message(i, same, "repeat")) for i in range(args.n)]
+    counter = D2HCounter(on_device)
+    d2h: dict[str, Any] = {}
+    with counter:
+        for name, im in (("miss", image(70_000, size)), ("repeat", same)):
+            SPANS.enabled = False  # not timed: the counter's own wrappers cost host time
+            try:
+                pipe([breakdown_message(99, im, f"d2h {name}")], gen_config=gen)
+            finally:
+                SPANS.enabled = True
+            SPANS.take()
+            d2h[name] = counter.take()
+    res["d2h"] = d2h
+    res["medians"] = {series: {k: round(statistics.median(r[k] for r in res[series]), 3) for k in STAGES}
+                      for series in ("miss", "repeat")}
+    res["spread"] = {series: {k: [round(percentile([r[k] for r in res[series]], q), 3) for q in (0.1, 0.9)]
+                              for k in ("wall", "vision", "prefill", "engine_overhead")}
+                     for series in ("miss", "repeat")}
+    return res
+
+
+# What shared/notes/gpu.md measured on the H200 for the features of one 13-tile image (bf16):
+# what the 0.5/0.6 `.cpu()` of the features would cost today.
+CPU_COPY_BASELINE = {"internvl2_2b": dict(features="13 x 256 x 2048 bf16 (13.6 MB)", pageable_ms=0.97,
+                                          pinned_side_stream_ms=0.26),
+                     "internvl2_26b": dict(features="13 x 256 x 6144 bf16 (40.9 MB)", pageable_ms=25.8,
+                                           pinned_side_stream_ms=0.75)}
+
+
+def breakdown(args: argparse.Namespace, builder: Any, on_device: Any = None,
+              timers: list[tuple[Any, str | None, Any]] | None = None) -> dict[str, Any]:
+    """Where a request's time goes, plain vs featcache: per engine, the medians of each stage over
+    ``--n`` misses and ``--n`` repeats of one image (featcache: hits), and the D2H copies."""
+    w, h = (int(x) for x in args.size.split("x"))
+    patched = install_stage_timers(timers)
+    print(f"[e2e] breakdown timers on: {patched}", flush=True)
+
+    def per_engine(pipe: Any, engine: str, cache: Any, deadline: float, save: Any) -> dict[str, Any]:
+        res = breakdown_engine(pipe, args, (w, h), on_device)
+        print(f"[e2e] BREAKDOWN {engine}: {json.dumps(res['medians'])} d2h {json.dumps(res['d2h'])}",
+              flush=True)
+        return res
+
+    results = run_engines(args, builder, "breakdown", per_engine)
+    results["timers"] = patched
+    results["answer"] = breakdown_answer(results)
+    results["cpu_copy_baseline_h200"] = CPU_COPY_BASELINE
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    breakdown_table(results)
+    return results
+
+
+def breakdown_answer(results: dict[str, Any]) -> dict[str, Any]:
+    """The seed's two questions, from the medians."""
+    out: dict[str, Any] = {}
+    plain = results.get("plain")
+    if plain:
+        d = plain["d2h"]
+        out["plain_d2h_feature_sized_copies_per_request"] = {k: v["large_calls"] for k, v in d.items()}
+        out["plain_d2h_feature_sized_ms_per_request"] = {k: v["large_ms"] for k, v in d.items()}
+        out["plain_d2h_all_copies_per_request"] = {k: v["calls"] for k, v in d.items()}
+        m = plain["medians"]["miss"]
+        out["plain_miss_ms"] = {k: m[k] for k in ("wall", "image_preprocess", "vision", "prefill",
+                                                  "engine_overhead")}
+    fc = next((results[e] for e in ("featcache", "featcache_noprefix") if e in results), None)
+    if fc:
+        hit = fc["medians"]["repeat"]
+        out["featcache_hit_ms"] = {k: hit[k] for k in ("wall", "request_preprocess", "image_preprocess",
+                                                       "fc_frontend_own", "vision", "fc_serve_own",
+                                                       "prefill", "engine_overhead")}
+        out["featcache_hit_own_cost_ms"] = round(hit["fc_frontend_own"] + hit["fc_serve_own"], 3)
+        out["featcache_hit_vision_calls"] = hit["vision_calls"]
+        out["featcache_d2h_feature_sized_copies_per_request"] = {k: v["large_calls"]
+                                                                 for k, v in fc["d2h"].items()}
+        if plain:
+            out["hit_saves_ms_vs_plain_repeat"] = round(plain["medians"]["repeat"]["wall"] - hit["wall"], 3)
+    return out
+
+
+def breakdown_table(results: dict[str, Any]) -> None:
+    cols = [(e, s) for e in results.get("engines", []) if e in results for s in ("miss", "repeat")]
+    print(f"[e2e] BREAKDOWN TABLE {results['meta']['label']}: per-request medians, ms "
+          "(GPU time by CUDA events for vision/fc_serve_own/prefill/decode; host time otherwise)")
+    print("  " + f"{'stage':22s}" + "".join(f"{e + ' ' + s:>24s}" for e, s in cols))
+    for k in STAGES:
+        print("  " + f"{k:22s}" + "".join(f"{results[e]['medians'][s][k]:24.3f}" for e, s in cols))
+    for k in ("calls", "large_calls", "large_mbytes", "large_ms"):
+        print("  " + f"{'d2h ' + k:22s}" + "".join(f"{results[e]['d2h'][s][k]:>24}" for e, s in cols))
+    print("[e2e] ANSWER " + json.dumps(results.get("answer", {})), flush=True)
 
 
 def profile(model: str, size: tuple[int, int], n: int) -> dict[str, Any]:
@@ -569,30 +1212,278 @@ def floor(model: str, size: tuple[int, int], n: int) -> dict[str, Any]:
     return out
 
 
+
+# -- dry run: a stand-in pipeline on the CPU -----------------------------------------------------
+
+class _Meta:
+    def __init__(self, is_decoding: bool) -> None:
+        self.is_decoding = is_decoding
+
+
+def standin() -> tuple[Any, list[tuple[Any, str | None, Any]], Any]:
+    """(builder, timer targets, on_device) for a stand-in of lmdeploy's PyTorch pipeline: lmdeploy's
+    own request shapes and ``Response``, featcache's real frontend (keys, lookups, hits that skip
+    preprocessing) and real model hook (its per-instance vision wrapper and ``_serve``: misses run
+    the vision model and are put, hits come from their leases), over a stand-in vision model
+    (tiles of 28 px, a 3 ms ViT, 2 ms of image preprocessing) and engine (one prefill forward of
+    ~4 ms, ~2 ms of loop overhead, the next token copied to the host). Tensors the stand-in marks
+    ``_standin_device`` count as device tensors for the D2H counter; its plain engine also copies
+    each step's features to the host, as lmdeploy 0.5/0.6 did (0.18 does not), so that the counter
+    is seen to catch a feature-sized copy."""
+    from lmdeploy.messages import Response
+
+    import featcache.lmdeploy.models as fcm
+    from featcache.lmdeploy.frontend import install_frontend
+    from featcache.lmdeploy.refs import REF_KEY
+
+    tiles, per_tile, hidden, token_id = 2, 4, 64, 7
+
+    class Vision:
+        def preprocess(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            out = []
+            for m in messages:
+                for x in m["content"] if isinstance(m.get("content"), list) else []:
+                    if isinstance(x, dict) and x.get("type") == "image":
+                        a = np.asarray(x["data"].convert("RGB").resize((28, 28)), dtype=np.float32)
+                        px = torch.from_numpy(a).permute(2, 0, 1)[None].repeat(tiles, 1, 1, 1) / 255
+                        time.sleep(0.002)
+                        out.append(dict(pixel_values=px, image_tokens=tiles * per_tile,
+                                        image_token_id=token_id))
+            messages.append(dict(role="preprocess", content=out))
+            return messages
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(3 * 28 * 28 // per_tile, hidden)
+            self.lm = torch.nn.Linear(hidden, hidden)
+
+        def extract_feature(self, pixel_values: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.003)
+            return self.proj(pixel_values.reshape(pixel_values.shape[0], per_tile, -1))
+
+        def forward(self, input_ids: torch.Tensor, position_ids: Any = None, past_key_values: Any = None,
+                    attn_metadata: Any = None, pixel_values: Any = None, image_mask: Any = None,
+                    legacy_copy: bool = False) -> torch.Tensor:
+            embeds = torch.zeros(input_ids.shape[0], hidden)
+            if pixel_values is not None:
+                feats = self.extract_feature(pixel_values)
+                if legacy_copy:
+                    feats._standin_device = True
+                    feats = feats.to("cpu")
+                embeds[image_mask] = feats.reshape(-1, hidden).to(embeds)
+            time.sleep(0.004)
+            return self.lm(embeds)
+
+    spec = fcm.ArchSpec("standin", "Model", "extract_feature", False, {})
+
+    class Engine:
+        def __init__(self, legacy_copy: bool) -> None:
+            self.vl_encoder = type("Encoder", (), {})()
+            self.vl_encoder.model = Vision()
+            self.model = Model().eval()
+            self.legacy_copy = legacy_copy
+
+        def _prepare(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+            msgs = [dict(m, content=[dict(type="image", data=x["image_data"]["data"])
+                                     if isinstance(x, dict) and x.get("type") == "image_data" else x
+                                     for x in m["content"]]) if isinstance(m.get("content"), list) else m
+                    for m in messages]
+            msgs = self.vl_encoder.model.preprocess(msgs)
+            items = [m for m in msgs if m.get("role") == "preprocess"][0]["content"]
+            text = sum(len(str(m.get("content"))) // 8 for m in messages)
+            ids = [1] * text + [token_id] * sum(int(x["image_tokens"]) for x in items)
+            return dict(items=items, input_ids=torch.tensor(ids))
+
+        async def preprocess(self, messages: Any, session_id: int, gen_config: Any) -> dict[str, Any]:
+            return await asyncio.to_thread(self._prepare, messages)
+
+        def _step(self, request: dict[str, Any]) -> torch.Tensor:
+            items, ids = request["items"], request["input_ids"]
+            refs = [x.get(REF_KEY) for x in items]
+            pixels = [x["pixel_values"] for x, r in zip(items, refs, strict=True) if r is None or not r.hit]
+            if any(r is not None for r in refs):  # featcache's model hook, as in its prepare
+                fcm._ensure_vision_wrapper(self.model, spec)
+                fcm._step.plan = fcm._Plan(refs, [int(x["image_tokens"]) for x in items])
+            pv = torch.cat(pixels) if pixels else (torch.empty(0) if items else None)
+            with torch.inference_mode():
+                logits = self.model(input_ids=ids, position_ids=None, past_key_values=None,
+                                    attn_metadata=_Meta(False), pixel_values=pv,
+                                    image_mask=ids == token_id, legacy_copy=self.legacy_copy)
+            nxt = logits[-1:].argmax(-1)
+            nxt._standin_device = True
+            return nxt.cpu()  # the engine's output copy (a few bytes)
+
+        async def generate(self, request: dict[str, Any], stream_response: bool = True) -> Any:
+            await asyncio.sleep(0.001)
+            token = self._step(request)
+            await asyncio.sleep(0.001)
+            yield Response(text="x", generate_token_len=1, input_token_len=len(request["input_ids"]),
+                           token_ids=[int(token)], cached_tokens=0)
+
+    class Pipe:
+        def __init__(self, legacy_copy: bool) -> None:
+            self.async_engine = Engine(legacy_copy)
+            self.loop = asyncio.new_event_loop()
+            self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+            self.thread.start()
+            self.ids = iter(range(1, 1 << 30))
+
+        def _run(self, coro: Any) -> Any:
+            return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+        def __call__(self, prompts: Any, gen_config: Any) -> Any:
+            async def one(p: Any) -> Any:
+                if isinstance(p, tuple):
+                    p = [dict(role="user", content=[dict(type="text", text=p[0]),
+                                                    dict(type="image_data", image_data=dict(data=p[1]))])]
+                req = await self.async_engine.preprocess(p, next(self.ids), gen_config)
+                async for out in self.async_engine.generate(req):
+                    return out
+            if isinstance(prompts, tuple):
+                return self._run(one(prompts)).result()
+            return [self._run(one(p)).result() for p in prompts]
+
+        def close(self) -> None:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(5)
+
+    def build(engine: str, cache: Any) -> Any:
+        pipe = Pipe(legacy_copy=engine == "plain")
+        if cache is not None:
+            install_frontend(pipe.async_engine.vl_encoder.model, cache, "dry-run")
+        return pipe
+
+    def on_device(t: torch.Tensor) -> bool:
+        return t.is_cuda or bool(getattr(t, "_standin_device", False))
+
+    return build, [(Model, "extract_feature", None)], on_device
+
+
+def dry_run(args: argparse.Namespace) -> int:
+    """bench and breakdown over the stand-in, on the CPU; checks what each must produce."""
+    build, timers, on_device = standin()
+    base = args.json or tempfile.mktemp(prefix="e2e-dry-")
+    args.cache_device = "cpu"
+    args.json = base + "-bench.json"
+    b = bench(args, build)
+    for e in ("plain", "featcache"):
+        r = b[e]
+        assert r["reps"] == args.reps, (e, r["reps"])
+        assert r["a_same_image_fresh_context"]["n"] == args.reps * args.n
+        assert r["c_distinct_images"]["n"] == args.reps * args.n
+        assert all(r["b_multi_turn"][f"turn_{t}"]["n"] == args.reps * args.chats for t in range(1, 5))
+        d = r["d_concurrent_32_clients_pool_8"]
+        assert d["requests"] == args.reps * args.d_requests and len(d["requests_per_s_by_rep"]) == args.reps
+        for s in ("a_same_image_fresh_context", "c_distinct_images"):
+            x = r[s]
+            assert x["p10_ms"] <= x["median_ms"] <= x["p90_ms"] and len(x["per_rep_median_ms"]) == args.reps
+    st = b["featcache"]["stats"]["lmdeploy"]
+    assert st.get("vision_skipped", 0) > 0 and st.get("hits", 0) > 0, st
+    rat = b["ratios"]
+    assert set(rat) >= {"a_same_image_speedup", "b_turn_4_speedup", "c_distinct_slowdown",
+                        "d_requests_per_s_gain", "flagged"}, rat
+    assert all(rat[k] is not None or k in rat["flagged"] for k, _, _ in SERIES), rat
+    # a noisy series makes no ratio: plain (a) as seen once on the GPU (median 353, p90 614 -> fine;
+    # a p90 above 2x median -> flagged)
+    noisy = dict(b["plain"], a_same_image_fresh_context=dict(spread([60.0] * 7 + [400.0] * 3), n=10))
+    flagged = ratios(noisy, b["featcache"], args.spread_limit)
+    assert flagged["a_same_image_speedup"] is None and "a_same_image_speedup" in flagged["flagged"], flagged
+    m = merge([args.json, args.json], base + "-merged.json", args.spread_limit)
+    assert m["ratios"]["a_same_image_speedup"] == rat["a_same_image_speedup"]
+
+    args.json = base + "-breakdown.json"
+    D2HCounter.LARGE = 1024  # the stand-in's features are 2 KiB
+    r = breakdown(args, build, on_device, timers)
+    pm, pr = r["plain"]["medians"]["miss"], r["plain"]["medians"]["repeat"]
+    fm, fh = r["featcache"]["medians"]["miss"], r["featcache"]["medians"]["repeat"]
+    for row in (pm, pr, fm):
+        assert row["vision_calls"] == 1 and row["vision"] >= 3 and row["image_preprocess"] >= 2, row
+    assert fh["vision_calls"] == 0 and fh["vision"] == 0 and fh["image_preprocess"] == 0, fh
+    assert fh["fc_frontend_own"] > 0 and fh["fc_serve_own"] > 0 and fm["fc_serve_own"] > 0, fh
+    assert pm["fc_frontend_own"] == 0 and pm["fc_serve_own"] == 0, pm
+    for row in (pm, fm, fh):
+        assert row["prefill"] >= 4 and row["engine_overhead"] > 0 and row["forward_calls"] == 1, row
+    for row in [x for e in ("plain", "featcache") for s in ("miss", "repeat") for x in r[e][s]]:
+        assert abs(row["wall"] - row["request_preprocess"] - row["vision"] - row["fc_serve_own"]
+                   - row["prefill"] - row["decode"] - row["engine_overhead"]) < 0.01, row
+    assert r["plain"]["d2h"]["miss"]["large_calls"] == 1, r["plain"]["d2h"]
+    fd = r["featcache"]["d2h"]["repeat"]
+    assert fd["large_calls"] == 0 and fd["calls"] >= 1, fd
+    assert r["answer"]["featcache_hit_vision_calls"] == 0
+    # the real targets resolve (lmdeploy imports here; nothing of them runs)
+    real = install_stage_timers(None)
+    assert "InternVLChatModel.extract_feature" in real and "InternVLChatModel.forward" in real, real
+    print(f"DRY-RUN OK: bench {args.reps} reps x 2 engines ({args.json.replace('-breakdown', '-bench')}), "
+          f"breakdown ({args.json}); ratios {json.dumps(rat)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["check", "bench", "profile", "floor"])
-    parser.add_argument("--model", required=True)
+    parser.add_argument("mode", choices=["check", "bench", "breakdown", "merge", "profile", "floor",
+                                         "dry-run"])
+    parser.add_argument("inputs", nargs="*", help="merge: the bench JSONs of one model")
+    parser.add_argument("--model")
     parser.add_argument("--json")
-    parser.add_argument("--n", type=int, default=10, help="requests per series (bench)")
-    parser.add_argument("--size", default="1344x1008", help="image size for bench, WxH")
+    parser.add_argument("--label", help="the model's name in tables and charts (default: the dir name)")
+    parser.add_argument("--n", type=int, default=None,
+                        help="requests per series and rep (default 10; dry-run 3)")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="bench: repetitions of each series, interleaved (default 3; dry-run 2)")
+    parser.add_argument("--chats", type=int, default=None,
+                        help="bench: 4-turn chats per rep in (b) (default 3)")
+    parser.add_argument("--clients", type=int, default=None,
+                        help="bench: concurrent clients in (d) (default 32)")
+    parser.add_argument("--d-requests", type=int, default=None,
+                        help="bench: requests per rep in (d) (default 64)")
+    parser.add_argument("--engines", default="plain,featcache",
+                        help="bench/breakdown: engines in order, of " + ",".join(ENGINES)
+                        + " (one per call for the 26B, then merge)")
+    parser.add_argument("--spread-limit", type=float, default=2.0,
+                        help="a series whose p90 exceeds this x its median makes no ratio")
+    parser.add_argument("--kv-fraction", type=float, default=0.05,
+                        help="cache_max_entry_count (0.05; ~0.3 for the 26B's 32 clients)")
+    parser.add_argument("--session-len", type=int, default=8192)
+    parser.add_argument("--eager", action="store_true", help="bench/breakdown: no CUDA graphs")
+    parser.add_argument("--budget", type=float, default=540,
+                        help="bench: s for the run; reps that would not fit are skipped, and named")
+    parser.add_argument("--rep-reserve-s", type=float, default=60, help="bench: s a further rep needs")
+    parser.add_argument("--size", default=None,
+                        help="image size, WxH (default 1344x1008: 12 tiles + thumbnail)")
     parser.add_argument("--tier-bytes", type=int, default=12 << 10,
                         help="check: device and host tier bytes, about one image's features")
     parser.add_argument("--answer-tokens", type=int, default=1,
                         help="tokens per chat answer in (b) (bench; >1: first token streamed)")
     args = parser.parse_args(argv)
+    dry = args.mode == "dry-run"
+    for k, v in dict(size="112x84" if dry else "1344x1008", n=3 if dry else 10, reps=2 if dry else 3,
+                     chats=1 if dry else 3, clients=4 if dry else 32, d_requests=12 if dry else 64).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.cache_device = "cuda"
+    if dry:
+        args.model = args.model or "<stand-in>"
+        return dry_run(args)
+    if args.mode == "merge":
+        merge(args.inputs, args.json, args.spread_limit)
+        return 0
+    if not args.model:
+        parser.error(f"{args.mode} needs --model")
     if args.mode == "check":
         results = check(args.model, args.tier_bytes)
         v = results["verdict"]
         ok = (all(v[k]["token_identical"] for k in ("featcache", "featcache_prefix", "featcache_restart"))
               and v["featcache_restart"]["vision_images"] in (None, 0)
               and v["prefix"]["safe"] and v["prefix"]["reused"])
+    elif args.mode in ("bench", "breakdown"):
+        run = bench if args.mode == "bench" else breakdown
+        run(args, real_builder(args))  # writes --json itself, after each engine
+        return 0
     else:
         w, h = (int(x) for x in args.size.split("x"))
-        if args.mode == "bench":
-            results = bench(args.model, (w, h), args.n, args.answer_tokens)
-        elif args.mode == "floor":
+        if args.mode == "floor":
             results = floor(args.model, (w, h), args.n)
         else:
             results = profile(args.model, (w, h), args.n)

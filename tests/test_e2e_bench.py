@@ -1,0 +1,76 @@
+"""bench/e2e_lmdeploy.py's statistics and dry-run, bench/plot_bench.py on a synthetic result (CPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(_ROOT, "bench"))
+import e2e_lmdeploy as e2e  # noqa: E402
+import plot_bench  # noqa: E402
+
+
+def _series(xs: list[float]) -> dict:
+    return e2e.spread(xs)
+
+
+def _result(label: str, plain_a: list[float]) -> dict:
+    def engine(a: list[float], k: float) -> dict:
+        return {"a_same_image_fresh_context": _series(a),
+                "b_multi_turn": {f"turn_{t}": _series([k * 50.0 + t] * 6) for t in range(1, 5)},
+                "c_distinct_images": _series([80.0, 82.0, 85.0]),
+                "d_concurrent_32_clients_pool_8": dict(
+                    requests_per_s=10.0 / k, requests_per_s_by_rep=[10.0 / k] * 3, noisy=False,
+                    ttft=_series([300.0 * k] * 5))}
+    r = {"meta": {"label": label}, "model": label, "engines": ["plain", "featcache"],
+         "plain": engine(plain_a, 1.0), "featcache": engine([20.0, 21.0, 22.0], 0.5)}
+    e2e.add_ratios(r, 2.0)
+    return r
+
+
+def test_spread_and_ratios_flag_a_noisy_series() -> None:
+    s = e2e.spread([60.0] * 7 + [400.0] * 3)
+    assert s["median_ms"] == 60.0 and s["p90_ms"] == 400.0 and s["noisy"]
+    assert not e2e.spread([60.0, 61.0, 70.0])["noisy"]
+    quiet = _result("m", [60.0, 62.0, 64.0])["ratios"]
+    assert quiet["a_same_image_speedup"] == round(62.0 / 21.0, 2) and not quiet["flagged"]
+    assert quiet["c_distinct_slowdown"] == 1.0 and quiet["d_requests_per_s_gain"] == 2.0
+    noisy = _result("m", [60.0] * 7 + [400.0] * 3)["ratios"]
+    assert noisy["a_same_image_speedup"] is None
+    assert "plain p90 400.0" in noisy["flagged"]["a_same_image_speedup"]
+    assert noisy["b_turn_1_speedup"] is not None  # only the noisy series loses its ratio
+
+
+def test_plot_bench_writes_png(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    paths = []
+    for i, a in enumerate(([60.0, 62.0, 64.0], [60.0] * 7 + [400.0] * 3)):
+        p = tmp_path / f"r{i}.json"
+        p.write_text(json.dumps(_result(f"model {i}", a)))
+        paths.append(str(p))
+    out = tmp_path / "chart.png"
+    assert plot_bench.main([*paths, "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    panel = plot_bench.panel_data(json.loads(open(paths[1]).read()))
+    assert panel["data"]["plain"][0][3] is True  # the noisy (a) is drawn hatched
+    assert "(a)" not in plot_bench.title(panel)  # and makes no ratio in the title
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lmdeploy") is None, reason="lmdeploy is not installed")
+def test_dry_run(tmp_path) -> None:
+    """bench and breakdown over the stand-in pipeline, in a subprocess (the stage timers patch
+    lmdeploy's model classes for the rest of the process)."""
+    r = subprocess.run([sys.executable, os.path.join(_ROOT, "bench", "e2e_lmdeploy.py"), "dry-run",
+                        "--json", str(tmp_path / "dry")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "DRY-RUN OK" in r.stdout
+    b = json.loads((tmp_path / "dry-bench.json").read_text())
+    assert b["plain"]["reps"] == 2 and "ratios" in b
+    d = json.loads((tmp_path / "dry-breakdown.json").read_text())
+    assert d["answer"]["featcache_hit_vision_calls"] == 0
