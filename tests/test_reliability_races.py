@@ -226,3 +226,78 @@ def test_close_while_threads_read_from_disk_never_crashes(tmp_path):
         kind, result = rel.in_fork(body)
         assert kind == "ok", result
         assert result["wrong"] == 0 and result["hits"] >= 200
+
+
+def test_black_box_a_read_right_after_a_put_or_discard_never_sees_an_older_value(tmp_path):
+    """The issue's black-box probe: readers keep promoting keys (device tier of 6 entries, host
+    of 8, disk below) while two writers put new versions and discard, each reading its key back
+    at once. A miss is allowed (copies dropped under this overload are counted); an older value
+    never is, right after the put nor after ``flush()`` nor from the reopened disk. The code
+    before the fix served 17 older values in 8,000 such reads."""
+    import random
+
+    keys = [b"k%d" % i for i in range(24)]
+    version = dict.fromkeys(keys, 0)
+
+    def value(v: int) -> torch.Tensor:
+        return torch.full((16384,), float(v))  # 64 KiB
+
+    cache = FeatureCache(device="cpu", device_bytes=6 * 65536, host_bytes=8 * 65536 + 8192,
+                         disk_path=tmp_path, disk_bytes="64MiB", disk_sync=False)
+    for k in keys:
+        cache.put(k, value(0))
+    cache.flush()
+    stop = threading.Event()
+    wrong: list[tuple[bytes, float, int]] = []
+    misses = [0]
+
+    def read(seed: int) -> None:
+        rng = random.Random(seed)
+        while not stop.is_set():
+            cache.get(keys[rng.randrange(len(keys))])
+
+    def write(seed: int, mine: list[bytes]) -> None:
+        rng = random.Random(seed)
+        for _ in range(2000):
+            k = mine[rng.randrange(len(mine))]
+            if rng.random() < 0.1:
+                cache.discard(k)
+                version[k] = -1
+                if cache.get(k) is not None:
+                    wrong.append((k, -1.0, -1))
+            else:
+                version[k] += 1
+                cache.put(k, value(version[k]))
+                got = cache.get(k)
+                if got is None:
+                    misses[0] += 1
+                elif float(got[0]) != version[k]:
+                    wrong.append((k, float(got[0]), version[k]))
+
+    readers = [threading.Thread(target=read, args=(i,)) for i in range(3)]
+    writers = [threading.Thread(target=write, args=(10 + i, keys[i::2])) for i in range(2)]
+    for t in readers + writers:
+        t.start()
+    for t in writers:
+        t.join(120)
+    stop.set()
+    for t in readers:
+        t.join(30)
+    cache.flush()
+    prevented = cache.stats()["cache"]["stale_promotions"]
+
+    def check(c: FeatureCache, where: str) -> None:
+        for k in keys:
+            got = c.get(k)
+            if got is not None and float(got[0]) != max(version[k], -1):
+                wrong.append((k, float(got[0]), version[k]))
+            if version[k] == -1 and got is not None:
+                wrong.append((k, float(got[0]), -1))
+
+    check(cache, "after flush")
+    cache.close()
+    with rel.disk_cache(tmp_path) as reopened:
+        check(reopened, "after reopen")
+    assert not wrong, wrong[:5]
+    rel.report("race/black-box reads right after put or discard", runs=4000, faults=0,
+               wrong=len(wrong), failed=0, misses=misses[0], stale_promotions_prevented=prevented)
