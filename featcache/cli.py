@@ -573,10 +573,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if not report.bad:
         return EXIT_OK
     if args.fix:
-        discard_keys(path, [e.key for e in report.bad])
+        # Only entries still bad when deleted: a live writer may have replaced one since.
+        deleted = discard_keys(path, [e.key for e in report.bad], only_bad=True)
         freed = sum(e.size for e in report.bad)
-        print(f"deleted {len(report.bad)} bad entr{'y' if len(report.bad) == 1 else 'ies'} "
-              f"({format_bytes(freed)})")
+        kept = len(report.bad) - deleted
+        print(f"deleted {deleted} bad entr{'y' if deleted == 1 else 'ies'}"
+              + (f" ({format_bytes(freed)})" if not kept else
+                 f"; {kept} rewritten with a good value meanwhile, kept"))
     else:
         print(f"run `featcache verify --fix {path}` to delete them (they are already served as "
               "misses: the cache checks every value it reads)")

@@ -41,6 +41,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 import lmdb
 
@@ -512,19 +513,25 @@ def maintenance_budget(path: str | os.PathLike[str]) -> int:
     return 2 * file_bytes + (1 << 30)  # used_bytes <= the data file's size
 
 
-def discard_keys(path: str | os.PathLike[str], keys: Iterable[bytes]) -> int:
+def discard_keys(path: str | os.PathLike[str], keys: Iterable[bytes], *,
+                 only_bad: bool = False) -> int:
     """Delete ``keys`` through a writable ``DiskTier``: each batch of DISCARD_BATCH is one write
     transaction that deletes data, meta and lru records and lowers ``used_bytes``.
 
-    Returns the number of keys submitted. Raises ``StoreOpenError`` if the store cannot be opened
+    ``only_bad``: delete a key only if its entry is still bad inside that transaction (``verify
+    --fix`` on a live store: a writer may have replaced a bad value with a good one since).
+    Returns the number of keys deleted. Raises ``StoreOpenError`` if the store cannot be opened
     for writing, ``FeatCacheError`` if a transaction failed (the disk tier counts it).
     """
     todo = list(keys)
+    kind: Literal["discard", "discard_bad"] = "discard_bad" if only_bad else "discard"
     tier = DiskTier(path, maintenance_budget(path))
     try:
         for start in range(0, len(todo), DISCARD_BATCH):
-            tier.write_batch([DiskOp("discard", k) for k in todo[start : start + DISCARD_BATCH]])
-        errors = tier.stats()["errors"]
+            tier.write_batch([DiskOp(kind, k) for k in todo[start : start + DISCARD_BATCH]])
+        stats = tier.stats()
+        errors = stats["errors"]
+        deleted = stats.get("bad_deleted", 0) if only_bad else len(todo)
     finally:
         tier.close()
     if errors:
@@ -532,7 +539,7 @@ def discard_keys(path: str | os.PathLike[str], keys: Iterable[bytes]) -> int:
             f"{errors} write transaction(s) on {os.fspath(path)!r} failed (see the log above); "
             "some entries may remain"
         )
-    return len(todo)
+    return deleted
 
 
 def purge_foreign_store(path: str | os.PathLike[str]) -> str:

@@ -144,3 +144,36 @@ def _check_copies(root: Path, rounds: int) -> int:
                 if got is not None and not _procs.same_bits(got, _procs.value_for(key)):
                     wrong += 1
     return wrong
+
+
+def test_verify_fix_keeps_a_value_rewritten_after_the_listing(tmp_path, capsys):
+    """`verify --fix` deletes only entries still bad when it deletes them: a writer that replaced
+    a bad value with a good one between the listing and the fix keeps its value (the deletes are
+    conditional inside the write transaction)."""
+    from featcache.storeview import discard_keys
+    from featcache.tiers.disk import DiskOp, DiskTier
+
+    _filled(tmp_path, 4)
+    tier = DiskTier(tmp_path, 64 << 20)
+    tier.write_batch([DiskOp("put", b"k1", b"not a featcache value"),
+                      DiskOp("put", b"k2", b"not a featcache value")])
+    tier.close()
+    with StoreView(tmp_path) as view:
+        bad = sorted(e.key for e in view.verify().bad)
+    assert bad == [b"k1", b"k2"]
+    with FeatureCache(device="cpu", device_bytes=0, host_bytes=0, disk_path=tmp_path,
+                      disk_bytes="64MiB") as cache:
+        cache.put(b"k1", _procs.value_for(b"k1"))  # rewritten after the listing
+    assert discard_keys(tmp_path, bad, only_bad=True) == 1
+    with FeatureCache(device="cpu", device_bytes=0, host_bytes=0, disk_path=tmp_path,
+                      disk_bytes="64MiB") as cache:
+        assert _procs.same_bits(cache.get(b"k1"), _procs.value_for(b"k1"))
+        assert cache.get(b"k2") is None
+        assert _procs.same_bits(cache.get(b"k0"), _procs.value_for(b"k0"))
+    # and through the command: the good entry stays, the bad one goes
+    tier = DiskTier(tmp_path, 64 << 20)
+    tier.write_batch([DiskOp("put", b"k3", b"bad again")])
+    tier.close()
+    assert cli(["verify", "--fix", str(tmp_path)]) == 2
+    assert "deleted 1 bad entry" in capsys.readouterr().out
+    assert cli(["verify", str(tmp_path)]) == 0

@@ -223,9 +223,12 @@ def check_store_files(path: str) -> None:
 
 
 class DiskOp(NamedTuple):
-    """One step of a write batch: a ``put`` of an encoded value, a ``touch`` or a ``discard``."""
+    """One step of a write batch: a ``put`` of an encoded value, a ``touch``, a ``discard``, or a
+    ``discard_bad``: a discard only if the key's entry is still bad when the transaction runs
+    (its value fails ``codec.verify``, or its books disagree with it), so that a maintenance
+    tool never deletes a good value another process wrote since the tool found the bad one."""
 
-    kind: Literal["put", "touch", "discard"]
+    kind: Literal["put", "touch", "discard", "discard_bad"]
     key: bytes
     value: bytes | memoryview = b""
 
@@ -529,6 +532,7 @@ class DiskTier:
         stored = 0
         evicted = 0
         skipped = 0  # puts LMDB could not hold (see write_batch): drops once the batch commits
+        bad_deleted = 0  # discard_bad ops that found the entry still bad
         self._reader_check()
         with env.begin(write=True) as txn:
             used = self._used(txn)
@@ -544,6 +548,10 @@ class DiskTier:
                     continue
                 if op.kind == "discard":
                     used = self._less(txn, used, self._delete(txn, op.key))
+                elif op.kind == "discard_bad":
+                    if self._bad(txn, op.key):
+                        used = self._less(txn, used, self._delete(txn, op.key))
+                        bad_deleted += 1
                 elif op.kind == "touch":
                     stamp += 1
                     self._touch(txn, op.key, stamp)
@@ -579,9 +587,27 @@ class DiskTier:
         with self._lock:
             self._counters.evictions += evicted
             self._counters.drops += skipped
+            if bad_deleted:
+                extra = self._counters.extra
+                extra["bad_deleted"] = extra.get("bad_deleted", 0) + bad_deleted
         if skipped:
             log.debug("featcache: %d disk puts skipped (key or value too long for LMDB)", skipped)
         return stored
+
+    def _bad(self, txn: lmdb.Transaction, key: bytes) -> bool:
+        """Whether ``key``'s entry is bad now: a value that fails ``codec.verify``, a value
+        without its meta record or the reverse, or a meta size that is not the value's."""
+        value = txn.get(key, db=self._data)
+        meta = _meta_of(txn.get(key, db=self._meta))
+        if value is None or meta is None:
+            return value is not None or txn.get(key, db=self._meta) is not None
+        if meta[1] != len(value):
+            return True
+        try:
+            codec.verify(value)
+        except CorruptEntryError:
+            return True
+        return False
 
     def _evict_oldest(self, txn: lmdb.Transaction, cursor: lmdb.Cursor) -> int | None:
         """Delete the least recently used entry; return its bytes, or None if there is none."""
