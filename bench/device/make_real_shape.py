@@ -30,38 +30,14 @@ def build(models_dir: str = '/tmp/models', device: str | None = None, force: boo
     """Write ``models_dir/internvl3_2b_shape``; returns what was done (path, params, seconds)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import make_tiny_vlm as mk
-    from transformers import (
-        GotOcr2ImageProcessorFast,
-        InternVLConfig,
-        InternVLForConditionalGeneration,
-        InternVLProcessor,
-        InternVLVideoProcessor,
-        Qwen2TokenizerFast,
-    )
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
     out = os.path.join(models_dir, NAME)
     done = os.path.join(out, 'generation_config.json')  # written last
     if os.path.exists(done) and not force:
         return dict(path=out, built=False)
     device = device or ('cuda' if torch.cuda.is_available() else 'cpu')
     os.makedirs(out, exist_ok=True)
-    special = ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<img>', '</img>', '<IMG_CONTEXT>', '<video>']
-    tmp = mk._bpe_tokenizer_file(out, special)
-    tok = Qwen2TokenizerFast(
-        tokenizer_file=tmp, eos_token='<|im_end|>', pad_token='<|endoftext|>',
-        extra_special_tokens={'start_image_token': '<img>', 'end_image_token': '</img>',
-                              'context_image_token': '<IMG_CONTEXT>', 'video_token': '<video>'})
-    os.remove(tmp)
-    tok.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-        "{% if m['content'] is string %}{{ m['content'] }}"
-        "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<IMG_CONTEXT>\n{% else %}"
-        "{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    ip = GotOcr2ImageProcessorFast(size={'height': 448, 'width': 448}, crop_to_patches=True, min_patches=1,
-                                   max_patches=12)
-    proc = InternVLProcessor(image_processor=ip, tokenizer=tok, video_processor=InternVLVideoProcessor(),
-                             image_seq_length=256, chat_template=tok.chat_template)
-    proc.save_pretrained(out)
+    tok = mk.internvl_hf_processor(out, tile=448, max_patches=12, image_seq_length=256)
     cfg = InternVLConfig(
         vision_config=dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                            intermediate_size=4096, image_size=[448, 448], patch_size=[14, 14]),

@@ -62,21 +62,18 @@ def _save(model_cls, cfg, out, arch, dtype, eos_token_id, pad_token_id):
     assert any(k.endswith('lm_head.weight') for k in keys), 'lm_head.weight missing from checkpoint'
 
 
-def internvl_hf(out, dtype='bfloat16'):
-    """HF-native InternVL (InternVLForConditionalGeneration) with a Qwen2 LLM.
-
-    56 px tiles, patch 14 -> 16 patches, pixel-shuffle 0.5 -> 4 image tokens per tile; up to
-    4 crops + thumbnail per image.
-    """
+def internvl_hf_processor(out, tile, max_patches, image_seq_length):
+    """Write the tokenizer and processor of an InternVL-HF checkpoint into ``out``; return the
+    tokenizer. Byte-level BPE (``_bpe_tokenizer_file``) with InternVL's special tokens, a Qwen
+    chat template that puts ``<IMG_CONTEXT>`` where an image goes, and a GotOcr2 processor of
+    ``tile``-px tiles (up to ``max_patches`` crops + thumbnail, ``image_seq_length`` tokens each).
+    Shared by the tiny checkpoint and make_real_shape.py's InternVL3-2B shape."""
     from transformers import (
         GotOcr2ImageProcessorFast,
-        InternVLConfig,
-        InternVLForConditionalGeneration,
         InternVLProcessor,
         InternVLVideoProcessor,
         Qwen2TokenizerFast,
     )
-    os.makedirs(out, exist_ok=True)
     special = ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<img>', '</img>', '<IMG_CONTEXT>', '<video>']
     tmp = _bpe_tokenizer_file(out, special)
     tok = Qwen2TokenizerFast(tokenizer_file=tmp, eos_token='<|im_end|>', pad_token='<|endoftext|>',
@@ -89,11 +86,23 @@ def internvl_hf(out, dtype='bfloat16'):
         "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
         "<IMG_CONTEXT>\n{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    ip = GotOcr2ImageProcessorFast(size={'height': 56, 'width': 56}, crop_to_patches=True, min_patches=1,
-                                   max_patches=4)
+    ip = GotOcr2ImageProcessorFast(size={'height': tile, 'width': tile}, crop_to_patches=True, min_patches=1,
+                                   max_patches=max_patches)
     proc = InternVLProcessor(image_processor=ip, tokenizer=tok, video_processor=InternVLVideoProcessor(),
-                             image_seq_length=4, chat_template=tok.chat_template)
+                             image_seq_length=image_seq_length, chat_template=tok.chat_template)
     proc.save_pretrained(out)
+    return tok
+
+
+def internvl_hf(out, dtype='bfloat16'):
+    """HF-native InternVL (InternVLForConditionalGeneration) with a Qwen2 LLM.
+
+    56 px tiles, patch 14 -> 16 patches, pixel-shuffle 0.5 -> 4 image tokens per tile; up to
+    4 crops + thumbnail per image.
+    """
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+    os.makedirs(out, exist_ok=True)
+    tok = internvl_hf_processor(out, tile=56, max_patches=4, image_seq_length=4)
     cfg = InternVLConfig(
         vision_config=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256,
                            image_size=[56, 56], patch_size=[14, 14]),
