@@ -469,25 +469,10 @@ def ratios(plain: dict[str, Any], fc: dict[str, Any], limit: float = 2.0) -> dic
 
 
 def bench_meta(args: argparse.Namespace, mode: str) -> dict[str, Any]:
-    import subprocess
+    from runmeta import run_meta
 
-    m: dict[str, Any] = dict(mode=mode, model=args.model, label=args.label or _label(args.model),
-                             args={k: v for k, v in vars(args).items() if k != "builder"},
-                             torch=torch.__version__, started=time.strftime("%Y-%m-%d %H:%M:%S"))
-    try:
-        import lmdeploy
-
-        m["lmdeploy"] = lmdeploy.__version__
-    except ImportError:
-        m["lmdeploy"] = None
-    if torch.cuda.is_available():
-        m["gpu"] = torch.cuda.get_device_name()
-    try:
-        m["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                     text=True, timeout=5).stdout.strip() or None
-    except Exception:  # noqa: BLE001 - the device copy may have no .git
-        m["commit"] = None
-    return m
+    return run_meta(mode=mode, model=args.model, label=args.label or _label(args.model),
+                    args={k: v for k, v in vars(args).items() if k != "builder"})
 
 
 def _label(model: str) -> str:

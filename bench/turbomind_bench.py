@@ -579,21 +579,9 @@ def run_all(args: argparse.Namespace, builder: Callable[[str, Any], Any], out: s
 
 
 def meta(args: argparse.Namespace) -> dict[str, Any]:
-    import lmdeploy
-    import torch
+    from runmeta import run_meta
 
-    m: dict[str, Any] = dict(args=vars(args), lmdeploy=lmdeploy.__version__, torch=torch.__version__,
-                             new_tokens=1, prefix_caching=True, started=time.strftime("%Y-%m-%d %H:%M:%S"))
-    if torch.cuda.is_available():
-        m["gpu"] = torch.cuda.get_device_name()
-    try:
-        import subprocess
-
-        m["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                     text=True, timeout=5).stdout.strip() or None
-    except Exception:  # noqa: BLE001 - the device copy may have no .git
-        m["commit"] = None
-    return m
+    return run_meta(args=vars(args), new_tokens=1, prefix_caching=True)
 
 
 # -- comparisons ---------------------------------------------------------------------------------
