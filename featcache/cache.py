@@ -292,7 +292,7 @@ class FeatureCache:
         if not _valid_key(key) or self._closed:
             return False
         assert isinstance(key, bytes)
-        if self._forks != _FORKS[0] and not self._adopted():
+        if not self._adopted():
             return False
         if (
             self._device.contains(key)
@@ -319,7 +319,7 @@ class FeatureCache:
 
     def flush(self) -> None:
         """Wait until every pending copy and disk write is done."""
-        if self._forks != _FORKS[0] and not self._adopted():
+        if not self._adopted():
             return
         if self._demoter is not None and not self._closed:
             self._demoter.flush()
@@ -335,8 +335,7 @@ class FeatureCache:
         """Per-tier counters and sizes (``device``, ``host``, ``disk``), cache-wide ones
         (``cache``), ``remote`` when a remote tier is configured (docs/tuning.md), and one
         section per integration that counted events (e.g. ``lmdeploy``)."""
-        if self._forks != _FORKS[0]:
-            self._adopted()
+        self._adopted()
         with self._counts_lock:
             counts = dict(self._counts)
             events = {section: dict(c) for section, c in self._events.items()}
@@ -592,9 +591,14 @@ class FeatureCache:
             self._adopt()
 
     def _adopted(self) -> bool:
-        """``_adopt`` for the calls that never raise: False if the cache cannot be used here."""
+        """For the calls that never raise: whether the tiers are this process's, adopting them
+        first in a forked child; False if that cannot be (closed there, or on CUDA)."""
+        if self._forks == _FORKS[0]:
+            return True
+        if self._closed:
+            return False
         try:
-            self._check_open()
+            self._adopt()
         except FeatCacheError:
             return False
         return True
