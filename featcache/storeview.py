@@ -48,7 +48,16 @@ import lmdb
 from . import codec
 from .config import DEFAULT_DIR, ENV_DIR, default_store_dir  # noqa: F401  (re-exported)
 from .errors import CorruptEntryError, FeatCacheError, StoreFormatError, StoreOpenError
-from .tiers.disk import _META, _STAMP, _U64, FORMAT_TAG, DiskOp, DiskTier, check_store_files
+from .tiers.disk import (
+    _META,
+    _STAMP,
+    _U64,
+    FORMAT_TAG,
+    DiskOp,
+    DiskTier,
+    check_store_files,
+    records_problem,
+)
 from .tiers.lmdbcheck import check_data_file
 
 # The named databases the disk tier opens, in its order (tests/test_cli_store.py checks a store
@@ -455,20 +464,16 @@ class StoreView:
                 key = bytes(raw_key)
                 meta = _meta_record(raw)
                 value = txn.get(key, db=data)
-                if meta is None:
-                    size = len(value) if value is not None else 0
-                    broken.append(_broken(key, size, None, "malformed meta record"))
+                problem = records_problem(value, raw)  # the disk tier's rule
+                if meta is not None:
+                    total += meta[1]
+                if problem is not None:
+                    size = len(value) if value is not None else meta[1] if meta is not None else 0
+                    broken.append(_broken(key, size, meta[0] if meta is not None else None, problem))
                     continue
-                stamp, size = meta
-                total += size
-                if value is None:
-                    broken.append(_broken(key, size, stamp, "meta record without a value"))
-                elif len(value) != size:
-                    broken.append(_broken(
-                        key, len(value), stamp,
-                        f"meta record says {size} bytes, the value holds {len(value)}",
-                    ))
-                elif txn.get(_STAMP.pack(stamp) + key, db=lru) is None:
+                assert meta is not None
+                stamp = meta[0]
+                if txn.get(_STAMP.pack(stamp) + key, db=lru) is None:
                     notes.append(f"{key.hex()}: no lru record (it cannot be evicted until used)")
             for raw_key in txn.cursor(db=data).iternext(keys=True, values=False):
                 key = bytes(raw_key)

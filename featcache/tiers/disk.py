@@ -595,16 +595,14 @@ class DiskTier:
         return stored
 
     def _bad(self, txn: lmdb.Transaction, key: bytes) -> bool:
-        """Whether ``key``'s entry is bad now: a value that fails ``codec.verify``, a value
-        without its meta record or the reverse, or a meta size that is not the value's."""
+        """Whether ``key``'s entry is bad now: its records disagree (``records_problem``) or its
+        value fails ``codec.verify``."""
         value = txn.get(key, db=self._data)
-        meta = _meta_of(txn.get(key, db=self._meta))
-        if value is None or meta is None:
-            return value is not None or txn.get(key, db=self._meta) is not None
-        if meta[1] != len(value):
+        if records_problem(value, txn.get(key, db=self._meta)) is not None:
             return True
         try:
-            codec.verify(value)
+            if value is not None:
+                codec.verify(value)
         except CorruptEntryError:
             return True
         return False
@@ -747,6 +745,21 @@ def _meta_of(raw: bytes | memoryview | None) -> tuple[int, int] | None:
         return None
     stamp, size = _META.unpack(raw)
     return int(stamp), int(size)
+
+
+def records_problem(value: bytes | memoryview | None, raw_meta: bytes | memoryview | None) -> str | None:
+    """What is wrong with one key's ``data`` and ``meta`` records, as this tier keeps them, or
+    None if they agree (or neither exists). The values themselves are ``codec.verify``'s."""
+    meta = _meta_of(raw_meta)
+    if raw_meta is not None and meta is None:
+        return "malformed meta record"
+    if meta is None:
+        return None if value is None else "value without a meta record"
+    if value is None:
+        return "meta record without a value"
+    if len(value) != meta[1]:
+        return f"meta record says {meta[1]} bytes, the value holds {len(value)}"
+    return None
 
 
 def _stamp_of(record: bytes) -> int:
