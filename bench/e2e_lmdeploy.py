@@ -93,6 +93,50 @@ class VisionCounter:
         return out
 
 
+class PromptLogits:
+    """Digests (sha256 of the raw bytes) of the prompt logits of every prefill forward, one per
+    sequence of the step (split by ``attn_metadata.q_seqlens``): the supported model classes'
+    ``forward`` is wrapped at class level and ``get_logits`` run on its hidden states. lmdeploy's
+    PyTorch engine returns prompt logits only with ``max_new_tokens=0`` and prefix caching off, so
+    ``check`` reads them here; random weights often emit the same tokens for different images, the
+    logits decide. Only for ``check`` (eager, untimed): one extra lm-head projection a prefill."""
+
+    def __init__(self) -> None:
+        import hashlib
+        import importlib
+
+        import featcache.lmdeploy.models as fcm
+
+        self.rows: list[dict[str, Any]] = []
+        rec = self
+
+        def make(orig: Any) -> Any:
+            def forward(self_: Any, *a: Any, **k: Any) -> Any:
+                out = orig(self_, *a, **k)
+                if not _is_decoding(a, k):
+                    meta = k.get("attn_metadata", a[3] if len(a) > 3 else None)
+                    logits = self_.get_logits(out)
+                    flat = logits.reshape(-1, logits.shape[-1])
+                    lens = [int(x) for x in getattr(meta, "q_seqlens", torch.tensor([flat.shape[0]]))]
+                    parts = flat.split(lens) if sum(lens) == flat.shape[0] else [flat]
+                    mask = k.get("image_mask")  # the image's tokens in this step (a prefill with pixels)
+                    first = mask.reshape(-1).nonzero() if mask is not None else None
+                    rec.rows.append(dict(seqlens=lens, image_at=int(first[0]) if first is not None
+                                         and len(first) else None, digests=[
+                        hashlib.sha256(p.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:16]
+                        for p in parts]))
+                return out
+            return forward
+
+        for spec in fcm.SPECS.values():
+            cls = getattr(importlib.import_module(f"lmdeploy.pytorch.models.{spec.module}"), spec.cls)
+            _patch(getattr(cls, "__wrapped__", cls), "forward", make)
+
+    def take(self) -> list[dict[str, Any]]:
+        out, self.rows = self.rows, []
+        return out
+
+
 def remote_code(model: str) -> bool:
     """Whether the checkpoint brings its own config classes (``auto_map``: legacy InternVL2)."""
     import os
@@ -163,13 +207,14 @@ def check_requests() -> list[tuple[str, Any]]:
     ]
 
 
-def run_check(pipe: Any, counter: VisionCounter) -> list[dict[str, Any]]:
+def run_check(pipe: Any, counter: VisionCounter, logits: PromptLogits) -> list[dict[str, Any]]:
     from lmdeploy import GenerationConfig
 
     gen = GenerationConfig(max_new_tokens=12, do_sample=False, ignore_eos=True)
     rows = []
     for label, prompt in check_requests():
         counter.take()
+        logits.take()
         batch = isinstance(prompt, list) and isinstance(prompt[0], tuple)
         if batch:
             outs = pipe(prompt, gen_config=gen)
@@ -181,8 +226,25 @@ def run_check(pipe: Any, counter: VisionCounter) -> list[dict[str, Any]]:
         rows.append(dict(label=label, token_ids=[o.token_ids for o in outs],
                          cached_tokens=[o.cached_tokens for o in outs],
                          input_tokens=[o.input_token_len for o in outs],
-                         vision_calls=calls, vision_rows=vrows))
+                         vision_calls=calls, vision_rows=vrows, prefill_logits=logits.take()))
     return rows
+
+
+def logits_verdict(plain: list[dict[str, Any]], other: list[dict[str, Any]]) -> dict[str, Any]:
+    """Prompt logits, request by request: compared where neither run reused cached tokens (a
+    prefill over part of the prompt computes other positions) and the steps held the same
+    sequences (a batch scheduled otherwise runs other kernel shapes); ``differ`` must be empty."""
+    same, differ, skipped = [], [], []
+    for p, o in zip(plain, other, strict=True):
+        if any(p["cached_tokens"]) or any(o["cached_tokens"]):
+            skipped.append(f"{p['label']} (cached tokens)")
+        elif [r["seqlens"] for r in p["prefill_logits"]] != [r["seqlens"] for r in o["prefill_logits"]]:
+            skipped.append(f"{p['label']} (scheduled otherwise)")
+        elif p["prefill_logits"] == o["prefill_logits"]:
+            same.append(p["label"])
+        else:
+            differ.append(p["label"])
+    return dict(identical=len(same), differ=differ, not_compared=skipped)
 
 
 def check(model: str, tier_bytes: int = 12 << 10) -> dict[str, Any]:
@@ -191,6 +253,7 @@ def check(model: str, tier_bytes: int = 12 << 10) -> dict[str, Any]:
     from featcache import FeatureCache
 
     counter = VisionCounter()
+    logits = PromptLogits()
     results: dict[str, Any] = {"model": model}
     dirs = [tempfile.mkdtemp(prefix="fc-check-") for _ in range(2)]
     # featcache_restart reopens featcache_prefix's store in a new pipeline: a restarted server
@@ -202,7 +265,7 @@ def check(model: str, tier_bytes: int = 12 << 10) -> dict[str, Any]:
                              disk_path=dirs[store], disk_bytes=64 << 20) if kind == "fc" else None
         t = time.time()
         pipe = build(kind, model, prefix, cache)
-        rows = run_check(pipe, counter)
+        rows = run_check(pipe, counter, logits)
         stats = cache.stats() if cache is not None else None
         pipe.close()
         if cache is not None:
@@ -224,16 +287,21 @@ def check(model: str, tier_bytes: int = 12 << 10) -> dict[str, Any]:
                              tier_hits={t: results[name]["stats"][t]["hits"]
                                         for t in ("device", "host", "disk")},
                              vision_calls=sum(r["vision_calls"] for r in results[name]["rows"]),
-                             plain_vision_calls=sum(r["vision_calls"] for r in results["plain"]["rows"]))
+                             plain_vision_calls=sum(r["vision_calls"] for r in results["plain"]["rows"]),
+                             prompt_logits=logits_verdict(results["plain"]["rows"], results[name]["rows"]))
     same_text = [r for r in results["plain"]["rows"] if r["label"].startswith("same text")]
     verdict["different_images_same_text_differ"] = same_text[0]["token_ids"] != same_text[1]["token_ids"]
     # Prefix safety by the engine's own accounting: over an identical 200-token text prefix,
     # another image may reuse at most the text blocks (<= 200 tokens); the same image reuses
     # blocks that hold the image (>= 256 tokens).
+    # The image's first token in plain's "long D" prefill (no prefix cache there: the whole prompt)
+    # bounds what another image may reuse; 200 (the text's characters) where it is not known.
+    steps = {r["label"]: r for r in results["plain"]["rows"]}["long D"]["prefill_logits"]
+    image_at = next((s["image_at"] for s in steps if s.get("image_at") is not None), 200)
     rows = {r["label"]: r for r in results["featcache_prefix"]["rows"]}
     other, same = rows["long E (same text)"]["cached_tokens"][0], rows["long D again"]["cached_tokens"][0]
     verdict["prefix"] = dict(other_image_cached_tokens=other, same_image_cached_tokens=same,
-                             safe=other <= 200, reused=same >= 256,
+                             image_at=image_at, safe=other <= image_at, reused=same > image_at,
                              input_tokens=rows["long D again"]["input_tokens"][0])
     results["verdict"] = verdict
     print("[e2e] VERDICT", json.dumps(verdict), flush=True)
@@ -1461,6 +1529,8 @@ def main(argv: list[str] | None = None) -> int:
         v = results["verdict"]
         ok = (all(v[k]["token_identical"] for k in ("featcache", "featcache_prefix", "featcache_restart"))
               and v["featcache_restart"]["vision_images"] in (None, 0)
+              and not any(v[k]["prompt_logits"]["differ"]
+                          for k in ("featcache", "featcache_prefix", "featcache_restart"))
               and v["prefix"]["safe"] and v["prefix"]["reused"])
     elif args.mode in ("bench", "breakdown"):
         run = bench if args.mode == "bench" else breakdown

@@ -74,3 +74,15 @@ def test_dry_run(tmp_path) -> None:
     assert b["plain"]["reps"] == 2 and "ratios" in b
     d = json.loads((tmp_path / "dry-breakdown.json").read_text())
     assert d["answer"]["featcache_hit_vision_calls"] == 0
+
+
+def test_logits_verdict_compares_only_like_for_like() -> None:
+    def row(label: str, digests: list[str], cached: int = 0, lens: list[int] | None = None) -> dict:
+        return dict(label=label, cached_tokens=[cached],
+                    prefill_logits=[dict(seqlens=lens or [10], image_at=3, digests=digests)])
+
+    plain = [row("a", ["x"]), row("b", ["y"]), row("c", ["z"]), row("d", ["w"], lens=[4, 6])]
+    other = [row("a", ["x"]), row("b", ["DIFF"]), row("c", ["q"], cached=64), row("d", ["w"], lens=[10])]
+    v = e2e.logits_verdict(plain, other)
+    assert v["identical"] == 1 and v["differ"] == ["b"]
+    assert v["not_compared"] == ["c (cached tokens)", "d (scheduled otherwise)"]
