@@ -108,6 +108,7 @@ class PromptLogits:
         import featcache.lmdeploy.models as fcm
 
         self.rows: list[dict[str, Any]] = []
+        self.last: list[torch.Tensor] = []  # the last prefill's last-position logits, per sequence
         rec = self
 
         def make(orig: Any) -> Any:
@@ -121,6 +122,7 @@ class PromptLogits:
                     parts = flat.split(lens) if sum(lens) == flat.shape[0] else [flat]
                     mask = k.get("image_mask")  # the image's tokens in this step (a prefill with pixels)
                     first = mask.reshape(-1).nonzero() if mask is not None else None
+                    rec.last = [q[-1].float().cpu() for q in parts]
                     rec.rows.append(dict(seqlens=lens, image_at=int(first[0]) if first is not None
                                          and len(first) else None, digests=[
                         hashlib.sha256(p.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:16]
@@ -134,6 +136,10 @@ class PromptLogits:
 
     def take(self) -> list[dict[str, Any]]:
         out, self.rows = self.rows, []
+        return out
+
+    def take_last(self) -> list[torch.Tensor]:
+        out, self.last = self.last, []
         return out
 
 
@@ -169,6 +175,19 @@ LONG_SUFFIX = ("then answer in one word, please, and nothing else at all; thank 
                "my friend, for reading this far.")
 
 
+LONG_TEXT = " ".join([LONG_PREFIX] * 10) + " " + LONG_SUFFIX
+
+
+def last_logits_diff(plain: list[dict[str, Any]], other: list[dict[str, Any]]) -> dict[str, float]:
+    """Max |difference| of the last prompt position's logits, request by request (first
+    sequence): where a prefill over cached KV makes the logits differ, by how much."""
+    out = {}
+    for p, o in zip(plain, other, strict=True):
+        if p["_last"] and o["_last"]:
+            out[p["label"]] = round(float((p["_last"][0] - o["_last"][0]).abs().max()), 4)
+    return out
+
+
 def check_requests() -> list[tuple[str, Any]]:
     """(label, prompt) in order; a prompt is a (text, image(s)) tuple, a list of them (one batch),
     or OpenAI-style messages."""
@@ -188,6 +207,10 @@ def check_requests() -> list[tuple[str, Any]]:
         ("long D", long(d)),
         ("long E (same text)", long(e)),
         ("long D again", long(d)),
+        # control: the same long prompt without an image, twice: what the engine's prefix cache
+        # does to greedy tokens by itself (a prefill of the tail over cached KV is other kernels)
+        ("long text", [dict(role="user", content=LONG_TEXT)]),
+        ("long text again", [dict(role="user", content=LONG_TEXT)]),
         ("A", ("describe the image", a)),
         ("A again", ("describe the image", a)),
         ("B", ("describe the image", b)),
@@ -215,6 +238,7 @@ def run_check(pipe: Any, counter: VisionCounter, logits: PromptLogits) -> list[d
     for label, prompt in check_requests():
         counter.take()
         logits.take()
+        logits.take_last()
         batch = isinstance(prompt, list) and isinstance(prompt[0], tuple)
         if batch:
             outs = pipe(prompt, gen_config=gen)
@@ -226,7 +250,8 @@ def run_check(pipe: Any, counter: VisionCounter, logits: PromptLogits) -> list[d
         rows.append(dict(label=label, token_ids=[o.token_ids for o in outs],
                          cached_tokens=[o.cached_tokens for o in outs],
                          input_tokens=[o.input_token_len for o in outs],
-                         vision_calls=calls, vision_rows=vrows, prefill_logits=logits.take()))
+                         vision_calls=calls, vision_rows=vrows, prefill_logits=logits.take(),
+                         _last=logits.take_last()))
     return rows
 
 
@@ -303,6 +328,20 @@ def check(model: str, tier_bytes: int = 12 << 10) -> dict[str, Any]:
     verdict["prefix"] = dict(other_image_cached_tokens=other, same_image_cached_tokens=same,
                              image_at=image_at, safe=other <= image_at, reused=same > image_at,
                              input_tokens=rows["long D again"]["input_tokens"][0])
+    # How far a prefix-cache prefill moves the logits, against how far another image moves them
+    plain_rows = {r["label"]: r for r in results["plain"]["rows"]}
+    verdict["last_logits_max_abs_diff"] = {
+        name: {k: v for k, v in last_logits_diff(results["plain"]["rows"], results[name]["rows"]).items()
+               if v} for name in ("featcache", "featcache_prefix", "featcache_restart")}
+    verdict["last_logits_max_abs_diff"]["plain: long D vs long E (another image)"] = last_logits_diff(
+        [plain_rows["long D"]], [dict(plain_rows["long E (same text)"], label="long D")])["long D"]
+    text = [r for r in results["featcache_prefix"]["rows"] if r["label"] == "long text again"][0]
+    verdict["text_only_control"] = dict(
+        cached_tokens=text["cached_tokens"][0],
+        token_identical=text["token_ids"] == plain_rows["long text again"]["token_ids"])
+    for name in results:
+        for r in results[name].get("rows", []) if isinstance(results[name], dict) else []:
+            r.pop("_last", None)
     results["verdict"] = verdict
     print("[e2e] VERDICT", json.dumps(verdict), flush=True)
     return results

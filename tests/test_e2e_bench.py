@@ -86,3 +86,11 @@ def test_logits_verdict_compares_only_like_for_like() -> None:
     v = e2e.logits_verdict(plain, other)
     assert v["identical"] == 1 and v["differ"] == ["b"]
     assert v["not_compared"] == ["c (cached tokens)", "d (scheduled otherwise)"]
+
+
+def test_last_logits_diff() -> None:
+    import torch
+
+    a = [dict(label="x", _last=[torch.tensor([1.0, 2.0])]), dict(label="y", _last=[])]
+    b = [dict(label="x", _last=[torch.tensor([1.0, 2.5])]), dict(label="y", _last=[])]
+    assert e2e.last_logits_diff(a, b) == {"x": 0.5}
