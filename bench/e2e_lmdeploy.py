@@ -285,9 +285,11 @@ def check(model: str, tier_bytes: int = 12 << 10) -> dict[str, Any]:
     for name, kind, prefix, store in [("plain", "plain", True, None), ("featcache", "fc", False, 0),
                                       ("featcache_prefix", "fc", True, 1),
                                       ("featcache_restart", "fc", True, 1)]:
-        # tiers of about one image each, so requests are served from host and disk too
+        # memory tiers of about one image each, so requests are served from host and disk too; a
+        # disk of 32 such (every image of the check: the restart must find them all)
+        disk_bytes = max(64 << 20, 32 * tier_bytes)
         cache = FeatureCache(device="cuda", device_bytes=tier_bytes, host_bytes=tier_bytes,
-                             disk_path=dirs[store], disk_bytes=64 << 20) if kind == "fc" else None
+                             disk_path=dirs[store], disk_bytes=disk_bytes) if kind == "fc" else None
         t = time.time()
         pipe = build(kind, model, prefix, cache)
         rows = run_check(pipe, counter, logits)
