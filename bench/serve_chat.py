@@ -81,7 +81,8 @@ def commands(model: str, backend: str, store: str, eager: bool = False,
 
 def check_commands(cmds: dict[str, list[str]]) -> dict[str, Any]:
     """Parse both command lines with featcache's and lmdeploy's own parsers (needs lmdeploy)."""
-    from featcache.serve import featcache_parser, lmdeploy_parser
+    from featcache.cli.serving import featcache_parser
+    from featcache.serve import lmdeploy_parser
 
     out: dict[str, Any] = {}
     plain = lmdeploy_parser().parse_args(cmds["plain"][5:])

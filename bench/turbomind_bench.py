@@ -135,7 +135,7 @@ def install_global_probes() -> None:
     import lmdeploy.turbomind.models.internvl as ivl
     import lmdeploy.turbomind.turbomind as tmt
 
-    import featcache.lmdeploy.turbomind as fct
+    import featcache.lmdeploy.tm_native as fct
 
     if _GLOBAL.get("installed_on") is tmt.TurboMind:  # once per import of lmdeploy.turbomind
         return
@@ -157,7 +157,7 @@ def install_global_probes() -> None:
 
 def instrument(pipe: Any, path: str) -> dict[str, Any]:
     """Wrap the live pipeline's steps (instance attributes); returns what was found."""
-    from featcache.lmdeploy.turbomind import NativePixels
+    from featcache.lmdeploy.tm_native import NativePixels
 
     engine = pipe.async_engine
     engine.preprocess = PROBE.wrap_async("request_preprocess", engine.preprocess)
@@ -417,10 +417,10 @@ def micro(pipe: Any, size: tuple[int, int], k: int = 5) -> dict[str, Any]:
 
     from featcache import FeatureCache
     from featcache.keys import image_key
-    from featcache.lmdeploy.refs import encode_item
+    from featcache.lmdeploy.entry_meta import encode_item
 
     fingerprint = _GLOBAL.get("fingerprint") or __import__(
-        "featcache.lmdeploy.turbomind", fromlist=["fingerprint"]).fingerprint
+        "featcache.lmdeploy.tm_native", fromlist=["fingerprint"]).fingerprint
     resolve = _GLOBAL["resolve_fingerprint"]
     hook = pipe.async_engine.vl_encoder.model.preprocess  # lmdeploy's own, under any featcache hook
     prep = hook.frontend.original if hasattr(hook, "frontend") else hook
@@ -693,8 +693,8 @@ def fake_builder(args: argparse.Namespace) -> Callable[[str, Any], Any]:
     from lmdeploy.turbomind.turbomind import TurboMind
 
     from featcache.lmdeploy.frontend import install_frontend
-    from featcache.lmdeploy.turbomind import install_native
-    from featcache.lmdeploy.vision_tower import FeatureServer
+    from featcache.lmdeploy.tm_features import FeatureServer
+    from featcache.lmdeploy.tm_native import install_native
 
     tiles, per_tile = 2, 4
 

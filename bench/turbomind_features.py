@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from featcache import FeatureCache  # noqa: E402
 from featcache.lmdeploy.refs import REF_KEY, FeatRef  # noqa: E402
-from featcache.lmdeploy.vision_tower import FeatureServer, InternVLTower  # noqa: E402
+from featcache.lmdeploy.tm_features import FeatureServer, InternVLTower  # noqa: E402
 
 SHAPES = {
     "tiny": dict(vision=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2,

@@ -1,4 +1,9 @@
-"""The store's settings: one frozen dataclass, validated at construction, units in the names."""
+"""The store's settings: one frozen dataclass, validated at construction, units in the names; and
+every default featcache has, in tables: ``DEFAULTS`` (a cache's options), ``SERVING_BUDGETS`` (the
+tier budgets a serving process takes from the machine), the default store directory.
+
+Invariant: a default is written here once; the cache, the lmdeploy integration, ``featcache
+serve``/``warm`` and the CLI read it from here (help texts included) and never restate it."""
 
 from __future__ import annotations
 
@@ -12,7 +17,8 @@ import torch
 
 from .sizes import MAX_BYTES, parse_bytes
 
-# The one table of defaults (sizes as people write them; parsed by CacheConfig.create).
+# The one table of defaults of a FeatureCache's options (sizes as people write them; parsed by
+# CacheConfig.create, which is how every CacheConfig is built: its fields have no defaults of their own).
 DEFAULTS: dict[str, int | str | bool | None] = {
     "device_bytes": "1GiB",
     "host_bytes": "4GiB",
@@ -39,15 +45,43 @@ DEFAULTS: dict[str, int | str | bool | None] = {
 # URL schemes of the remote tier: one server (redis-py's own forms) or a Redis Cluster (any node).
 REMOTE_SCHEMES = ("redis", "rediss", "unix", "redis-cluster", "rediss-cluster")
 
-
+# Where a store lives when none is named (the CLI, featcache.lmdeploy.default_cache()).
 ENV_DIR = "FEATCACHE_DIR"
-DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "featcache")
+DEFAULT_DIR_SHOWN = "~/.cache/featcache"
+DEFAULT_DIR = os.path.expanduser(DEFAULT_DIR_SHOWN)
+STORE_DIR_HELP = f"${ENV_DIR}, else {DEFAULT_DIR_SHOWN}"  # the default as help texts say it
 
 
 def default_store_dir() -> str:
     """Where a store lives when none is named: ``$FEATCACHE_DIR``, else ``~/.cache/featcache``
     (the CLI's default and ``featcache.lmdeploy.default_cache()``'s)."""
     return os.environ.get(ENV_DIR) or DEFAULT_DIR
+
+
+@dataclass(frozen=True)
+class MachineBudget:
+    """A tier budget sized from the machine: ``percent`` of an amount (``of``), at most ``cap``."""
+
+    percent: int
+    of: str  # what the amount is, for help texts
+    cap: str
+
+    def bytes_from(self, amount: int) -> int:
+        """The budget for ``amount`` bytes of the resource (integer arithmetic: exact)."""
+        return min(parse_bytes(self.cap), amount * self.percent // 100)
+
+    def __str__(self) -> str:
+        return f"{self.percent}% of {self.of}, at most {self.cap}"
+
+
+# The tier budgets featcache.lmdeploy.default_cache() gives a serving process (and so `featcache
+# serve` and `featcache warm`) where DEFAULTS' fixed sizes would not fit: a share of what the
+# machine has. The device tier stays small: lmdeploy takes most of the GPU for its KV cache.
+SERVING_BUDGETS: dict[str, MachineBudget] = {
+    "device_bytes": MachineBudget(4, "free GPU memory", "2GiB"),
+    "host_bytes": MachineBudget(10, "RAM", "8GiB"),
+    "disk_bytes": MachineBudget(50, "the free space", "32GiB"),
+}
 
 
 def default_device() -> str:
@@ -61,21 +95,21 @@ class CacheConfig:
     host_bytes: int
     disk_path: str | None
     disk_bytes: int
-    host_slab_bytes: int = 256 << 20  # pinned memory is taken in slabs of this size, lazily
-    demote_queue_entries: int = 64  # device->host copies waiting; beyond this, copies are dropped
-    disk_queue_entries: int = 64  # disk writes waiting; beyond this, writes are dropped
-    disk_sync: bool = True  # fsync each disk transaction (metadata sync is always off)
-    remote_url: str | None = field(default=None, repr=False)  # may hold a password: never shown
-    remote_prefix: str = "featcache"  # namespace of this cache's keys on the server (per model)
-    remote_ttl_s: int = 7 * 24 * 3600  # lifetime of a published entry; 0: none (eviction only)
-    remote_chunk_bytes: int = 4 << 20  # values larger than this are split into chunks this size
-    remote_timeout_ms: int = 250  # connect and socket timeout of every remote call
-    remote_breaker_failures: int = 3  # consecutive failed calls that open the breaker
-    remote_breaker_cooldown_ms: int = 5000  # remote skipped this long, then one trial call
-    remote_queue_entries: int = 16  # publishes waiting; beyond this, publishes are dropped
-    remote_tls_ca_file: str | None = None  # rediss: CA bundle to verify the server with
-    remote_tls_cert_file: str | None = None  # rediss: client certificate (mutual TLS)
-    remote_tls_key_file: str | None = None  # rediss: the client certificate's key
+    host_slab_bytes: int  # pinned memory is taken in slabs of this size, lazily
+    demote_queue_entries: int  # device->host copies waiting; beyond this, copies are dropped
+    disk_queue_entries: int  # disk writes waiting; beyond this, writes are dropped
+    disk_sync: bool  # fsync each disk transaction (metadata sync is always off)
+    remote_url: str | None = field(repr=False)  # may hold a password: never shown
+    remote_prefix: str  # namespace of this cache's keys on the server (per model)
+    remote_ttl_s: int  # lifetime of a published entry; 0: none (eviction only)
+    remote_chunk_bytes: int  # values larger than this are split into chunks this size
+    remote_timeout_ms: int  # connect and socket timeout of every remote call
+    remote_breaker_failures: int  # consecutive failed calls that open the breaker
+    remote_breaker_cooldown_ms: int  # remote skipped this long, then one trial call
+    remote_queue_entries: int  # publishes waiting; beyond this, publishes are dropped
+    remote_tls_ca_file: str | None  # rediss: CA bundle to verify the server with
+    remote_tls_cert_file: str | None  # rediss: client certificate (mutual TLS)
+    remote_tls_key_file: str | None  # rediss: the client certificate's key
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -164,10 +198,11 @@ class CacheConfig:
         if path is not None and not isinstance(path, str):
             raise TypeError(f"disk_path must be a str or a path-like of str (None: no disk tier), "
                             f"not {type(path).__name__} {path!r}")
-        extra = {k: v for k, v in options.items() if v is not None}  # None: the default
-        for name in DEFAULTS:
-            if name.endswith("_bytes") and name not in ("device_bytes", "host_bytes", "disk_bytes"):
-                extra[name] = size_option(name, extra.get(name))
+        extra: dict[str, object] = {}
+        for name in DEFAULTS.keys() - _ARGUMENTS:  # every other option: given, else its default
+            value = options.get(name)
+            extra[name] = size_option(name, value) if name.endswith("_bytes") else (
+                DEFAULTS[name] if value is None else value)
         return cls(
             device=str(device) if device is not None else default_device(),
             device_bytes=size_option("device_bytes", device_bytes),
@@ -177,6 +212,9 @@ class CacheConfig:
             **extra,  # type: ignore[arg-type]
         )
 
+
+# The options CacheConfig.create takes as named arguments (the rest come through **options).
+_ARGUMENTS = {"device", "device_bytes", "host_bytes", "disk_path", "disk_bytes"}
 
 # The annotations of CacheConfig's fields (strings: postponed evaluation) and the types they admit.
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {

@@ -24,6 +24,7 @@ from .sizes import format_bytes
 
 TILE = 448
 PATCH = 14
+TURNS = 6  # chat turns of `featcache demo`
 
 
 class TinyVisionEncoder(nn.Module):
@@ -123,7 +124,9 @@ def _print_turns(title: str, turns: list[Turn]) -> None:
               f"{t.ms:>8.1f}")
 
 
-def main(turns: int = 6, cache_dir: str | None = None, device: str | None = None) -> int:
+def run(turns: int = TURNS, cache_dir: str | None = None, device: str | None = None) -> int:
+    """Run the demo, printing what it does; 0 if every feature served was bit-identical to a
+    fresh encoding and each image was encoded once, else 1."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     torch.set_num_threads(max(1, torch.get_num_threads()))

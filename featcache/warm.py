@@ -1,41 +1,26 @@
-"""``featcache warm``: compute image features offline into the disk tier, so a server starts hot.
+"""Compute image features offline into the disk tier, so a server starts hot (``featcache warm``).
 
-    featcache warm MODEL IMAGE... [--from-dir DIR] [--cache-dir DIR] [--param KEY=VALUE ...]
-
-Each image goes through a featcache pipeline of MODEL (lmdeploy's PyTorch engine, one GPU), as a
-one-token request whose image is a local file: the key is the one a server computes for the same
-file sent as a file path or a base64 data URL (keys of encoded images are digests of their bytes,
-the model's namespace and the per-image parameters), so ``featcache serve`` over the same
-``--cache-dir`` with the same ``--dtype`` and parameters serves them from disk. Images already
-cached are not computed again. The store is flushed to disk before the command returns.
+Each image goes through a featcache pipeline of the model (lmdeploy's PyTorch engine, one GPU), as
+a one-token request whose image is a local file: the key is the one a server computes for the
+same file sent as a file path or a base64 data URL (keys of encoded images are digests of their
+bytes, the model's namespace and the per-image parameters), so ``featcache serve`` over the same
+cache directory with the same ``--dtype`` and parameters serves them from disk. Images already
+cached are not computed again. The store is flushed to disk before ``warm_images`` returns. The
+command line is ``featcache.cli.serving``'s.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
+from .cache import FeatureCache
+from .lmdeploy import SECTION, pipeline
+
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", metavar="MODEL", help="model path or id (as for lmdeploy)")
-    p.add_argument("images", nargs="*", metavar="IMAGE", help="image files")
-    p.add_argument("--from-dir", metavar="DIR",
-                   help=f"also every image file under DIR, recursively ({', '.join(IMAGE_SUFFIXES)})")
-    p.add_argument("--cache-dir", metavar="DIR",
-                   help="store directory (default: $FEATCACHE_DIR, else ~/.cache/featcache)")
-    p.add_argument("--disk-bytes", metavar="N", help="disk tier budget, e.g. 64GiB "
-                   "(default: half the free space, at most 32GiB)")
-    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                   help="a per-image parameter the server's clients send too (e.g. "
-                   "max_dynamic_patch=6); part of the key. Repeatable")
-    p.add_argument("--dtype", default="auto", help="as the server's --dtype (default auto)")
-    p.add_argument("--batch", type=int, default=8, metavar="N", help="images per batch (default 8)")
 
 
 def collect(images: Iterable[str], from_dir: str | None) -> list[str]:
@@ -83,69 +68,53 @@ def request(path: str, params: dict[str, Any]) -> list[dict[str, Any]]:
         {"type": "image_url", "image_url": {"url": path, **params}}]}]
 
 
-def main(args: argparse.Namespace) -> int:
-    """Run ``featcache warm`` (see the module docstring); the exit code."""
+@dataclass
+class WarmReport:
+    images: int  # images asked for
+    image_bytes: int  # bytes of their files
+    computed: int  # images whose features were computed (misses)
+    cached: int  # images already cached (hits)
+    entries: int  # entries of the store afterwards
+    bytes: int  # bytes of the store afterwards
+    seconds: float  # from the first batch to the flushed store
+    failed: list[str] = field(default_factory=list)  # "PATH: ERROR" of each image that failed
+
+
+def warm_images(model: str, cache: FeatureCache, paths: list[str], *, params: dict[str, Any],
+                dtype: str = "auto", batch: int = 8,
+                progress: Callable[[int, int], None] | None = None) -> WarmReport:
+    """Run ``model``'s vision model over ``paths`` in batches of ``batch``, storing features in
+    ``cache`` (the caller's: it stays open, flushed). An image that fails is reported, not raised;
+    ``progress(done, bytes)`` is called after each batch."""
     from lmdeploy import GenerationConfig, PytorchEngineConfig
 
-    from .cli import ProgressBar
-    from .errors import FeatCacheError
-    from .lmdeploy import SECTION, default_cache, pipeline
-    from .sizes import parse_bytes
-
-    try:
-        paths = collect(args.images, args.from_dir)
-        params = parse_params(args.param)
-        disk_bytes = parse_bytes(args.disk_bytes) if args.disk_bytes else None
-        if args.batch < 1:
-            raise ValueError("--batch must be at least 1")
-    except ValueError as e:
-        print(f"featcache warm: error: {e}", file=sys.stderr)
-        return 2
-    if not paths:
-        print("featcache warm: error: no images (give IMAGE files or --from-dir DIR)", file=sys.stderr)
-        return 2
-    try:
-        cache = default_cache(path=args.cache_dir, disk_bytes=disk_bytes)
-    except (FeatCacheError, TypeError, ValueError) as e:  # e.g. a --disk-bytes it cannot map
-        print(f"featcache warm: error: {e}", file=sys.stderr)
-        return 1
-    try:
-        pipe = pipeline(args.model, cache=cache, log_level="ERROR",
-                        backend_config=PytorchEngineConfig(dtype=args.dtype, session_len=16384))
-    except BaseException:
-        cache.close()
-        raise
+    pipe = pipeline(model, cache=cache, log_level="ERROR",
+                    backend_config=PytorchEngineConfig(dtype=dtype, session_len=16384))
     gen = GenerationConfig(max_new_tokens=1, do_sample=False)
     failed: list[str] = []
     start = time.perf_counter()
-    bar = ProgressBar(len(paths), "warm")
     done = nbytes = 0
     try:
-        for i in range(0, len(paths), args.batch):
-            batch = paths[i:i + args.batch]
+        for i in range(0, len(paths), batch):
+            chunk = paths[i:i + batch]
             try:
-                pipe([request(p, params) for p in batch], gen_config=gen)
+                pipe([request(p, params) for p in chunk], gen_config=gen)
             except Exception:  # one bad file fails its batch: find it, keep the others
-                for p in batch:
+                for p in chunk:
                     try:
                         pipe([request(p, params)], gen_config=gen)
                     except Exception as e:
                         failed.append(f"{p}: {type(e).__name__}: {e}")
-            done += len(batch)
-            nbytes += sum(os.path.getsize(p) for p in batch)
-            bar.update(done, nbytes)
-        bar.close(done, nbytes)
+            done += len(chunk)
+            nbytes += sum(os.path.getsize(p) for p in chunk)
+            if progress is not None:
+                progress(done, nbytes)
         cache.flush()
         stats = cache.stats()
-        counts, disk = stats.get(SECTION, {}), stats.get("disk", {})
     finally:
         pipe.close()
-        cache.close()
-    computed = counts.get("misses", 0)
-    print(f"warmed {len(paths) - len(failed)} of {len(paths)} images in "
-          f"{time.perf_counter() - start:.1f} s: {computed} computed, "
-          f"{counts.get('hits', 0)} already cached; store: {disk.get('entries', 0)} entries, "
-          f"{disk.get('bytes', 0) / 2**20:.1f} MiB")
-    for line in failed:
-        print(f"featcache warm: failed: {line}", file=sys.stderr)
-    return 1 if failed else 0
+    counts, disk = stats.get(SECTION, {}), stats.get("disk", {})
+    return WarmReport(images=len(paths), image_bytes=nbytes, computed=counts.get("misses", 0),
+                      cached=counts.get("hits", 0), entries=disk.get("entries", 0),
+                      bytes=disk.get("bytes", 0), seconds=time.perf_counter() - start,
+                      failed=failed)

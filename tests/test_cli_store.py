@@ -25,7 +25,9 @@ import torch
 
 import featcache.storeview as storeview
 from featcache import FeatureCache, image_key
-from featcache.cli import ProgressBar, main, meta_summary
+from featcache.cli import main
+from featcache.cli.progress import ProgressBar
+from featcache.cli.render import meta_summary
 from featcache.codec import HEADER
 from featcache.tiers.disk import DiskTier
 
@@ -136,6 +138,12 @@ def test_store_dir_defaults_to_featcache_dir(store, capsys, monkeypatch):
     monkeypatch.setenv("FEATCACHE_DIR", str(path))
     rc, out, _ = run(capsys, "stats", "--json")
     assert rc == 0 and json.loads(out)["tiers"]["disk"]["entries"] == len(want)
+    key = list(want)[0].hex()
+    for argv in (["inspect", key, "--json"], ["inspect", str(path), key, "--json"]):  # DIR optional
+        rc, out, _ = run(capsys, *argv)
+        assert rc == 0 and json.loads(out)["key"] == key, argv
+    rc, out, _ = run(capsys, "verify")
+    assert rc == 0 and f"verified {len(want)} entries" in out
 
 
 # -- ls and inspect -----------------------------------------------------------------------------
@@ -177,7 +185,7 @@ def test_ls_order_follows_use(store, capsys):
 def test_inspect_by_key_and_prefix(store, capsys):
     path, want = store
     key = list(want)[1]  # carries JSON metadata
-    rc, out, _ = run(capsys, "inspect", key.hex(), "--dir", str(path))
+    rc, out, _ = run(capsys, "inspect", str(path), key.hex())
     assert rc == 0
     fields = dict(line.split(None, 1) for line in out.splitlines() if line and not line.startswith(" "))
     assert fields["dtype"] == "bfloat16"
@@ -186,15 +194,15 @@ def test_inspect_by_key_and_prefix(store, capsys):
     assert f"metadata {len(LMDEPLOY_META)} B" in fields["layout"]
     assert '"image_tokens": 256' in out  # pretty JSON
 
-    rc, out, _ = run(capsys, "inspect", key.hex()[:10], "--dir", str(path), "--json")
+    rc, out, _ = run(capsys, "inspect", str(path), key.hex()[:10], "--json")
     doc = json.loads(out)
     assert rc == 0 and doc["key"] == key.hex() and doc["checksum_ok"] is True
     assert doc["meta"]["fields"]["image_tokens"] == 256
 
-    rc, _, err = run(capsys, "inspect", "ffff" * 8, "--dir", str(path))
+    rc, _, err = run(capsys, "inspect", str(path), "ffff" * 8)
     assert rc == 1 and "no entry with key" in err and err.count("\n") == 1
     with pytest.raises(SystemExit) as exc:
-        main(["inspect", "not-hex", "--dir", str(path)])
+        main(["inspect", str(path), "not-hex"])
     assert exc.value.code == 2
 
 
@@ -222,7 +230,7 @@ def test_verify_finds_and_fixes_a_corrupt_entry(store, capsys):
     assert err == ""  # no progress bar when stderr is not a terminal
     assert books(path) == before, "verify without --fix wrote to the store"
 
-    rc, out, _ = run(capsys, "inspect", bad.hex(), "--dir", str(path))
+    rc, out, _ = run(capsys, "inspect", str(path), bad.hex())
     assert rc == 2 and "BAD: checksum mismatch" in out
 
     rc, out, _ = run(capsys, "verify", str(path), "--fix")
@@ -491,7 +499,13 @@ def test_python_m_reads_a_store_this_process_holds_open(tmp_path):
 
 
 def test_default_dir_is_where_the_lmdeploy_integration_keeps_its_store(monkeypatch):
+    import argparse
+
+    from featcache import config
+    from featcache.cli.command import store_dir
+
     lmdeploy_integration = pytest.importorskip("featcache.lmdeploy")
-    assert storeview.DEFAULT_DIR == lmdeploy_integration.DEFAULT_DIR
+    assert config.DEFAULT_DIR == lmdeploy_integration.DEFAULT_DIR
     monkeypatch.delenv("FEATCACHE_DIR", raising=False)
-    assert storeview.default_store_dir() == storeview.DEFAULT_DIR
+    assert store_dir(argparse.Namespace(dir=None)) == config.DEFAULT_DIR
+    assert config.DEFAULT_DIR == os.path.join(os.path.expanduser("~"), ".cache", "featcache")

@@ -289,8 +289,7 @@ def test_unreadable_metadata_is_a_miss_and_leaks_no_lease(rig):
 def test_entries_record_their_namespace_for_ls_and_purge(rig):
     import json
 
-    from featcache.cli import namespace_of
-    from featcache.lmdeploy.refs import decode_item
+    from featcache.lmdeploy.entry_meta import decode_item, namespace_of
 
     out = rig.cached.prompt(tiny.messages(tiny.image_item(tiny.noise_image(90, 70, seed=11))))
     ref = out["multimodal"][0][REF_KEY]

@@ -608,10 +608,9 @@ def test_a_bad_disk_bytes_on_the_command_line_is_one_line_not_a_traceback(tmp_pa
                                                                           monkeypatch):
     pytest.importorskip("lmdeploy")  # serve and warm are lmdeploy's commands (absent on the GPU box)
     from featcache.cli import main as cli
-    from featcache.serve import featcache_parser
 
     with pytest.raises(SystemExit) as exited:  # argparse's one-line usage error
-        featcache_parser().parse_known_args(["m", "--disk-bytes", "9" * 400 + "TiB"])
+        cli(["serve", "m", "--disk-bytes", "9" * 400 + "TiB"])
     assert exited.value.code == 2 and "too large" in capsys.readouterr().err
     image = tmp_path / "a.png"
     Image.new("RGB", (4, 4)).save(image)

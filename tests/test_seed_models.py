@@ -270,7 +270,7 @@ def test_turbomind_native_path(models, key, torchvision, monkeypatch):
         from lmdeploy.turbomind.turbomind import TurboMind
         from transformers import AutoConfig
 
-        from featcache.lmdeploy.turbomind import install_native
+        from featcache.lmdeploy.tm_native import install_native
 
         model = INPUT_MODELS.get("internvl")(AutoConfig.from_pretrained(path, trust_remote_code=True),
                                              resolver=None, vision_resolver=None,

@@ -184,9 +184,11 @@ def test_serve_metrics_off_and_refusals(served, capsys):
 
 
 def test_lmdeploys_flags_are_not_taken_for_prefixes_of_featcaches():
-    from featcache.serve import featcache_parser, lmdeploy_parser
+    from featcache.cli import build_parser
+    from featcache.serve import lmdeploy_parser
 
-    ours, rest = featcache_parser().parse_known_args(["m", "--device", "cuda", "--disk-bytes", "1GiB"])
+    ours, rest = build_parser().parse_known_args(
+        ["serve", "m", "--device", "cuda", "--disk-bytes", "1GiB"])  # as `featcache` parses it
     assert ours.device_bytes is None and ours.disk_bytes == 1 << 30
     assert rest == ["m", "--device", "cuda"]
     assert lmdeploy_parser().parse_args(rest).device == "cuda"
@@ -226,6 +228,59 @@ def test_warm_collects_files_and_refuses_bad_input(tmp_path, capsys):
     assert "no images" in capsys.readouterr().err
     assert cli(["warm", "some/model", str(tmp_path / "missing.png")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_warm_runs_batches_keeps_going_past_a_bad_file_and_reports(tmp_path, monkeypatch, capsys):
+    """`featcache warm` over a stand-in pipeline (lmdeploy's engine needs CUDA): batches of
+    --batch, a failing batch retried image by image, progress per batch, the store flushed and
+    closed, the summary on stdout and each failed file on stderr (exit code 1)."""
+    import featcache.cli.serving as serving
+    import featcache.warm as warm_module
+    from featcache import FeatureCache, image_key
+    from featcache.lmdeploy import SECTION
+
+    files = []
+    for name in ["a", "b", "bad", "c", "d"]:
+        files.append(tmp_path / f"{name}.png")
+        files[-1].write_bytes(name.encode() * 10)
+    calls, caches = [], []
+
+    class StandInPipe:
+        def __init__(self, cache):
+            self.cache = cache
+            self.closed = False
+
+        def __call__(self, requests, gen_config):
+            paths = [r[0]["content"][1]["image_url"]["url"] for r in requests]
+            calls.append([os.path.basename(p) for p in paths])
+            if any("bad" in p for p in paths):
+                raise ValueError("cannot decode")
+            for p in paths:
+                self.cache.count(SECTION, "misses")
+                self.cache.put(image_key(p.encode()), torch.zeros(4))
+
+        def close(self):
+            self.closed = True
+
+    def default_cache(path, disk_bytes):
+        caches.append(FeatureCache(device="cpu", host_bytes=0, disk_path=path, disk_bytes="64MiB"))
+        return caches[-1]
+
+    monkeypatch.setattr(warm_module, "pipeline", lambda model, cache, **kw: StandInPipe(cache))
+    monkeypatch.setattr(serving, "default_cache", default_cache)
+    drawn = []
+    monkeypatch.setattr(serving.ProgressBar, "update", lambda self, done, n, force=False:
+                        drawn.append(done))
+
+    assert cli(["warm", "m", *map(str, files), "--cache-dir", str(tmp_path / "s"), "--batch", "2"]) == 1
+    out, err = capsys.readouterr()
+    assert calls == [["a.png", "b.png"], ["bad.png", "c.png"], ["bad.png"], ["c.png"], ["d.png"]]
+    assert drawn == [2, 4, 5]
+    assert out.startswith("warmed 4 of 5 images in ")
+    assert "4 computed, 0 already cached; store: 4 entries" in out
+    assert err.strip() == f"featcache warm: failed: {files[2]}: ValueError: cannot decode"
+    with pytest.raises(FeatCacheError, match="closed"):  # closed when warm returned
+        caches[0].put(b"k" * 16, torch.zeros(1))
 
 
 def test_warm_keys_files_as_a_server_keys_the_same_bytes(model, tmp_path):

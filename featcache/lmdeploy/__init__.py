@@ -20,17 +20,17 @@ from typing import Any
 import torch
 
 from ..cache import FeatureCache
-from ..config import DEFAULT_DIR, default_store_dir
+from ..config import DEFAULT_DIR, SERVING_BUDGETS, default_store_dir
 from .engine import KeyedInputProcessor, keep_prefix_caching
 from .frontend import SECTION, install_frontend
 from .identity import model_identity
 from .models import SPECS, patch_model_class
 from .refs import FeatRef
+from .turbomind import install_turbomind
 
 __all__ = ["DEFAULT_DIR", "SECTION", "SPECS", "FeatRef", "default_cache", "pipeline", "wrap"]
 
 log = logging.getLogger("featcache")
-
 
 
 def default_cache(*, path: str | None = None, device_bytes: int | None = None,
@@ -38,25 +38,25 @@ def default_cache(*, path: str | None = None, device_bytes: int | None = None,
                   host_only: bool = False, remote_url: str | None = None) -> FeatureCache:
     """The cache ``pipeline(cache=None)`` builds; each argument overrides one default.
 
-    device tier: 4% of the GPU's free memory, at most 2 GiB (lmdeploy takes most of the rest for
-    its KV cache); host tier: 10% of RAM, at most 8 GiB; disk tier: ``$FEATCACHE_DIR`` or
-    ``~/.cache/featcache``, 32 GiB or half the free space there, whichever is smaller.
+    Each tier budget not given is a share of what the machine has (``config.SERVING_BUDGETS``:
+    of the GPU's free memory, of RAM, of the free space at the store); the store is at
+    ``path``, else ``$FEATCACHE_DIR``, else ``~/.cache/featcache`` (created, mode 0700).
     ``host_only=True`` (TurboMind, which takes host tensors): the host budget is the device tier,
     on the CPU, and there is no separate host tier. ``remote_url``: a shared remote tier (Redis or
     Valkey, docs/tuning.md), off by default.
     """
     if host_bytes is None:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        host_bytes = min(8 << 30, ram // 10)
+        host_bytes = SERVING_BUDGETS["host_bytes"].bytes_from(ram)
     if device_bytes is None:
         device_bytes = 0
         if torch.cuda.is_available() and not host_only:
-            device_bytes = min(2 << 30, int(torch.cuda.mem_get_info()[0] * 0.04))
+            device_bytes = SERVING_BUDGETS["device_bytes"].bytes_from(torch.cuda.mem_get_info()[0])
     path = path or default_store_dir()
     os.makedirs(path, mode=0o700, exist_ok=True)
     if disk_bytes is None:
         st = os.statvfs(path)
-        disk_bytes = min(32 << 30, st.f_bavail * st.f_frsize // 2)
+        disk_bytes = SERVING_BUDGETS["disk_bytes"].bytes_from(st.f_bavail * st.f_frsize)
     if host_only:
         return FeatureCache(device="cpu", device_bytes=host_bytes, host_bytes=0, disk_path=path,
                             disk_bytes=disk_bytes, remote_url=remote_url)
@@ -107,7 +107,7 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
     A pipeline built without featcache has had prefix caching switched off by lmdeploy for these
     models; build it with ``featcache.lmdeploy.pipeline`` to keep it on. On TurboMind (a cache
     whose device is "cpu"), ``turbomind="native"`` caches engine-ready pixels and
-    ``"features"`` (InternVL-HF) vision features: see featcache/lmdeploy/turbomind.py.
+    ``"features"`` (InternVL-HF) vision features: see ``featcache.lmdeploy.turbomind``.
     """
     from lmdeploy import PytorchEngineConfig
 
@@ -120,8 +120,6 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
     arch = hf_config.architectures[0]
     spec = SPECS.get(arch)
     if not isinstance(engine.backend_config, PytorchEngineConfig):  # TurboMind: turbomind.py
-        from .turbomind import install_turbomind
-
         return install_turbomind(pipe, cache, arch, namespace, turbomind)
     if spec is None or getattr(hf_config, "flash_mode", None):
         log.warning("featcache: architecture %s is not cached; it passes through untouched", arch)

@@ -26,7 +26,8 @@ from typing import Any
 
 from ..cache import FeatureCache
 from ..keys import image_key
-from .refs import REF_KEY, FeatRef, decode_item, encode_item
+from .entry_meta import decode_item, encode_item
+from .refs import REF_KEY, FeatRef
 from .sources import KEY_INFO, CachedImage, encoded_bytes, install_sources, source_of
 
 log = logging.getLogger("featcache")

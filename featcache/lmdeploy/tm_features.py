@@ -40,6 +40,7 @@ from ..cache import FeatureCache
 from .frontend import SECTION, _preprocessed, install_frontend
 from .identity import model_identity
 from .refs import REF_KEY, FeatRef
+from .tm_common import check_host_cache, engine_vision_dtype
 
 log = logging.getLogger("featcache")
 
@@ -75,9 +76,8 @@ def engine_dtype(backend_config: Any, fallback: torch.dtype | None) -> torch.dty
 
 
 def install_features(pipe: Any, cache: FeatureCache, arch: str, namespace: str | None) -> None:
-    """The features path on a TurboMind pipeline (called through ``wrap``)."""
-    from .turbomind import _vision_dtype, check_host_cache
-
+    """The features path on a TurboMind pipeline (through ``wrap``); raises ``ValueError`` for an
+    architecture it cannot serve."""
     check_features_arch(arch)
     check_host_cache(cache)
     engine = pipe.async_engine
@@ -87,7 +87,7 @@ def install_features(pipe: Any, cache: FeatureCache, arch: str, namespace: str |
     dtype = engine_dtype(engine.backend_config, encoder.mm_feature_dtype)
     # TurboMind runs its C++ ViT in its own vision dtype (resolved from vision_config) and casts
     # the features to the engine dtype (internvit.cc, EnsureFloatDtype): the tower does the same
-    tower_dtype = _vision_dtype(getattr(engine, "engine", None)) or dtype
+    tower_dtype = engine_vision_dtype(getattr(engine, "engine", None)) or dtype
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
     tower = InternVLTower.from_pretrained(encoder.model.model_path, tower_dtype, device)

@@ -1,0 +1,95 @@
+"""The ``featcache`` command line: one table of commands, one parser, one way to run a command.
+
+Each command is a ``Command`` (``command.py``): ``add_arguments(parser)`` declares its arguments,
+``run(args)`` does the work and prints. They live one module per group: ``reading`` (stats, ls,
+inspect), ``maintenance`` (verify, purge, compact), ``serving`` (serve, warm), ``demo``; what the
+store commands print is built in ``render``; progress bars are ``progress``'s.
+
+Invariants: a command that reads a store never writes to it and never blocks a process serving
+from it (the store tools); only ``verify --fix``, ``purge`` and ``compact`` write (the first two
+through the disk tier's own transactions, ``compact`` only into DEST). Every error a user can act
+on is one line on stderr and exit code 1; exit code 2 is bad usage (argparse) or bad entries
+found; stdout carries only the command's output (tables, JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import lmdb
+
+from .._version import __version__
+from ..config import STORE_DIR_HELP
+from ..errors import FeatCacheError
+from .command import EXIT_BAD, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, Command
+from .demo import DEMO
+from .maintenance import COMPACT, PURGE, VERIFY
+from .reading import INSPECT, LS, STATS
+from .serving import SERVE, WARM
+
+# The commands, in the order `featcache --help` lists them.
+COMMANDS: tuple[Command, ...] = (STATS, LS, INSPECT, VERIFY, PURGE, COMPACT, SERVE, WARM, DEMO)
+
+EPILOG = f"""\
+Store commands take the store directory DIR (default: {STORE_DIR_HELP},
+where featcache.lmdeploy keeps its store). They read a live store safely: read-only, and without
+blocking the processes that serve from it. See docs/cli.md.
+
+exit codes:
+  0    success
+  1    the command failed: one line on stderr says why (missing directory, not a featcache
+       store, a store of another format version, permission denied, no such key, or the
+       demo's check did not pass)
+  2    bad entries found (verify, inspect), or bad usage
+  130  interrupted"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="featcache",
+        description="A content-hashed, tiered image-feature cache for vision-language models "
+        "served with lmdeploy.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"featcache {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for command in COMMANDS:
+        command.add_arguments(subparsers.add_parser(command.name, help=command.help,
+                                                    **command.parser_options()))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); the exit code."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_BAD
+    command = next(c for c in COMMANDS if c.name == args.command)
+    if command.takes_rest:
+        args.rest = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return run(command, args)
+
+
+def run(command: Command, args: argparse.Namespace) -> int:
+    """Run ``command``; errors a user can act on become one line on stderr and exit code 1."""
+    try:
+        return command.run(args)
+    except BrokenPipeError:  # `featcache ls | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except (FeatCacheError, lmdb.Error, OSError) as e:
+        message = str(e) if not isinstance(e, lmdb.Error) else f"LMDB error: {e}"
+        if getattr(args, "dir", "set") is None and "no such directory" in message:
+            message += " (the default store: pass DIR or set FEATCACHE_DIR)"
+        print(f"featcache {command.name}: error: {message}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(f"featcache {command.name}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED

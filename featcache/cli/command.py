@@ -1,0 +1,99 @@
+"""The shape of a ``featcache`` command, its exit codes, and the arguments several commands share.
+
+Every command is a ``Command``: ``add_arguments(parser)`` declares its arguments (parsing only)
+and ``run(args)`` does the work, prints its output and returns the exit code. The table of
+commands is ``featcache.cli.COMMANDS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import STORE_DIR_HELP, default_store_dir
+
+EXIT_OK, EXIT_ERROR, EXIT_BAD, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str  # one line, for `featcache --help`
+    description: str  # for `featcache NAME --help`
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    # True: the arguments its parser does not know reach ``run`` as ``args.rest``, in order, and
+    # its parser has no -h (serve: lmdeploy's own options, parsed by lmdeploy's parser)
+    takes_rest: bool = False
+    usage: str | None = None  # the usage line, where argparse's own would mislead
+
+    def parser_options(self) -> dict[str, Any]:
+        """How its parser is built (``featcache.cli.build_parser``; alone, for its help text)."""
+        # allow_abbrev=False where the rest goes on: another parser's flags (e.g. lmdeploy's
+        # --device) must not pass for prefixes of ours (--device-bytes)
+        return dict(description=self.description, usage=self.usage,
+                    add_help=not self.takes_rest, allow_abbrev=not self.takes_rest)
+
+
+# -- arguments several commands share --------------------------------------------------------------
+def store_dir_argument(p: argparse.ArgumentParser, optional: bool = True) -> None:
+    """The store directory ``DIR``: every store command's first positional argument."""
+    if optional:
+        p.add_argument("dir", nargs="?", metavar="DIR",
+                       help=f"the store directory (default: {STORE_DIR_HELP})")
+    else:
+        p.add_argument("dir", metavar="DIR", help="the store directory")
+
+
+def no_lock_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-lock", action="store_true",
+                   help="read without registering in lock.mdb (for a store no process has "
+                   "open, whose lock file you cannot write; refused while it is in use)")
+
+
+def store_dir(args: argparse.Namespace) -> str:
+    """The store directory a command works on: ``DIR``, else the default."""
+    return str(args.dir) if args.dir else default_store_dir()
+
+
+# -- argument types ----------------------------------------------------------------------------------
+_AGE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smhdw])\s*$")
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_age(text: str) -> float:
+    """Seconds from an age like ``7d``, ``12h``, ``30m``, ``90s``, ``2w``."""
+    match = _AGE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"invalid age {text!r}: use a number and s, m, h, d or w (e.g. 7d)")
+    return float(match.group(1)) * _AGE_UNITS[match.group(2)]
+
+
+def hex_key(text: str) -> str:
+    cleaned = text.strip().lower()
+    if not cleaned or any(c not in "0123456789abcdef" for c in cleaned):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a hex key (as `featcache ls` prints them)")
+    return cleaned
+
+
+def limit(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"invalid limit {text!r}: a number >= 0 (0: no limit)")
+    return value
+
+
+def at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: a number >= 1")
+    return value

@@ -1,0 +1,145 @@
+"""The commands that run a model: ``serve`` (lmdeploy's api_server with featcache) and ``warm``
+(features of image files computed into the disk tier ahead of serving). Both need lmdeploy; the
+work is ``featcache.serve``'s and ``featcache.warm``'s, the parsing and printing are here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..config import SERVING_BUDGETS, STORE_DIR_HELP
+from ..errors import FeatCacheError
+from ..lmdeploy import default_cache
+from ..serve import backend_of, lmdeploy_parser, refusal, run_server
+from ..sizes import parse_bytes
+from ..warm import IMAGE_SUFFIXES, collect, parse_params, warm_images
+from .command import EXIT_BAD, EXIT_ERROR, EXIT_OK, Command, at_least_one
+from .progress import ProgressBar
+
+
+def _bytes(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _budget_help(name: str) -> str:
+    """``name``'s default, as ``featcache.lmdeploy.default_cache()`` sizes it, for a help text."""
+    return str(SERVING_BUDGETS[name]).replace("%", "%%")  # (argparse formats help with %)
+
+
+# -- serve -------------------------------------------------------------------------------------------
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("featcache options (the rest are lmdeploy's, listed below)")
+    g.add_argument("--cache-dir", metavar="DIR", help=f"store directory (default: {STORE_DIR_HELP})")
+    for tier in ("device", "host", "disk"):
+        g.add_argument(f"--{tier}-bytes", type=_bytes, metavar="N",
+                       help=f"{tier} tier budget, e.g. 2GiB (default: {_budget_help(f'{tier}_bytes')})")
+    g.add_argument("--remote-url", metavar="URL",
+                   help="a shared remote tier: redis://[:password@]host:6379/0, rediss://..., "
+                   "redis-cluster://node:port (default: none; docs/tuning.md)")
+    g.add_argument("--namespace", metavar="NS",
+                   help="key namespace (default: derived from the model, its dtype and version)")
+
+
+def featcache_parser() -> argparse.ArgumentParser:
+    """The ``serve`` command's parser alone, built as the table builds it (for its help text)."""
+    parser = argparse.ArgumentParser(prog="featcache serve", **SERVE.parser_options())
+    SERVE.add_arguments(parser)
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    rest = args.rest  # lmdeploy's options, in order
+    if not rest or "-h" in rest or "--help" in rest:
+        featcache_parser().print_help()
+        print("\nlmdeploy serve api_server options:\n")
+        lmdeploy_parser().print_help()
+        return EXIT_OK if rest else EXIT_BAD
+    lmdeploy_args = lmdeploy_parser().parse_args(rest)
+    why = refusal(lmdeploy_args)
+    if why:
+        print(f"featcache serve: error: {why}", file=sys.stderr)
+        return EXIT_BAD
+    backend = backend_of(lmdeploy_args)
+    try:
+        cache = default_cache(path=args.cache_dir, device_bytes=args.device_bytes,
+                              host_bytes=args.host_bytes, disk_bytes=args.disk_bytes,
+                              host_only=backend == "turbomind",  # TurboMind takes host tensors
+                              remote_url=args.remote_url)
+    except (FeatCacheError, TypeError, ValueError) as e:  # e.g. a --disk-bytes it cannot map
+        print(f"featcache serve: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    try:
+        run_server(lmdeploy_args, cache, args.namespace)
+    finally:
+        cache.close()
+    return EXIT_OK
+
+
+SERVE = Command(
+    "serve", help="lmdeploy's OpenAI-compatible server with featcache wrapped in",
+    description="lmdeploy's api_server (its flags, endpoints and behaviour) with featcache; "
+    "`featcache serve --help` lists both sets of options. See docs/cli.md.",
+    add_arguments=_serve_arguments, run=_serve, takes_rest=True,
+    usage="featcache serve MODEL [featcache options] [lmdeploy serve api_server options]",
+)
+
+
+# -- warm --------------------------------------------------------------------------------------------
+def _warm_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL", help="model path or id (as for lmdeploy)")
+    p.add_argument("images", nargs="*", metavar="IMAGE", help="image files")
+    p.add_argument("--from-dir", metavar="DIR",
+                   help=f"also every image file under DIR, recursively ({', '.join(IMAGE_SUFFIXES)})")
+    p.add_argument("--cache-dir", metavar="DIR", help=f"store directory (default: {STORE_DIR_HELP})")
+    p.add_argument("--disk-bytes", metavar="N",
+                   help=f"disk tier budget, e.g. 64GiB (default: {_budget_help('disk_bytes')})")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="a per-image parameter the server's clients send too (e.g. "
+                   "max_dynamic_patch=6); part of the key. Repeatable")
+    p.add_argument("--dtype", default="auto", help="as the server's --dtype (default auto)")
+    p.add_argument("--batch", type=at_least_one, default=8, metavar="N",
+                   help="images per batch (default 8)")
+
+
+def _warm(args: argparse.Namespace) -> int:
+    try:
+        paths = collect(args.images, args.from_dir)
+        params = parse_params(args.param)
+        disk_bytes = parse_bytes(args.disk_bytes) if args.disk_bytes else None
+    except ValueError as e:
+        print(f"featcache warm: error: {e}", file=sys.stderr)
+        return EXIT_BAD
+    if not paths:
+        print("featcache warm: error: no images (give IMAGE files or --from-dir DIR)", file=sys.stderr)
+        return EXIT_BAD
+    try:
+        cache = default_cache(path=args.cache_dir, disk_bytes=disk_bytes)
+    except (FeatCacheError, TypeError, ValueError) as e:  # e.g. a --disk-bytes it cannot map
+        print(f"featcache warm: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    bar = ProgressBar(len(paths), "warm")
+    try:
+        report = warm_images(args.model, cache, paths, params=params, dtype=args.dtype,
+                             batch=args.batch, progress=bar.update)
+    finally:
+        cache.close()
+    bar.close(report.images, report.image_bytes)
+    print(f"warmed {report.images - len(report.failed)} of {report.images} images in "
+          f"{report.seconds:.1f} s: {report.computed} computed, {report.cached} already cached; "
+          f"store: {report.entries} entries, {report.bytes / 2**20:.1f} MiB")
+    for line in report.failed:
+        print(f"featcache warm: failed: {line}", file=sys.stderr)
+    return EXIT_ERROR if report.failed else EXIT_OK
+
+
+WARM = Command(
+    "warm", help="compute features of image files into the disk tier (needs a GPU)",
+    description="Run MODEL's vision model (a featcache pipeline, lmdeploy's PyTorch engine) "
+    "over image files so a server over the same store starts hot. Exit code 1 if some "
+    "images failed (listed on stderr).",
+    add_arguments=_warm_arguments, run=_warm,
+)
