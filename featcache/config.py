@@ -1,9 +1,10 @@
 """The store's settings: one frozen dataclass, validated at construction, units in the names; and
-every default featcache has, in tables: ``DEFAULTS`` (a cache's options), ``SERVING_BUDGETS`` (the
-tier budgets a serving process takes from the machine), the default store directory.
+the defaults, in tables: ``DEFAULTS`` (a cache's options), ``SERVING_BUDGETS`` (the tier budgets a
+serving process takes from the machine), the default store directory.
 
-Invariant: a default is written here once; the cache, the lmdeploy integration, ``featcache
-serve``/``warm`` and the CLI read it from here (help texts included) and never restate it."""
+Invariant: each default is written here once; ``CacheConfig.create`` (and so ``FeatureCache``),
+the lmdeploy integration, ``featcache serve``/``warm`` and the CLI take theirs from these tables
+(help texts included) and restate none."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import torch
 
 from .sizes import MAX_BYTES, parse_bytes
 
-# The one table of defaults of a FeatureCache's options (sizes as people write them; parsed by
-# CacheConfig.create, which is how every CacheConfig is built: its fields have no defaults of their own).
+# The one table of defaults of a FeatureCache's options (sizes as people write them), filled in
+# by CacheConfig.create, which builds every CacheConfig: its fields have no defaults of their own.
 DEFAULTS: dict[str, int | str | bool | None] = {
     "device_bytes": "1GiB",
     "host_bytes": "4GiB",

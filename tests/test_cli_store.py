@@ -215,6 +215,17 @@ def test_meta_summary():
 
 
 # -- verify -------------------------------------------------------------------------------------
+def test_entry_metadata_of_any_shape_is_read_without_raising():
+    from featcache.lmdeploy.entry_meta import namespace_of, read
+
+    assert namespace_of(LMDEPLOY_META) == NS and read(LMDEPLOY_META).namespace == NS
+    assert read(LMDEPLOY_META).image_tokens == 256
+    for meta in (b"", b"\x00\xff", b"[1, 2]", b'{"ns": 3}', b"null", b'{"fields": []}', b"{"):
+        assert namespace_of(meta) is None and read(meta).namespace is None
+    assert read(b'{"fields": {"image_tokens": true}}').image_tokens is None  # a bool is no count
+    assert not read(b"\x00\xff").is_json and read(b"null").is_json
+
+
 def test_verify_finds_and_fixes_a_corrupt_entry(store, capsys):
     path, want = store
     keys = list(want)

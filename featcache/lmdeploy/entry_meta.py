@@ -14,8 +14,9 @@ grids). Keys are digests, so ``ns`` is the only way to tell which model an entry
 (``featcache ls``, ``purge --namespace``).
 
 Writers: the frontend (``encode_item``) and the TurboMind native path; readers: the frontend
-(``decode_item``) and the store tools, through ``read`` and ``namespace_of``, which also take
-metadata of any other shape (a ``FeatureCache`` user's own bytes) without raising.
+(``decode_item``) and the store commands (``featcache ls``, ``inspect``, ``purge --namespace``),
+through ``read`` and ``namespace_of``, which also take metadata of any other shape (a
+``FeatureCache`` user's own bytes) without raising. Nothing else decodes it.
 """
 
 from __future__ import annotations
