@@ -24,7 +24,7 @@ import lmdb
 
 import featcache.codec
 from featcache import StoreOpenError
-from featcache.storeview import StoreView
+from featcache.storetools.view import StoreView
 
 try:
     import _reliability as rel
