@@ -41,6 +41,7 @@ from ..store.files import DATA_FILE, check_store_dir, open_error, store_in_use
 from ..store.layout import (
     FORMAT_RECORD,
     TABLES,
+    USED_RECORD,
     check_format,
     info_records,
     lru_record,
@@ -121,7 +122,7 @@ class StoreView:
             cursor = txn.cursor(db=self._tables.lru)
             oldest = _stamp(bytes(cursor.key())) if cursor.first() else None
             newest = _stamp(bytes(cursor.key())) if cursor.last() else None
-        used = info.get("used_bytes")
+        used = info.get(USED_RECORD.decode())
         capacity = next((info[k] for k in ("capacity_bytes", "budget_bytes", "budget") if k in info),
                         None)
         return Summary(
@@ -380,7 +381,7 @@ class StoreView:
                 meta = unpack_meta(txn.get(entry[1], db=tables.meta)) if entry is not None else None
                 if entry is None or meta is None or lru_record(meta.stamp, entry[1]) != record:
                     stale += 1
-            used = info_records(txn, tables.info).get("used_bytes")
+            used = info_records(txn, tables.info).get(USED_RECORD.decode())
         if stale:
             notes.append(f"{stale} stale lru record(s) (the disk tier drops them as it evicts)")
         if used != total:
