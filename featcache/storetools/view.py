@@ -20,9 +20,11 @@ How a live store is read (the choice, and why):
 - ``map_size=0``: the map size recorded in the store (the writers' 1 TiB or more), so a writer
   growing the data file never makes this reader fail.
 
-Invariants: nothing here writes to a store, and no ``StoreView`` creates a file in a directory
-that holds no ``data.mdb``; every value shown as good passed ``codec.verify`` (header and
-checksum); ``data.mdb``'s B-trees are walked (``store.lmdbcheck``) before LMDB reads a page.
+Invariants: nothing here writes to the store it views (its environment is opened read-only), and
+no ``StoreView`` creates a file in a directory that holds no ``data.mdb``, but for the empty
+directory that ``copy_to`` (``maintenance.compact``) is given; every value shown as good passed
+``codec.verify`` (header and checksum); ``data.mdb``'s B-trees are walked (``store.lmdbcheck``)
+before LMDB reads a page.
 
 LMDB forbids opening one environment twice in a process: close a ``StoreView`` before opening a
 ``DiskTier`` (or a ``FeatureCache``) on the same directory in the same process, and vice versa.
