@@ -52,9 +52,10 @@ from .copier import as_bytes, make_copier, owned_empty
 from .demoter import Demoter, DiskWriter, RemotePublisher
 from .errors import FeatCacheError
 from .hostpool import Block
+from .store.layout import MAX_KEY_BYTES, MAX_VALUE_BYTES
 from .tiers.base import Entry, empty_stats
 from .tiers.device import DeviceTier
-from .tiers.disk import MAX_KEY_BYTES, MAX_VALUE_BYTES, DiskTier
+from .tiers.disk import DiskTier
 from .tiers.host import HostTier
 from .tiers.remote import RemoteTier
 

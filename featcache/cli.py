@@ -2,7 +2,7 @@
 purge, compact).
 
 Invariants: a command that reads a store never writes to it and never blocks a process serving
-from it (``featcache.storeview``); only ``verify --fix``, ``purge`` and ``compact`` write (the
+from it (``featcache.storetools.view``); only ``verify --fix``, ``purge`` and ``compact`` write (the
 first two through the disk tier's own transactions, ``compact`` only into DEST). Every error a
 user can act on is one line on stderr and exit code 1; exit code 2 is bad usage (argparse) or
 bad entries found; stdout carries only the command's output (tables, JSON).
@@ -247,7 +247,7 @@ def _run(command: str, args: argparse.Namespace) -> int:
 
 
 def _dir(args: argparse.Namespace) -> str:
-    from .storeview import default_store_dir
+    from .config import default_store_dir
 
     return str(args.dir) if args.dir else default_store_dir()
 
@@ -293,7 +293,7 @@ def _print_remote(r: dict[str, Any]) -> None:
 
 def _stats_store(args: argparse.Namespace, remote: dict[str, Any] | None) -> int:
     from .sizes import format_bytes
-    from .storeview import StoreView
+    from .storetools.view import StoreView
 
     with StoreView(_dir(args), lock=not args.no_lock) as view:
         s = view.summary()
@@ -349,7 +349,7 @@ def _stats_store(args: argparse.Namespace, remote: dict[str, Any] | None) -> int
 # -- ls and inspect ------------------------------------------------------------------------------
 def cmd_ls(args: argparse.Namespace) -> int:
     from .sizes import format_bytes
-    from .storeview import StoreView
+    from .storetools.view import StoreView
 
     limit = args.limit or None
     with StoreView(_dir(args), lock=not args.no_lock) as view:
@@ -379,13 +379,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from . import codec
-    from .storeview import StoreView
+    from .storetools.view import StoreView
 
     with StoreView(_dir(args), lock=not args.no_lock) as view:
         key = view.find(args.key)
         entry = view.entry(key)
     if entry is None:
-        from .storeview import KeyNotFoundError
+        from .storetools.view import KeyNotFoundError
 
         raise KeyNotFoundError(f"the entry {key.hex()} was deleted meanwhile")
     if args.json:
@@ -554,7 +554,8 @@ class ProgressBar:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from .sizes import format_bytes
-    from .storeview import StoreView, discard_keys
+    from .storetools.maintenance import discard_keys
+    from .storetools.view import StoreView
 
     path = _dir(args)
     started = time.monotonic()
@@ -589,7 +590,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 # -- purge and compact ---------------------------------------------------------------------------
 def cmd_purge(args: argparse.Namespace) -> int:
     from .sizes import format_bytes
-    from .storeview import OtherFormatError, StoreView, discard_keys, purge_foreign_store
+    from .store.layout import OtherFormatError
+    from .storetools.maintenance import discard_keys, purge_foreign_store
+    from .storetools.view import StoreView
 
     path = _dir(args)
     try:
@@ -631,11 +634,12 @@ def cmd_purge(args: argparse.Namespace) -> int:
 
 def cmd_compact(args: argparse.Namespace) -> int:
     from .sizes import format_bytes
-    from .storeview import StoreView
+    from .storetools.maintenance import compact
+    from .storetools.view import StoreView
 
     with StoreView(args.dir) as view:
         before = view.summary()
-        view.compact_to(args.dest)
+        compact(view, args.dest)
     with StoreView(args.dest) as copy:
         after = copy.summary()
     print(f"compacted {before.path} (data file {format_bytes(before.data_file_bytes)}) into "
