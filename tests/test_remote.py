@@ -120,7 +120,7 @@ def test_remote_hit_is_promoted_into_the_local_tiers(server):
     with replica(server.url) as b:
         assert_same(b.get(b"k"), t)
         server.kill()  # from now on only local tiers can answer
-        b._device.discard(b"k")
+        b._chain.top.discard(b"k")
         assert_same(b.get(b"k"), t)  # from the host tier the remote hit was kept in
         assert b.stats()["host"]["hits"] == 1
         assert b.stats()["remote"]["hits"] == 1
@@ -201,7 +201,7 @@ def test_head_without_chunks_is_a_miss(server):
 def test_head_naming_chunks_never_written_is_a_miss(server):
     key = b"k"
     with remote_only(server.url) as cache:
-        tier = cache._remote
+        tier = _procs.tier_slot(cache, "remote").tier
         head = remote_mod.pack_head(remote_mod.CHUNKED, b"\1" * 8, 50_000, CHUNK, -(-50_000 // CHUNK))
         server.client().set(tier.head_key(key), head)
         assert cache.get(key) is None
@@ -238,7 +238,7 @@ def test_a_reader_never_sees_an_entry_before_its_head(server):
     reached, go = threading.Event(), threading.Event()
     t = torch.randn(20000)
     with remote_only(server.url) as writer, remote_only(server.url) as reader:
-        tier = writer._remote
+        tier = _procs.tier_slot(writer, "remote").tier
         real = tier._factory
         tier._factory = lambda: PausingClient(real(), reached, go)
         writer.put(b"k", t)
@@ -302,7 +302,7 @@ def test_server_killed_and_restarted_mid_run(server):
     keys = list(want)
     with replica(server.url, device_bytes="64KiB", host_bytes=0,
                  remote_breaker_failures=2, remote_breaker_cooldown_ms=1000) as cache:
-        cache._remote.breaker.clock = clock
+        _procs.tier_slot(cache, "remote").tier.breaker.clock = clock
         served = 0
         for i, key in enumerate(keys):
             if i == 20:
@@ -321,7 +321,7 @@ def test_server_killed_and_restarted_mid_run(server):
                     assert_same(got, want[earlier])
                     served += 1
             cache._demoter.join_queue()
-            cache._publisher.join_queue()
+            _procs.tier_slot(cache, "remote").writer.join_queue()
         s = cache.stats()["remote"]
         assert s["errors"] + s["timeouts"] >= 2 and s["breaker_opened"] >= 1
         assert s["breaker_open"] == 0
@@ -336,7 +336,7 @@ def test_breaker_opens_skips_and_recovers(redis_bin, tmp_path):
     clock = FakeClock()
     url = f"redis://127.0.0.1:{port}/0"
     with remote_only(url, remote_breaker_failures=2, remote_breaker_cooldown_ms=5000) as cache:
-        cache._remote.breaker.clock = clock
+        _procs.tier_slot(cache, "remote").tier.breaker.clock = clock
 
         def remote() -> dict[str, int]:
             return cache.stats()["remote"]
@@ -380,7 +380,7 @@ def test_server_that_never_answers_times_out(tmp_path):
 def test_publish_queue_drops_under_overload_and_close_drains(server):
     reached, go = threading.Event(), threading.Event()
     cache = remote_only(server.url, remote_queue_entries=1)
-    tier = cache._remote
+    tier = _procs.tier_slot(cache, "remote").tier
     real = tier._factory
     tier._factory = lambda: PausingClient(real(), reached, go)
     try:
@@ -534,7 +534,7 @@ def test_unexpected_client_errors_are_misses(server):
             raise ValueError("a client bug")
 
     with remote_only(server.url) as cache:
-        cache._remote._factory = Broken
+        _procs.tier_slot(cache, "remote").tier._factory = Broken
         assert cache.get(b"k") is None
         cache.put(b"k", torch.ones(3))
         cache.flush()

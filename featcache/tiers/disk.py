@@ -57,7 +57,7 @@ import torch
 from .. import codec
 from ..errors import CorruptEntryError, StoreFormatError, StoreOpenError
 from ..sizes import format_bytes
-from .base import Counters, Entry
+from .base import Counters, Entry, Op, value_of
 from .lmdbcheck import check_data_file
 
 log = logging.getLogger("featcache")
@@ -417,6 +417,11 @@ class DiskTier:
             return 0
 
     # -- reads ---------------------------------------------------------------------------------
+    def fits(self, nbytes: int, meta_bytes: int = 0) -> bool:
+        """Whether a value of ``nbytes`` payload and ``meta_bytes`` metadata can be stored."""
+        value_bytes = codec.HEADER.size + meta_bytes + nbytes
+        return value_bytes <= min(self.capacity_bytes, MAX_VALUE_BYTES)
+
     def contains(self, key: bytes) -> bool:
         if self._is_unclean(key):
             return False
@@ -477,6 +482,14 @@ class DiskTier:
         return self.write_batch([DiskOp("put", key, value)]) == 1
 
     # -- writes (writer thread only) -----------------------------------------------------------
+    def write(self, ops: Sequence[Op]) -> None:
+        """Apply the cache writer's ``ops`` (host entries whose copies are done) in one batch
+        (``write_batch``); each put's value is framed in place when its entry has a frame."""
+        self.write_batch([
+            DiskOp(op.kind, op.key, value_of(op.entry) if op.entry is not None else b"")
+            for op in ops
+        ])
+
     def write_batch(self, ops: Sequence[DiskOp]) -> int:
         """Apply ``ops`` in order in one transaction, then evict down to the budget; return how
         many puts landed.
