@@ -285,10 +285,11 @@ class FeatureCache:
             "gets": counts.get("hits", 0) + counts.get("misses", 0),
             **{k: counts.get(k, 0) for k in _COUNTERS},
             "demote_queue": self._demoter.depth if self._demoter is not None else 0,
+            **self._chain.queue_depths("cache"),
             "worker_errors": sum(w.errors for w in workers),
             "workers_alive": int(all(w.alive for w in workers)),
         }
-        return {**self._chain.stats(cache), **events}
+        return {**self._chain.stats(), "cache": cache, **events}
 
     def close(self) -> None:
         """Flush, stop the background threads and release every tier. Idempotent. (An unclosed

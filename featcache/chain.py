@@ -158,20 +158,25 @@ class Chain:
     def writers(self) -> tuple[TierWriter, ...]:
         return tuple(slot.writer for slot in self.slots if slot.writer is not None)
 
-    def stats(self, cache: dict[str, int]) -> dict[str, dict[str, int]]:
-        """The tier sections of ``stats()`` in ``KINDS`` order (a tier that is off: at zero, if
-        its kind reports it so), with ``cache`` (the cache's own counters) after them; each
-        writer's queue depth goes where its kind's ``Report.queue`` says."""
+    def stats(self) -> dict[str, dict[str, int]]:
+        """The tier sections of ``stats()``, in ``KINDS`` order: each tier's own numbers, and a
+        tier that is off at zero if its kind reports it so (``Report.when_off``)."""
         sections = {slot.tier.name: slot.tier.stats() for slot in self.slots}
         sections.update({k.name: empty_stats() for k in self.off if k.rules.report.when_off})
-        out = {kind.name: sections[kind.name] for kind in KINDS if kind.name in sections}
-        out["cache"] = cache
-        queues = [(s.rules, s.writer.depth if s.writer else 0) for s in self.slots]
-        for rules, depth in [*queues, *((k.rules, 0) for k in self.off)]:
+        for name, section in sections.items():
+            section.update(self.queue_depths(name))
+        return {kind.name: sections[kind.name] for kind in KINDS if kind.name in sections}
+
+    def queue_depths(self, section: str) -> dict[str, int]:
+        """The writers' queue depths that ``stats()`` shows in ``section`` (``Report.queue``); a
+        tier that is off shows 0 there if its kind reports it when off."""
+        depths = {}
+        for rules, writer in [*((s.rules, s.writer) for s in self.slots),
+                              *((k.rules, None) for k in self.off if k.rules.report.when_off)]:
             where = rules.report.queue
-            if where is not None and where[0] in out:
-                out[where[0]][where[1]] = depth
-        return out
+            if where is not None and where[0] == section:
+                depths[where[1]] = writer.depth if writer is not None else 0
+        return depths
 
     def close(self) -> None:
         """Close every tier (the writers are stopped first, by the demoter)."""

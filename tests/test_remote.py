@@ -21,7 +21,7 @@ import torch
 from featcache import FeatureCache
 from featcache.breaker import Breaker
 from featcache.config import CacheConfig, redact_url
-from featcache.tiers import remote as remote_mod
+from featcache.tiers import remote_layout
 
 try:
     import _procs
@@ -202,7 +202,7 @@ def test_head_naming_chunks_never_written_is_a_miss(server):
     key = b"k"
     with remote_only(server.url) as cache:
         tier = _procs.tier_slot(cache, "remote").tier
-        head = remote_mod.pack_head(remote_mod.CHUNKED, b"\1" * 8, 50_000, CHUNK, -(-50_000 // CHUNK))
+        head = remote_layout.pack_head(remote_layout.CHUNKED, b"\1" * 8, 50_000, CHUNK, -(-50_000 // CHUNK))
         server.client().set(tier.head_key(key), head)
         assert cache.get(key) is None
         assert cache.stats()["remote"]["incomplete"] == 1
@@ -281,7 +281,7 @@ def test_ttl_on_heads_and_longer_on_chunks(server):
     head, chunks = head_and_chunks(server, b"k")
     r = server.client()
     assert 90 < r.ttl(head) <= 100
-    assert all(100 < r.ttl(c) <= 100 + remote_mod.CHUNK_TTL_MARGIN_S for c in chunks)
+    assert all(100 < r.ttl(c) <= 100 + remote_layout.CHUNK_TTL_MARGIN_S for c in chunks)
     with remote_only(server.url) as reader:
         assert reader.get(b"k") is not None
         r.pexpireat(head, 1)  # the head's time is up (an instant in the past: no waiting)
