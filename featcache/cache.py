@@ -40,11 +40,11 @@ Invariants:
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,8 +57,6 @@ from .demoter import Demoter
 from .errors import FeatCacheError
 from .lookup import Lookup
 from .tiers.base import Entry
-
-log = logging.getLogger("featcache")
 
 _FORKS = [0]  # bumped in every forked child: a cache built before it rebuilds on first use
 _ADOPT_LOCK = threading.Lock()
@@ -168,6 +166,7 @@ class FeatureCache:
         self._counts: Counter[str] = Counter()
         self._events: dict[str, Counter[str]] = {}  # counters of integrations, by section
         self._counts_lock = threading.Lock()
+        self._count = _counter(self._counts, self._counts_lock)  # no reference to the cache
         # puts, discards and promotions' installs take its lock (``order``), one at a time
         self._lookup = Lookup(self._chain, self._demoter, self._copier, self._count)
         self._finalizer = weakref.finalize(self, _release, self._forks, self._chain, self._demoter)
@@ -337,10 +336,6 @@ class FeatureCache:
         # A view would keep its whole base alive while the books count only the view.
         return tensor if whole else tensor.clone(memory_format=torch.contiguous_format)
 
-    def _count(self, name: str) -> None:
-        with self._counts_lock:
-            self._counts[name] += 1
-
     def _check_open(self) -> None:
         if self._closed:
             raise FeatCacheError("this FeatureCache is closed")
@@ -376,6 +371,17 @@ class FeatureCache:
                 )
             self._finalizer()  # the parent's build: closes what the child must reopen, only
             self._build()
+
+
+def _counter(counts: Counter[str], lock: threading.Lock) -> Callable[[str], None]:
+    """A thread-safe ``count(name)`` over ``counts``: what the read path counts with, holding no
+    reference to the cache (an unreferenced cache is freed, and closed, at once)."""
+
+    def count(name: str) -> None:
+        with lock:
+            counts[name] += 1
+
+    return count
 
 
 class _NoLease:

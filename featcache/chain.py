@@ -109,7 +109,7 @@ def _disk(config: CacheConfig, copier: Copier, on_corrupt: OnCorrupt) -> DiskTie
 
 
 def _remote(config: CacheConfig, copier: Copier, on_corrupt: OnCorrupt) -> RemoteTier | None:
-    return RemoteTier.from_config(config, on_corrupt=on_corrupt) if config.remote_url else None
+    return RemoteTier.from_config(config, on_corrupt=on_corrupt) if config.remote_url is not None else None
 
 
 TOP: Kind[LeasingTier] = Kind("device", _device, Rules())

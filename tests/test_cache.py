@@ -308,3 +308,26 @@ def test_disk_values_are_written_from_the_host_block_without_a_copy(tmp_path, mo
         lease = c.acquire(key(1))
         assert torch.equal(lease.tensor, feats(1)) and lease.meta == b"meta"
         assert c.stats()["disk"]["hits"] == 1
+
+
+def test_an_unreferenced_cache_is_closed_at_once(tmp_path):
+    """Nothing the cache builds refers back to it (the finalizer holds the chain, a tier's
+    callback goes to its writer, the read path counts without it): dropping the last reference
+    closes it, threads joined and the store released, without waiting for the garbage collector."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        c = FeatureCache(device="cpu", device_bytes=MiB, host_bytes=MiB,
+                         disk_path=tmp_path / "s", disk_bytes=8 * MiB)
+        c.put(key(1), feats(1))
+        assert c.get(key(1)) is not None
+        ref, finalizer = weakref.ref(c), c._finalizer
+        del c
+        assert ref() is None and not finalizer.alive
+    finally:
+        gc.enable()
+    with FeatureCache(device="cpu", device_bytes=0, host_bytes=0, disk_path=tmp_path / "s",
+                      disk_bytes=8 * MiB) as again:  # the store was flushed and released
+        assert torch.equal(again.get(key(1)), feats(1))

@@ -398,6 +398,39 @@ def test_publish_queue_drops_under_overload_and_close_drains(server):
         assert reader.get(b"q-1") is None
 
 
+def test_a_dropped_publish_leaves_the_servers_value(server):
+    """The remote tier is not exact (``Rules.exact``): a put that does not reach it keeps the
+    value published before (for content keys, the same features), where the disk would delete."""
+    reached, go = threading.Event(), threading.Event()
+    with remote_only(server.url) as a:
+        a.put(b"k", torch.full((10,), 1.0))
+    cache = remote_only(server.url, remote_queue_entries=1)
+    tier = _procs.tier_slot(cache, "remote").tier
+    real = tier._factory
+    tier._factory = lambda: PausingClient(real(), reached, go)
+    try:
+        cache.put(b"other", torch.ones(3))
+        assert reached.wait(30)  # the publisher is busy with "other"
+        cache.put(b"k", torch.full((10,), 2.0))
+        cache._demoter.join_queue()
+        assert cache.stats()["remote"]["publish_dropped"] == 1
+    finally:
+        go.set()
+        cache.close()
+    with remote_only(server.url) as reader:
+        assert_same(reader.get(b"k"), torch.full((10,), 1.0))
+
+
+def test_in_never_asks_the_server(server):
+    with remote_only(server.url) as a:
+        a.put(b"k", torch.ones(3))
+    with remote_only(server.url) as b:
+        before = b.stats()["remote"]
+        assert b"k" not in b  # only local tiers are asked (``Rules.local``)
+        assert b.stats()["remote"] == before
+        assert b.get(b"k") is not None
+
+
 # -- auth, secrets, settings ---------------------------------------------------------------------
 def test_password_from_url_is_used_and_never_shown(redis_bin, tmp_path, caplog):
     secret = "s3cr3t-pass"

@@ -1,7 +1,7 @@
 """What every tier offers (``Tier``), the entry they hold, and the writes handed to lower tiers.
 
 The protocols, by role in the chain (``featcache.chain``):
-- ``Tier``: every tier. Synchronous; ``get``/``put`` count hits and misses; ``fits`` says whether
+- ``Tier``: every tier. Synchronous; ``get`` counts hits and misses; ``fits`` says whether
   an entry could be stored at all (its budget, its format's limits);
 - ``LeasingTier``: the top tier, which lends entries to requests (``pin``/``unpin``: a pinned
   entry is never evicted);
@@ -89,7 +89,7 @@ class Counters:
 
 
 class Tier(Protocol):
-    """A synchronous store of entries with a byte budget. ``get``/``put`` count hits/misses.
+    """A synchronous store of entries with a byte budget; ``get`` counts hits and misses.
 
     ``get(key, alloc)``: the entry or None (a miss: absent, or unreadable, or corrupt). A tier
     that copies the value out (disk, remote) puts its bytes into ``alloc(n)``; one that holds
@@ -146,9 +146,10 @@ class StagingTier(Tier, Protocol):
 
 
 class WrittenTier(Tier, Protocol):
-    """A tier written in the background by its ``TierWriter``: ``write`` applies ``ops`` in order
-    (as one transaction where the tier has them). A put whose value cannot land counts a drop
-    and, for a tier that must never keep an older value, deletes the key's value."""
+    """A tier written in the background by its ``TierWriter``: ``write`` applies ``ops`` in
+    order, each put's bytes ready (in one transaction where the tier has them). Failures of the
+    tier's own storage are the tier's to count and contain (a drop, an error); an exception out of
+    ``write`` means that nothing of the batch is known to have landed."""
 
     def write(self, ops: Sequence[Op]) -> None: ...
 
