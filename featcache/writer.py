@@ -3,15 +3,15 @@
 
 A ``TierWriter`` owns one thread and one queue. Its queue is unbounded, but at most ``max_puts``
 puts are pending (queued or being written) at a time: a put over the limit is dropped and
-counted on the tier (``Tier.count_drops``). Discards are tiny and always queued; touches (uses,
-for a tier that keeps recency itself) are skipped while ``TOUCH_QUEUE_LIMIT`` jobs are queued.
+counted on the tier (``Tier.count_drops``). Discards are tiny and always queued; touches (hits,
+for a tier that records recency in writes) are skipped while ``TOUCH_QUEUE_LIMIT`` jobs are queued.
 The thread hands the tier batches of up to ``batch_entries`` jobs (``WrittenTier.write``), in
 queue order, each put after its host copy is done.
 
 Invariants:
-- the in-flight map holds, per key, the last job queued and not yet written (read-your-writes:
-  ``pending``); a discard that cannot be queued (a dead thread) stays there for good, so the
-  tier's value of that key is never served again by this process;
+- the in-flight map holds, per key, the last put or discard queued and not yet written
+  (read-your-writes: ``pending``); a discard that cannot be queued (a dead thread) stays there
+  for good, so the tier's value of that key is never served again by this process;
 - for an ``exact`` tier (one that never keeps a value older than its key's last put or discard),
   a put that does not land (dropped, its copy failed, the batch raised) queues or applies a
   discard of its key instead;
