@@ -209,7 +209,7 @@ def test_a_failed_write_whose_cleanup_also_fails_never_serves_the_old_value(tmp_
         for i in range(20):
             cache.put(key(i), old_value(i))
         rel.in_thread(cache.flush)
-        disk: DiskTier = cache._disk
+        disk: DiskTier = rel.tier_slot(cache, "disk").tier
         real_write = disk._write
         failures = {"left": 2 * 20}  # every write and cleanup transaction of 20 replacing puts
 

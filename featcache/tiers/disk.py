@@ -51,7 +51,7 @@ from ..errors import CorruptEntryError, StoreOpenError
 from ..store.books import Books
 from ..store.env import Gate, Shut, open_store
 from ..store.layout import MAX_VALUE_BYTES, key_storable
-from .base import Counters, Entry
+from .base import Counters, Entry, Op, value_of
 
 log = logging.getLogger("featcache")
 
@@ -200,6 +200,11 @@ class DiskTier:
             return 0
 
     # -- reads ---------------------------------------------------------------------------------
+    def fits(self, nbytes: int, meta_bytes: int = 0) -> bool:
+        """Whether a value of ``nbytes`` payload and ``meta_bytes`` metadata can be stored."""
+        value_bytes = codec.HEADER.size + meta_bytes + nbytes
+        return value_bytes <= min(self.capacity_bytes, MAX_VALUE_BYTES)
+
     def contains(self, key: bytes) -> bool:
         if self._is_unclean(key):
             return False
@@ -260,6 +265,14 @@ class DiskTier:
         return self.write_batch([DiskOp("put", key, value)]) == 1
 
     # -- writes (writer thread only) -----------------------------------------------------------
+    def write(self, ops: Sequence[Op]) -> None:
+        """Apply the cache writer's ``ops`` (host entries whose copies are done) in one batch
+        (``write_batch``); each put's value is framed in place when its entry has a frame."""
+        self.write_batch([
+            DiskOp(op.kind, op.key, value_of(op.entry) if op.entry is not None else b"")
+            for op in ops
+        ])
+
     def write_batch(self, ops: Sequence[DiskOp]) -> int:
         """Apply ``ops`` in order in one transaction, then evict down to the budget; return how
         many puts landed.
