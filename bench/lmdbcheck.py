@@ -1,4 +1,4 @@
-"""The cost of the structural check of ``data.mdb`` at open (``featcache.tiers.lmdbcheck``).
+"""The cost of the structural check of ``data.mdb`` at open (``featcache.store.lmdbcheck``).
 
     python bench/lmdbcheck.py [--entries 10000] [--big 3000] [--dir /tmp]
 
@@ -23,8 +23,8 @@ import lmdb
 import torch
 
 from featcache import codec
+from featcache.store.lmdbcheck import check_data_file
 from featcache.tiers.disk import DiskOp, DiskTier
-from featcache.tiers.lmdbcheck import check_data_file
 
 
 def encoded(nbytes: int, fill: float) -> bytes:

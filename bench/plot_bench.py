@@ -50,10 +50,11 @@ def panel_data(result: dict[str, Any]) -> dict[str, Any]:
 def title(p: dict[str, Any]) -> str:
     r = p["ratios"]
     bits = []
-    for key, name in (("a_same_image_speedup", "(a)"), ("b_turn_4_speedup", "(b) turn 4"),
-                      ("c_distinct_slowdown", "(c) slowdown"), ("d_requests_per_s_gain", "(d) req/s")):
+    for key, name in (("a_same_image_speedup", "(a) {}x faster"), ("b_turn_4_speedup", "(b) turn 4 {}x"),
+                      ("c_distinct_slowdown", "(c) misses {}x the time"),
+                      ("d_requests_per_s_gain", "(d) {}x req/s")):
         if r.get(key) is not None:
-            bits.append(f"{name} {r[key]}x")
+            bits.append(name.format(r[key]))
     return p["label"] + ("\n" + ", ".join(bits) if bits else "")
 
 
@@ -79,9 +80,12 @@ def plot(results: list[dict[str, Any]], out: str) -> None:
                        edgecolor="black" if noisy else colour, label=name if i == 0 else None)
                 ax.errorbar(x, med, yerr=[[max(0.0, med - lo)], [max(0.0, hi - med)]], fmt="none",
                             ecolor="black", capsize=2, linewidth=0.8)
+                ax.annotate(f"{med:.0f}", (x, max(med, hi)), xytext=(0, 2), textcoords="offset points",
+                            ha="center", va="bottom", fontsize=6)
         ax.set_xticks(range(len(GROUPS)))
         ax.set_xticklabels([g for g, _ in GROUPS], rotation=30, ha="right", fontsize=8)
-        ax.set_ylabel("time to first token, ms (median; p10-p90)")
+        ax.set_yscale("log")
+        ax.set_ylabel("time to first token, ms (median; p10-p90; log scale)")
         ax.set_title(title(p), fontsize=10)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)

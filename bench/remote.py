@@ -238,12 +238,13 @@ def run_shape(name: str, url: str, args: argparse.Namespace, workdir: str) -> di
     # The fetch alone: what redis-py takes to bring the head and the chunks to this process.
     client = redis.Redis.from_url(url)
     from featcache.tiers import remote as rm
+    from featcache.tiers import remote_layout
 
     tier = rm.RemoteTier(lambda: client)
     fetch_times = []
     for key in keys:
         t0 = time.perf_counter()
-        head = rm.parse_head(client.get(tier.head_key(key)))
+        head = remote_layout.parse_head(client.get(tier.head_key(key)))
         pieces = client.mget(tier.chunk_keys(key, head)) if head.chunks else [head.inline]
         fetch_times.append((time.perf_counter() - t0) * 1e3)
         assert sum(len(p) for p in pieces) == head.value_len

@@ -94,12 +94,12 @@ def bench_shape(name: str, shape: tuple[int, ...], device: torch.device, iters: 
         row["device_hit_host_ms"] = host_ms(lambda: cache.get(key), iters * 20)
 
         def evict_from_device() -> None:
-            cache._device.discard(key)
+            cache._chain.top.discard(key)
 
         def evict_from_device_and_host() -> None:
-            cache._device.discard(key)
-            assert cache._host is not None
-            cache._host.discard(key)
+            cache._chain.top.discard(key)
+            assert cache._chain.staging is not None
+            cache._chain.staging.discard(key)
 
         def get() -> object:
             return cache.get(key)

@@ -38,9 +38,6 @@ class Block:
     refs: int = 1
     fence: Any = None  # a torch.cuda.Event (or None) ordering the last GPU use of the bytes
 
-    def view(self, nbytes: int) -> torch.Tensor:
-        return self.tensor[:nbytes]
-
 
 @dataclass
 class _Slab:

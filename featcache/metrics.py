@@ -6,19 +6,22 @@ histogram of lookups once the cache is ``instrument``-ed.
     text = metrics.render(cache)     # Prometheus text exposition format 0.0.4, no dependency
     metrics.register(cache)          # or: a collector in prometheus_client's registry
 
-What is exported (all per process, since the cache was built; ``tier`` is device, host or disk):
+What is exported (all per process, since the cache was built), for each tier of the chain
+(``featcache.chain.KINDS``) as its kind's ``Report`` says:
 
-- ``featcache_tier_{hits,misses,evictions,drops,corrupt,errors}_total{tier}`` counters and
-  ``featcache_tier_{entries,bytes,capacity_bytes}{tier}`` gauges (``stats()[tier]``; other
-  numbers a tier reports are exported as ``featcache_tier_<name>{tier}``, untyped);
+- a labelled tier (device, host, disk): ``featcache_tier_{hits,misses,evictions,drops,corrupt,
+  errors}_total{tier}`` counters and ``featcache_tier_{entries,bytes,capacity_bytes}{tier}``
+  gauges (``stats()[tier]``; other numbers a tier reports are exported as
+  ``featcache_tier_<name>{tier}``, untyped);
+- a tier under its own prefix (remote, present when a ``remote_url`` is set):
+  ``featcache_<tier>_<name>_total`` counters (hits, misses, corrupt, incomplete, errors, timeouts,
+  published, publish_dropped, bytes_read, ...) and ``featcache_<tier>_<name>`` gauges for the
+  numbers its report names (breaker_open, enabled) and its writer's queue (publish_queue);
 - ``featcache_lookups_total{result="hit"|"miss"}``, ``featcache_{puts,not_stored,inflight_hits,
-  promotions,worker_errors}_total`` counters, ``featcache_{demote,disk}_queue_depth`` and
-  ``featcache_workers_alive`` gauges (``stats()["cache"]``; other keys: ``featcache_<name>``,
-  untyped);
-- ``featcache_remote_<name>_total`` counters of the remote tier (``stats()["remote"]``, present
-  when a ``remote_url`` is set: hits, misses, corrupt, incomplete, errors, timeouts, published,
-  publish_dropped, bytes_read, ...) and ``featcache_remote_{breaker_open,publish_queue,enabled}``
-  gauges;
+  promotions,worker_errors}_total`` counters, ``featcache_<queue>_depth`` gauges of the queues in
+  ``stats()["cache"]`` (the demote queue, and a writer's queue its report puts there:
+  ``featcache_disk_queue_depth``) and ``featcache_workers_alive`` (``stats()["cache"]``; other
+  keys: ``featcache_<name>``, untyped);
 - ``featcache_<section>_<event>_total`` counters for each integration section of ``stats()``
   (e.g. ``featcache_lmdeploy_hits_total`` from ``stats()["lmdeploy"]["hits"]``);
 - ``featcache_lookup_seconds{method="get"|"acquire",result="hit"|"miss"}``: a histogram of the
@@ -44,6 +47,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from .chain import KINDS, Report
 from .tiers.base import STAT_FIELDS
 
 if TYPE_CHECKING:
@@ -54,8 +58,6 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 BUCKETS: tuple[float, ...] = (
     1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0,
 )
-TIERS = ("device", "host", "disk")
-_CORE_SECTIONS = (*TIERS, "cache")
 _RECORDER_ATTR = "_featcache_metrics_recorder"
 
 Kind = Literal["counter", "gauge", "histogram", "untyped"]
@@ -78,20 +80,14 @@ _CACHE_COUNTERS = {
     "puts": "put() calls that stored the entry in at least one tier.",
     "not_stored": "put() calls whose entry fit no tier.",
     "inflight_hits": "Lookups answered from entries still on their way to a lower tier.",
-    "promotions": "Entries copied up from the host or disk tier to the device.",
-    "worker_errors": "Background jobs (demotion, disk writes) that raised.",
+    "promotions": "Entries copied up from a lower tier to the device.",
+    "worker_errors": "Background jobs (demotion, lower-tier writes) that raised.",
 }
 _CACHE_GAUGES = {
     "demote_queue": ("featcache_demote_queue_depth", "Device-to-host copies waiting."),
-    "disk_queue": ("featcache_disk_queue_depth", "Disk writes waiting."),
     "workers_alive": ("featcache_workers_alive", "1 if every background thread is alive."),
 }
-_SKIPPED_CACHE = ("gets", "hits", "misses")
-_REMOTE_GAUGES = {
-    "breaker_open": "1 while the remote tier is skipped (its circuit breaker is open).",
-    "publish_queue": "Publishes to the remote tier waiting.",
-    "enabled": "1: a remote tier is configured.",
-}  # exported as featcache_lookups_total{result}
+_SKIPPED_CACHE = ("gets", "hits", "misses")  # exported as featcache_lookups_total{result}
 
 
 @dataclass(frozen=True)
@@ -218,20 +214,15 @@ def families(cache: FeatureCache) -> list[Family]:
         family = out.setdefault(name, Family(name, kind, help_text))
         family.samples.append(Sample(labels, value))
 
-    for tier in TIERS:
-        tier_stats = stats.get(tier, {})
-        labels: Labels = (("tier", tier),)
-        for name in STAT_FIELDS:
-            if name in tier_stats:
-                add(f"featcache_tier_{name}_total", "counter",
-                    _TIER_COUNTERS.get(name, f"The tier's {name} count."), tier_stats[name], labels)
-        for name, help_text in _TIER_GAUGES.items():
-            if name in tier_stats:
-                add(f"featcache_tier_{name}", "gauge", help_text, tier_stats[name], labels)
-        for name, value in tier_stats.items():
-            if name not in STAT_FIELDS and name not in _TIER_GAUGES:
-                add(f"featcache_tier_{_sanitise(name)}", "untyped",
-                    f"stats()[tier][{name!r}] of the tier.", value, labels)
+    cache_gauges = dict(_CACHE_GAUGES)
+    for tier in KINDS:
+        report = tier.rules.report
+        if report.queue is not None and report.queue[0] == "cache":
+            key = report.queue[1]
+            cache_gauges[key] = (f"featcache_{_sanitise(key)}_depth", report.queue_help)
+        tier_stats = stats.get(tier.name)
+        if tier_stats is not None:
+            (_labelled if report.labelled else _prefixed)(add, tier.name, report, tier_stats)
 
     cache_stats = stats.get("cache", {})
     for result, key in (("hit", "hits"), ("miss", "misses")):
@@ -242,23 +233,21 @@ def families(cache: FeatureCache) -> list[Family]:
             continue
         if name in _CACHE_COUNTERS:
             add(f"featcache_{name}_total", "counter", _CACHE_COUNTERS[name], value)
-        elif name in _CACHE_GAUGES:
-            metric, help_text = _CACHE_GAUGES[name]
+        elif name in cache_gauges:
+            metric, help_text = cache_gauges[name]
             add(metric, "gauge", help_text, value)
         else:
             add(f"featcache_{_sanitise(name)}", "untyped", f"stats()['cache'][{name!r}].", value)
 
+    core = {"cache", *(tier.name for tier in KINDS)}
     for section, events in stats.items():
-        if section in _CORE_SECTIONS:
+        if section in core:
             continue
         for event, value in events.items():
-            if section == "remote" and event in _REMOTE_GAUGES:
-                add(f"featcache_remote_{event}", "gauge", _REMOTE_GAUGES[event], value)
-                continue
             metric = f"featcache_{_sanitise(section)}_{_sanitise(event)}_total"
             if metric not in out:  # an integration never overrides the cache's own families
-                what = "the remote tier" if section == "remote" else f"the {section} integration"
-                add(metric, "counter", f"Events counted by {what}: {event}.", value)
+                add(metric, "counter", f"Events counted by the {section} integration: {event}.",
+                    value)
 
     recorder = recorder_of(cache)
     if recorder is not None:
@@ -268,6 +257,40 @@ def families(cache: FeatureCache) -> list[Family]:
             histograms=recorder.snapshot(),
         )
     return list(out.values())
+
+
+Add = Callable[[str, Kind, str, float, Labels], None]
+
+
+def _labelled(add: Add, tier: str, report: Report, tier_stats: dict[str, int]) -> None:
+    """A tier in the shared ``featcache_tier_*`` families, labelled ``tier``."""
+    labels: Labels = (("tier", tier),)
+    for name in STAT_FIELDS:
+        if name in tier_stats:
+            add(f"featcache_tier_{name}_total", "counter",
+                _TIER_COUNTERS.get(name, f"The tier's {name} count."), tier_stats[name], labels)
+    for name, help_text in _TIER_GAUGES.items():
+        if name in tier_stats:
+            add(f"featcache_tier_{name}", "gauge", help_text, tier_stats[name], labels)
+    for name, value in tier_stats.items():
+        if name not in STAT_FIELDS and name not in _TIER_GAUGES:
+            add(f"featcache_tier_{_sanitise(name)}", "untyped",
+                f"stats()[tier][{name!r}] of the tier.", value, labels)
+
+
+def _prefixed(add: Add, tier: str, report: Report, tier_stats: dict[str, int]) -> None:
+    """A tier under its own prefix: ``featcache_<tier>_<name>`` gauges for the numbers its report
+    names (and its writer's queue, when reported in its section), counters for the rest."""
+    gauges = dict(report.gauges)
+    if report.queue is not None and report.queue[0] == tier:
+        gauges[report.queue[1]] = report.queue_help
+    prefix = f"featcache_{_sanitise(tier)}"
+    for name, value in tier_stats.items():
+        if name in gauges:
+            add(f"{prefix}_{_sanitise(name)}", "gauge", gauges[name], value, ())
+        else:
+            add(f"{prefix}_{_sanitise(name)}_total", "counter",
+                f"Events counted by the {tier} tier: {name}.", value, ())
 
 
 # -- text exposition format ----------------------------------------------------------------------

@@ -26,6 +26,7 @@ except ImportError:  # tests/ became a package
 
 value_for = _procs.value_for
 same_bits = _procs.same_bits
+tier_slot = _procs.tier_slot
 
 
 def report(scenario: str, *, runs: int, faults: int, wrong: int, failed: int, **extra: Any) -> None:

@@ -36,7 +36,7 @@ def test_write_through_reaches_every_tier(cache):
 def test_host_hit_is_promoted_to_the_device(cache):
     cache.put(key(1), feats(1))
     cache.flush()
-    cache._device.discard(key(1))  # as if evicted
+    cache._chain.top.discard(key(1))  # as if evicted
     assert torch.equal(cache.get(key(1)), feats(1))
     assert cache.stats()["host"]["hits"] == 1
     assert torch.equal(cache.get(key(1)), feats(1))
@@ -88,8 +88,8 @@ def test_lease_context_manager_and_miss():
         c.put(key(5), feats(5))
         with c.lease(key(5)) as t:
             assert torch.equal(t, feats(5))
-            assert c._device._books.pinned(key(5))
-        assert not c._device._books.pinned(key(5))
+            assert c._chain.top._books.pinned(key(5))
+        assert not c._chain.top._books.pinned(key(5))
 
 
 def test_when_every_entry_is_leased_a_new_put_skips_the_device_tier():
@@ -99,8 +99,8 @@ def test_when_every_entry_is_leased_a_new_put_skips_the_device_tier():
             c.put(key(i), feats(i))
             leases.append(c.acquire(key(i)))
         c.put(key(9), feats(9))
-        assert key(0) in c._device._entries and key(1) in c._device._entries
-        assert key(9) not in c._device._entries
+        assert key(0) in c._chain.top._entries and key(1) in c._chain.top._entries
+        assert key(9) not in c._chain.top._entries
         c.flush()
         assert torch.equal(c.get(key(9)), feats(9))  # from the host tier
         for lease in leases:
@@ -189,7 +189,7 @@ def test_inference_mode_tensors_round_trip(tmp_path):
             c.put(key(1), feats(1))
             c.flush()
             assert torch.equal(c.get(key(1)), feats(1))
-        c._host.discard(key(1))
+        c._chain.staging.discard(key(1))
         assert torch.equal(c.get(key(1)), feats(1))  # disk -> host block outside inference mode
 
 
@@ -241,7 +241,7 @@ def test_metadata_is_served_with_the_tensor_from_every_tier(tmp_path):
         lease = c.acquire(key(1))
         assert lease.meta == meta and c.acquire(key(2)).meta == b""
         c.flush()
-        c._device.discard(key(1))
+        c._chain.top.discard(key(1))
         assert c.acquire(key(1)).meta == meta  # host tier
     with FeatureCache(device="cpu", device_bytes=MiB, host_bytes=MiB, disk_path=path,
                       disk_bytes=8 * MiB) as c:
@@ -303,8 +303,31 @@ def test_disk_values_are_written_from_the_host_block_without_a_copy(tmp_path, mo
         c.put(key(1), feats(1), meta=b"meta")
         c.flush()
         assert copies == []  # framed in place, not encode()d into a new bytes object
-        c._device.discard(key(1))
-        c._host.discard(key(1))
+        c._chain.top.discard(key(1))
+        c._chain.staging.discard(key(1))
         lease = c.acquire(key(1))
         assert torch.equal(lease.tensor, feats(1)) and lease.meta == b"meta"
         assert c.stats()["disk"]["hits"] == 1
+
+
+def test_an_unreferenced_cache_is_closed_at_once(tmp_path):
+    """Nothing the cache builds refers back to it (the finalizer holds the chain, a tier's
+    callback goes to its writer, the read path counts without it): dropping the last reference
+    closes it, threads joined and the store released, without waiting for the garbage collector."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        c = FeatureCache(device="cpu", device_bytes=MiB, host_bytes=MiB,
+                         disk_path=tmp_path / "s", disk_bytes=8 * MiB)
+        c.put(key(1), feats(1))
+        assert c.get(key(1)) is not None
+        ref, finalizer = weakref.ref(c), c._finalizer
+        del c
+        assert ref() is None and not finalizer.alive
+    finally:
+        gc.enable()
+    with FeatureCache(device="cpu", device_bytes=0, host_bytes=0, disk_path=tmp_path / "s",
+                      disk_bytes=8 * MiB) as again:  # the store was flushed and released
+        assert torch.equal(again.get(key(1)), feats(1))

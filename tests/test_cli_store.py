@@ -23,12 +23,14 @@ import lmdb
 import pytest
 import torch
 
-import featcache.storeview as storeview
-from featcache import FeatureCache, image_key
+import featcache.storetools.maintenance as maintenance
+import featcache.storetools.view as view_module
+from featcache import FeatureCache, config, image_key
 from featcache.cli import main
 from featcache.cli.progress import ProgressBar
 from featcache.cli.render import meta_summary
 from featcache.codec import HEADER
+from featcache.store import layout
 from featcache.tiers.disk import DiskTier
 
 NS = "InternVLForConditionalGeneration:0123456789abcdef0123456789abcdef"
@@ -294,16 +296,16 @@ def test_scans_span_many_read_transactions(tmp_path, capsys, monkeypatch):
     want = build_store(path, n=7)
     keys = list(want)
     flip_payload_byte(path, keys[3])
-    monkeypatch.setattr(storeview, "SCAN_CHUNK_ENTRIES", 2)
-    monkeypatch.setattr(storeview, "SCAN_CHUNK_BYTES", 1)
-    monkeypatch.setattr(storeview, "DISCARD_BATCH", 2)
+    monkeypatch.setattr(view_module, "SCAN_CHUNK_ENTRIES", 2)
+    monkeypatch.setattr(view_module, "SCAN_CHUNK_BYTES", 1)
+    monkeypatch.setattr(maintenance, "DISCARD_BATCH", 2)
     rc, out, _ = run(capsys, "ls", str(path), "--limit", "0", "--json")
     assert [json.loads(line)["key"] for line in out.splitlines()] == [k.hex() for k in reversed(keys)]
     rc, out, _ = run(capsys, "ls", str(path), "--limit", "5", "--json")
     assert len(out.splitlines()) == 5
     rc, out, _ = run(capsys, "verify", str(path))
     assert rc == 2 and "verified 7 entries" in out and out.count("\nbad ") == 1
-    with storeview.StoreView(path) as view:
+    with view_module.StoreView(path) as view:
         assert [k for k, _ in view.keys_used_before(time.time_ns())] == keys
         assert sorted(k for k, _ in view.all_keys()) == sorted(keys)
     rc, out, _ = run(capsys, "purge", str(path), "--all")
@@ -411,7 +413,7 @@ def test_permission_denied_is_reported(store, capsys, monkeypatch):
     path, _ = store
     lock_file = os.path.join(str(path), "lock.mdb")
     real_access = os.access
-    monkeypatch.setattr(storeview.os, "access",  # as for a user who cannot write lock.mdb
+    monkeypatch.setattr(os, "access",  # as for a user who cannot write lock.mdb
                         lambda p, mode: False if os.fspath(p) == lock_file else real_access(p, mode))
     rc, _, err = run(capsys, "stats", str(path))
     assert rc == 1 and "permission denied" in err and "--no-lock" in err
@@ -481,7 +483,7 @@ def test_db_names_are_the_disk_tiers(tmp_path):
     tier.close()
     env = lmdb.open(str(tmp_path / "s"), max_dbs=4, readonly=True)
     with env.begin() as txn:
-        assert sorted(bytes(k) for k, _ in txn.cursor()) == sorted(storeview.DB_NAMES)
+        assert sorted(bytes(k) for k, _ in txn.cursor()) == sorted(layout.TABLES)
     env.close()
 
 
@@ -512,7 +514,6 @@ def test_python_m_reads_a_store_this_process_holds_open(tmp_path):
 def test_default_dir_is_where_the_lmdeploy_integration_keeps_its_store(monkeypatch):
     import argparse
 
-    from featcache import config
     from featcache.cli.command import store_dir
 
     lmdeploy_integration = pytest.importorskip("featcache.lmdeploy")

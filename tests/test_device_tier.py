@@ -1,6 +1,7 @@
 import torch
 
-from featcache.tiers import DeviceTier, Entry
+from featcache.tiers import Entry
+from featcache.tiers.device import DeviceTier
 
 
 def entry(nbytes: int) -> Entry:

@@ -729,7 +729,7 @@ class WriterGate:
     def __init__(self, cache: FeatureCache) -> None:
         self.entered = threading.Event()
         self.open = threading.Event()
-        disk = cache._disk
+        disk = _procs.tier_slot(cache, "disk").tier
         self._write_batch = disk.write_batch
         disk.write_batch = self  # an instance attribute: the writer thread calls this
 
@@ -992,7 +992,8 @@ def test_lmdb_errors_never_escape_the_public_api(tmp_path, caplog):
     try:
         cache.put(b"k", torch.ones(10))
         cache.flush()
-        env, cache._disk._env = cache._disk._env, _BrokenEnv()
+        disk = _procs.tier_slot(cache, "disk").tier
+        env, disk._env = disk._env, _BrokenEnv()
         try:
             stats = cache.stats()["disk"]
             assert (stats["entries"], stats["bytes"]) == (0, 0)
@@ -1006,7 +1007,7 @@ def test_lmdb_errors_never_escape_the_public_api(tmp_path, caplog):
             assert stats["cache"]["worker_errors"] == 0 and stats["cache"]["workers_alive"] == 1
             assert sum("later LMDB errors" in r.message for r in caplog.records) == 1
         finally:
-            cache._disk._env = env
+            disk._env = env
         cache.put(b"after", torch.ones(3))  # the store works again once LMDB does
         flush_or_fail(cache)
         assert_same(cache.get(b"after"), torch.ones(3))

@@ -81,10 +81,12 @@ def test_logits_verdict_compares_only_like_for_like() -> None:
         return dict(label=label, cached_tokens=[cached],
                     prefill_logits=[dict(seqlens=lens or [10], image_at=3, digests=digests)])
 
-    plain = [row("a", ["x"]), row("b", ["y"]), row("c", ["z"]), row("d", ["w"], lens=[4, 6])]
-    other = [row("a", ["x"]), row("b", ["DIFF"]), row("c", ["q"], cached=64), row("d", ["w"], lens=[10])]
+    plain = [row("a", ["x"]), row("b", ["y"]), row("c", ["z"]), row("d", ["w"], lens=[4, 6]),
+             row("e", ["v"], cached=64)]
+    other = [row("a", ["x"]), row("b", ["DIFF"]), row("c", ["q"], cached=64), row("d", ["w"], lens=[10]),
+             row("e", ["v"], cached=64)]
     v = e2e.logits_verdict(plain, other)
-    assert v["identical"] == 1 and v["differ"] == ["b"]
+    assert v["identical"] == 2 and v["differ"] == ["b"]
     assert v["not_compared"] == ["c (cached tokens)", "d (scheduled otherwise)"]
 
 

@@ -35,7 +35,7 @@ def test_host_tier_is_pinned_and_pooled(cache):
     for i in range(8):
         cache.put(key(i), torch.randn(13, 256, 512, device="cuda").to(torch.bfloat16))
     cache.flush()
-    pool = cache._host.pool
+    pool = cache._chain.staging.pool
     assert all(slab.tensor.is_pinned() for slab in pool._slabs)
     assert len(pool._slabs) == 1  # 8 entries, one page-locked allocation
 
@@ -46,10 +46,10 @@ def test_demotion_waits_for_the_producer_stream(cache):
     with torch.cuda.stream(producer):
         cache.put(key(1), t)  # returns before the fill has run
     cache.flush()
-    host = cache._host.get(key(1))
+    host = cache._chain.staging.get(key(1))
     assert host is not None and bool((host.tensor == 7.0).all())  # the copy saw the final value
-    cache._host.release(host.block)
-    cache._device.discard(key(1))
+    cache._chain.staging.release(host.block)
+    cache._chain.top.discard(key(1))
     with torch.cuda.stream(producer):
         assert bool((cache.get(key(1)) == 7.0).all())
 
@@ -73,7 +73,7 @@ def test_every_tier_is_bit_identical_on_cuda(cache, tmp_path, dtype):
     cache.put(key(3), t)
     assert torch.equal(cache.get(key(3)).view(torch.uint8), t.view(torch.uint8))  # device
     cache.flush()
-    cache._device.discard(key(3))
+    cache._chain.top.discard(key(3))
     out = cache.get(key(3))  # host, promoted
     assert out.device.type == "cuda" and torch.equal(out.view(torch.uint8), t.view(torch.uint8))
     cache.close()
@@ -87,7 +87,7 @@ def test_put_and_hits_never_synchronize_the_request_path(cache):
     t = torch.randn(13, 256, 2048, device="cuda").to(torch.bfloat16)
     cache.put(key(0), t)
     cache.flush()
-    cache._device.discard(key(0))
+    cache._chain.top.discard(key(0))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any synchronising CUDA call raises
     try:
@@ -120,5 +120,5 @@ def test_lease_pins_on_cuda(cache):
     with cache.lease(key(9)) as leased:
         for i in range(40):  # 80 MiB through a 64 MiB device tier
             cache.put(key(100 + i), torch.zeros(1024, 1024, device="cuda", dtype=torch.bfloat16))
-        assert key(9) in cache._device._entries
+        assert key(9) in cache._chain.top._entries
         assert bool((leased == 1).all())

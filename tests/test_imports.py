@@ -44,7 +44,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cache", ("featcache.cache", "featcache.chain", "featcache.lookup", "featcache.writer",
                "featcache.demoter", "featcache.metrics")),
     ("public API", ("featcache",)),
-    ("store tools", ("featcache.storetools", "featcache.storeview")),
+    ("store tools", ("featcache.storetools",)),
     ("lmdeploy integration", ("featcache.lmdeploy",)),
     ("applications", ("featcache.serve", "featcache.warm", "featcache.demo")),
     ("command line", ("featcache.cli", "featcache.__main__")),

@@ -417,7 +417,7 @@ def test_leases_live_as_long_as_the_multimodal_data(rig):
     _, res = _sequence(rig, a)
     key = res.input_multimodals["image"][0].meta[REF_KEY].key
     gc.collect()
-    assert rig.cache._device._books.pinned(key)  # the engine still holds the sequence's image
+    assert rig.cache._chain.top._books.pinned(key)  # the engine still holds the sequence's image
     del res
     gc.collect()
-    assert not rig.cache._device._books.pinned(key)
+    assert not rig.cache._chain.top._books.pinned(key)

@@ -61,7 +61,7 @@ class Rig:
 
     def pinned(self, key: bytes) -> bool:
         """Whether the device tier pins ``key`` (a lease on it is outstanding)."""
-        return self.cache._device._books.pinned(key)
+        return self.cache._chain.top._books.pinned(key)
 
     def store(self, out: dict) -> dict[bytes, torch.Tensor]:
         """What the engine does after running the vision model on the misses of ``out``."""

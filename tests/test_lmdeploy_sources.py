@@ -152,7 +152,7 @@ def test_a_failure_after_resolving_still_serves_the_request(rig, monkeypatch):
     assert rig.counters()["frontend_errors"] == 1
     del out
     gc.collect()
-    assert not rig.cache._device._books.pinned(image_key(raw, namespace=rig.namespace, params={}))
+    assert not rig.cache._chain.top._books.pinned(image_key(raw, namespace=rig.namespace, params={}))
 
 
 def test_sources_featcache_leaves_to_lmdeploy():

@@ -24,7 +24,7 @@ import lmdb
 
 import featcache.codec
 from featcache import StoreOpenError
-from featcache.storeview import StoreView
+from featcache.storetools.view import StoreView
 
 try:
     import _reliability as rel
@@ -244,22 +244,30 @@ BOOK_DAMAGES = {
 
 
 def test_damaged_books_never_fail_a_request_nor_stop_the_store(tmp_path):
-    """The accounting tables (meta, lru, info) damaged one record at a time: the store opens (or
-    is refused with StoreOpenError), serves nothing wrong, raises nothing, and keeps storing new
-    entries within its budget."""
+    """The accounting tables (meta, lru, info) damaged one record at a time: the store tools read
+    it (``featcache verify``'s scan: a damaged book is a note or a bad entry, never an error), and
+    the store opens (or is refused with StoreOpenError), serves nothing wrong, raises nothing, and
+    keeps storing new entries within its budget."""
     budget = 1 << 20
     old = keys(20, b"book")
     new = keys(80, b"fresh")  # 80 x up to 32 KiB: the budget forces evictions
-    totals = {"wrong": 0, "raised": 0, "worker_errors": 0}
+    totals = {"wrong": 0, "raised": 0, "worker_errors": 0, "tool_raised": 0}
     lines = []
     for name, change in BOOK_DAMAGES.items():
         store = tmp_path / name.replace(" ", "_").replace(",", "")
         fill(store, old, budget)
         _books(store, change)
         try:
+            with StoreView(store) as view:
+                report = view.verify()
+            tool = f"verify: {len(report.bad)} bad, {len(report.notes)} notes"
+        except Exception as e:  # what a user of `featcache verify` would have seen
+            totals["tool_raised"] += 1
+            tool = f"verify raised {e!r}"
+        try:
             cache = rel.disk_cache(store, budget)
         except StoreOpenError as e:
-            lines.append(f"  {name}: refused ({e})")
+            lines.append(f"  {name}: {tool}; refused ({e})")
             continue
         try:
             seen = read_all(cache, old)
@@ -277,7 +285,7 @@ def test_damaged_books_never_fail_a_request_nor_stop_the_store(tmp_path):
             totals[what] += seen[what] + after[what]
         totals["worker_errors"] += stats["cache"]["worker_errors"]
         lines.append(
-            f"  {name}: old {seen['served']}/{len(old)} served; new {after['served']}/{len(new)} "
+            f"  {name}: {tool}; old {seen['served']}/{len(old)} served; new {after['served']}/{len(new)} "
             f"on disk; disk errors {stats['disk']['errors']}, worker errors "
             f"{stats['cache']['worker_errors']}"
         )
@@ -290,4 +298,5 @@ def test_damaged_books_never_fail_a_request_nor_stop_the_store(tmp_path):
     print("\n" + "\n".join(lines))
     rel.report("corruption/damaged-books", runs=len(BOOK_DAMAGES), faults=len(BOOK_DAMAGES),
                wrong=totals["wrong"], failed=totals["raised"],
-               worker_errors=totals["worker_errors"])
+               worker_errors=totals["worker_errors"], tool_raised=totals["tool_raised"])
+    assert totals["tool_raised"] == 0, "verify raised on a damaged book record"

@@ -20,7 +20,7 @@ import lmdb
 import pytest
 import torch
 
-import featcache.tiers.disk as disk_module
+import featcache.store.env as store_env
 from featcache import FeatureCache
 from featcache.tiers.disk import DiskTier
 
@@ -176,7 +176,7 @@ def test_full_file_system_drops_writes_serves_nothing_stale_and_recovers(small_f
 
 def test_full_map_drops_writes_serves_nothing_stale_and_recovers(tmp_path, monkeypatch):
     store = tmp_path / "store"
-    monkeypatch.setattr(disk_module, "map_size_for", lambda capacity, file_bytes=0: 2 * MiB)
+    monkeypatch.setattr(store_env, "map_size_for", lambda capacity, file_bytes=0: 2 * MiB)
     cache = rel.disk_cache(store, "64MiB", device_bytes=MiB)
 
     def discard_half() -> None:  # space returns: entries are deleted, their pages reused
@@ -209,7 +209,7 @@ def test_a_failed_write_whose_cleanup_also_fails_never_serves_the_old_value(tmp_
         for i in range(20):
             cache.put(key(i), old_value(i))
         rel.in_thread(cache.flush)
-        disk: DiskTier = cache._disk
+        disk: DiskTier = rel.tier_slot(cache, "disk").tier
         real_write = disk._write
         failures = {"left": 2 * 20}  # every write and cleanup transaction of 20 replacing puts
 

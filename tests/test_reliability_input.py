@@ -46,7 +46,8 @@ from PIL import Image, ImageFile
 
 import featcache
 from featcache import CacheConfig, FeatureCache, codec, image_key, parse_bytes
-from featcache.tiers import disk as disk_module
+from featcache.store import env as store_env
+from featcache.store import layout
 from featcache.tiers.disk import DiskOp, DiskTier
 
 try:
@@ -338,7 +339,7 @@ def test_the_longest_key_accepted_fits_every_record_the_store_writes(tmp_path):
     the lru one 8 bytes longer) fits LMDB's 511 bytes: a 503-byte key round-trips through disk
     after a reopen, a 504-byte one is refused at ``put`` (it used to be accepted, and its lru
     record failed the whole disk batch with MDB_BAD_VALSIZE)."""
-    assert disk_module.MAX_KEY_BYTES == disk_module.LMDB_MAX_KEY_BYTES - 8 == 503
+    assert layout.MAX_KEY_BYTES == layout.LMDB_MAX_KEY_BYTES - 8 == 503
     longest, value = b"k" * 503, torch.arange(6, dtype=torch.float32)
     with rel.disk_cache(tmp_path / "store") as cache:
         cache.put(longest, value)
@@ -361,7 +362,7 @@ def test_a_batch_with_an_op_lmdb_cannot_hold_lands_the_rest_and_counts_a_drop(tm
 
     class Huge:  # a value LMDB refuses, without allocating 4 GiB
         def __len__(self) -> int:
-            return disk_module.MAX_VALUE_BYTES + 1
+            return layout.MAX_VALUE_BYTES + 1
 
     good = {b"a": codec.encode(torch.uint8, (3,), b"abc"), b"b": codec.encode(torch.uint8, (2,), b"de")}
     tier = DiskTier(tmp_path / "store", 8 << 30, sync=False)
@@ -567,7 +568,7 @@ def test_a_disk_budget_beyond_the_address_space_falls_back_to_a_smaller_map(tmp_
         cache.put(b"k", torch.ones(3))
         cache.flush()
         assert rel.same_bits(cache.get(b"k"), torch.ones(3))
-    floor = disk_module.map_size_floor(64 * TiB)
+    floor = store_env.map_size_floor(64 * TiB)
     assert asked == [128 * TiB, floor] and 72 * TiB < floor < 100 * TiB
     # A small budget under a small address space (ulimit -v): halved from the 1 TiB default.
     asked = _lmdb_maps_at_most(monkeypatch, 8 << 30)
@@ -579,7 +580,7 @@ def test_a_disk_budget_that_cannot_be_mapped_raises_store_open_error_naming_disk
     tmp_path, monkeypatch
 ):
     asked = _lmdb_maps_at_most(monkeypatch, 50 * TiB)
-    floor = disk_module.map_size_floor(64 * TiB)
+    floor = store_env.map_size_floor(64 * TiB)
     with pytest.raises(featcache.StoreOpenError,
                        match=rf"disk_bytes={64 * TiB} \(64.0 TiB\): LMDB must map at least {floor} "
                              r"bytes .* lower disk_bytes"):

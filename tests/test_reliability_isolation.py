@@ -73,7 +73,7 @@ def test_namespaces_and_dtypes_never_serve_each_others_features(tmp_path):
         cache.flush()
         check(cache)  # device tier
         for k in grid:
-            cache._device.discard(k)
+            cache._chain.top.discard(k)
         check(cache)  # host tier
     with rel.disk_cache(store) as cache:
         check(cache)  # disk tier, after a reopen

@@ -21,7 +21,8 @@ import pytest
 
 from featcache import FeatureCache
 from featcache.cli import main as cli
-from featcache.storeview import StoreView, store_in_use
+from featcache.store.files import store_in_use
+from featcache.storetools.view import StoreView
 
 try:
     import _procs
@@ -150,7 +151,7 @@ def test_verify_fix_keeps_a_value_rewritten_after_the_listing(tmp_path, capsys):
     """`verify --fix` deletes only entries still bad when it deletes them: a writer that replaced
     a bad value with a good one between the listing and the fix keeps its value (the deletes are
     conditional inside the write transaction)."""
-    from featcache.storeview import discard_keys
+    from featcache.storetools.maintenance import discard_keys
     from featcache.tiers.disk import DiskOp, DiskTier
 
     _filled(tmp_path, 4)

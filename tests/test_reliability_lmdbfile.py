@@ -1,4 +1,4 @@
-"""The structural check of ``data.mdb`` at open (``featcache.tiers.lmdbcheck``), issue 11 items 4
+"""The structural check of ``data.mdb`` at open (``featcache.store.lmdbcheck``), issue 11 items 4
 and 10.
 
 - Healthy stores whose data file is shorter than the pages LMDB counts as in use (LMDB never
@@ -34,9 +34,10 @@ import torch
 
 from featcache import StoreOpenError, codec
 from featcache.cli import main
-from featcache.storeview import StoreView
+from featcache.store.books import Books
+from featcache.store.lmdbcheck import check_data_file
+from featcache.storetools.view import StoreView
 from featcache.tiers.disk import DiskOp, DiskTier
-from featcache.tiers.lmdbcheck import check_data_file
 
 try:
     import _reliability as rel
@@ -438,9 +439,9 @@ def test_lmdb_errors_at_open_are_store_open_errors(tmp_path, monkeypatch, where)
     with monkeypatch.context() as patch:
         patch.setattr(lmdb, "open", lambda *a, **k: _FailingEnv(real_open(*a, **k), where))
         if where == "books":
-            def broken(self, txn):
+            def broken(self):
                 raise lmdb.CorruptedError("injected")
-            patch.setattr(DiskTier, "_used", broken)
+            patch.setattr(Books, "used", broken)
         with pytest.raises(StoreOpenError, match="injected"):
             rel.disk_cache(store)
         if where != "books":  # a StoreView reads no books at open

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from featcache import FeatureCache, StoreOpenError
-from featcache.storeview import StoreView
+from featcache.storetools.view import StoreView
 
 try:
     import _procs

@@ -73,7 +73,7 @@ def test_host_promotion_does_not_undo_a_put_or_discard(change):
         cache.flush()
         cache.put(K2, OTHER.clone())
         cache.flush()
-        assert not cache._device.contains(K) and cache._host.contains(K)
+        assert not cache._chain.top.contains(K) and cache._chain.staging.contains(K)
         entered, release = _hold(cache._copier, "to_device")  # the promotion's copy
         reader = _start(lambda: cache.get(K))
         assert entered.wait(30)
@@ -96,8 +96,8 @@ def test_disk_read_does_not_undo_a_put_or_discard_in_host_or_device(tmp_path, ch
         cache.flush()
         cache.put(K2, OTHER.clone())
         cache.flush()
-        assert not cache._device.contains(K) and not cache._host.contains(K)
-        entered, release = _hold(cache._disk, "get", after=True)
+        assert not cache._chain.top.contains(K) and not cache._chain.staging.contains(K)
+        entered, release = _hold(rel.tier_slot(cache, "disk").tier, "get", after=True)
         reader = _start(lambda: cache.get(K))
         assert entered.wait(30)
         cache.put(K, B.clone()) if change == "put" else cache.discard(K)
@@ -108,7 +108,7 @@ def test_disk_read_does_not_undo_a_put_or_discard_in_host_or_device(tmp_path, ch
         for _ in range(2):  # the device tier's answer, then the host tier's
             got = cache.get(K)
             assert _same(got, B) if change == "put" else got is None
-            cache._device.discard(K)
+            cache._chain.top.discard(K)
     with FeatureCache(device="cpu", device_bytes=0, host_bytes=0, disk_path=tmp_path,
                       disk_bytes="64MiB") as reopened:
         got = reopened.get(K)
@@ -120,7 +120,7 @@ def test_a_value_on_its_way_down_does_not_undo_a_newer_put():
         held_copy, let_copy = _hold(cache._copier, "to_host")  # A's demotion stays pending
         cache.put(K, A.clone())
         assert held_copy.wait(30)
-        cache._device.discard(K)  # as if evicted while its copy down is in flight
+        cache._chain.top.discard(K)  # as if evicted while its copy down is in flight
         entered, release = _hold(cache._demoter, "pending", after=True)
         reader = _start(lambda: cache.get(K))
         assert entered.wait(30)
@@ -136,7 +136,7 @@ def test_two_concurrent_puts_of_a_key_leave_the_tiers_agreeing(tmp_path):
     with FeatureCache(device="cpu", device_bytes=8 * MB, host_bytes=8 * MB, disk_path=tmp_path,
                       disk_bytes="64MiB") as cache:
         # The first put stops right after its device-tier write; the second runs meanwhile.
-        entered, release = _hold(cache._device, "put", after=True)
+        entered, release = _hold(cache._chain.top, "put", after=True)
         first = threading.Thread(target=lambda: cache.put(K, A.clone()), daemon=True)
         first.start()
         assert entered.wait(30)
@@ -148,7 +148,7 @@ def test_two_concurrent_puts_of_a_key_leave_the_tiers_agreeing(tmp_path):
         second.join(30)
         cache.flush()
         device = cache.get(K)
-        cache._device.discard(K)
+        cache._chain.top.discard(K)
         host = cache.get(K)
         assert device is not None and _same(host, device)
     with FeatureCache(device="cpu", device_bytes=0, host_bytes=0, disk_path=tmp_path,
@@ -169,7 +169,7 @@ def test_close_waits_for_a_read_copying_out_of_the_map(tmp_path):
             return torch.empty(nbytes, dtype=torch.uint8)
 
         got: list[object] = []
-        reader = threading.Thread(target=lambda: got.append(cache._disk.get(K, alloc)))
+        reader = threading.Thread(target=lambda: got.append(rel.tier_slot(cache, "disk").tier.get(K, alloc)))
         reader.start()
         inside.wait(30)
         closer = threading.Thread(target=cache.close)

@@ -92,7 +92,7 @@ def test_stuck_worker_requests_keep_answering_from_the_tiers_above(tmp_path, stu
         if stuck == "demoter":
             gate = Gate(cache._copier, "to_host")
         else:
-            gate = Gate(cache._disk, "write_batch")
+            gate = Gate(rel.tier_slot(cache, "disk").tier, "write_batch")
         want: dict[bytes, torch.Tensor] = {}
         slowest = 0.0
         failed = wrong = 0
@@ -146,7 +146,7 @@ def test_stuck_disk_writer_keeps_its_queue_bounded_under_disk_reads(tmp_path):
         for k, t in want.items():
             cache.put(k, t.clone())
         rel.in_thread(cache.flush)
-        gate = Gate(cache._disk, "write_batch")
+        gate = Gate(rel.tier_slot(cache, "disk").tier, "write_batch")
         cache.put(b"hold", feats(-1))
         assert gate.entered.wait(10)
         reads = 0
@@ -191,10 +191,10 @@ def test_dead_demoter_requests_keep_answering_failure_visible(tmp_path, caplog):
         died = [r for r in caplog.records if "stopped" in r.getMessage()]
         assert len(died) == 1, "the worker's death is logged once"
         # With the upper tiers gone (a restart), only values still current are served.
-        cache._device.discard(key(0))
+        cache._chain.top.discard(key(0))
         for k in want:
-            cache._device.discard(k)
-            cache._host.discard(k)
+            cache._chain.top.discard(k)
+            cache._chain.staging.discard(k)
         late = serve_all(cache, want)
         assert late["wrong"] == late["raised"] == 0 and cache.get(key(0)) is None
     finally:
@@ -214,7 +214,7 @@ def test_dead_disk_writer_never_lets_the_disk_serve_a_replaced_or_discarded_valu
         for k, t in old.items():
             cache.put(k, t.clone())
         rel.in_thread(cache.flush)
-        kill(cache._writer)
+        kill(rel.tier_slot(cache, "disk").writer)
         replaced = {key(i): feats(1000 + i) for i in range(10)}
         for k, t in replaced.items():
             cache.put(k, t.clone())  # reaches no tier: device and host are off, the disk is stuck

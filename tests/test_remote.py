@@ -21,7 +21,7 @@ import torch
 from featcache import FeatureCache
 from featcache.breaker import Breaker
 from featcache.config import CacheConfig, redact_url
-from featcache.tiers import remote as remote_mod
+from featcache.tiers import remote_layout
 
 try:
     import _procs
@@ -120,7 +120,7 @@ def test_remote_hit_is_promoted_into_the_local_tiers(server):
     with replica(server.url) as b:
         assert_same(b.get(b"k"), t)
         server.kill()  # from now on only local tiers can answer
-        b._device.discard(b"k")
+        b._chain.top.discard(b"k")
         assert_same(b.get(b"k"), t)  # from the host tier the remote hit was kept in
         assert b.stats()["host"]["hits"] == 1
         assert b.stats()["remote"]["hits"] == 1
@@ -201,8 +201,8 @@ def test_head_without_chunks_is_a_miss(server):
 def test_head_naming_chunks_never_written_is_a_miss(server):
     key = b"k"
     with remote_only(server.url) as cache:
-        tier = cache._remote
-        head = remote_mod.pack_head(remote_mod.CHUNKED, b"\1" * 8, 50_000, CHUNK, -(-50_000 // CHUNK))
+        tier = _procs.tier_slot(cache, "remote").tier
+        head = remote_layout.pack_head(remote_layout.CHUNKED, b"\1" * 8, 50_000, CHUNK, -(-50_000 // CHUNK))
         server.client().set(tier.head_key(key), head)
         assert cache.get(key) is None
         assert cache.stats()["remote"]["incomplete"] == 1
@@ -238,7 +238,7 @@ def test_a_reader_never_sees_an_entry_before_its_head(server):
     reached, go = threading.Event(), threading.Event()
     t = torch.randn(20000)
     with remote_only(server.url) as writer, remote_only(server.url) as reader:
-        tier = writer._remote
+        tier = _procs.tier_slot(writer, "remote").tier
         real = tier._factory
         tier._factory = lambda: PausingClient(real(), reached, go)
         writer.put(b"k", t)
@@ -281,7 +281,7 @@ def test_ttl_on_heads_and_longer_on_chunks(server):
     head, chunks = head_and_chunks(server, b"k")
     r = server.client()
     assert 90 < r.ttl(head) <= 100
-    assert all(100 < r.ttl(c) <= 100 + remote_mod.CHUNK_TTL_MARGIN_S for c in chunks)
+    assert all(100 < r.ttl(c) <= 100 + remote_layout.CHUNK_TTL_MARGIN_S for c in chunks)
     with remote_only(server.url) as reader:
         assert reader.get(b"k") is not None
         r.pexpireat(head, 1)  # the head's time is up (an instant in the past: no waiting)
@@ -302,7 +302,7 @@ def test_server_killed_and_restarted_mid_run(server):
     keys = list(want)
     with replica(server.url, device_bytes="64KiB", host_bytes=0,
                  remote_breaker_failures=2, remote_breaker_cooldown_ms=1000) as cache:
-        cache._remote.breaker.clock = clock
+        _procs.tier_slot(cache, "remote").tier.breaker.clock = clock
         served = 0
         for i, key in enumerate(keys):
             if i == 20:
@@ -321,7 +321,7 @@ def test_server_killed_and_restarted_mid_run(server):
                     assert_same(got, want[earlier])
                     served += 1
             cache._demoter.join_queue()
-            cache._publisher.join_queue()
+            _procs.tier_slot(cache, "remote").writer.join_queue()
         s = cache.stats()["remote"]
         assert s["errors"] + s["timeouts"] >= 2 and s["breaker_opened"] >= 1
         assert s["breaker_open"] == 0
@@ -336,7 +336,7 @@ def test_breaker_opens_skips_and_recovers(redis_bin, tmp_path):
     clock = FakeClock()
     url = f"redis://127.0.0.1:{port}/0"
     with remote_only(url, remote_breaker_failures=2, remote_breaker_cooldown_ms=5000) as cache:
-        cache._remote.breaker.clock = clock
+        _procs.tier_slot(cache, "remote").tier.breaker.clock = clock
 
         def remote() -> dict[str, int]:
             return cache.stats()["remote"]
@@ -380,7 +380,7 @@ def test_server_that_never_answers_times_out(tmp_path):
 def test_publish_queue_drops_under_overload_and_close_drains(server):
     reached, go = threading.Event(), threading.Event()
     cache = remote_only(server.url, remote_queue_entries=1)
-    tier = cache._remote
+    tier = _procs.tier_slot(cache, "remote").tier
     real = tier._factory
     tier._factory = lambda: PausingClient(real(), reached, go)
     try:
@@ -396,6 +396,39 @@ def test_publish_queue_drops_under_overload_and_close_drains(server):
     with remote_only(server.url) as reader:
         assert_same(reader.get(b"q-0"), torch.full((10,), 0.0))
         assert reader.get(b"q-1") is None
+
+
+def test_a_dropped_publish_leaves_the_servers_value(server):
+    """The remote tier is not exact (``Rules.exact``): a put that does not reach it keeps the
+    value published before (for content keys, the same features), where the disk would delete."""
+    reached, go = threading.Event(), threading.Event()
+    with remote_only(server.url) as a:
+        a.put(b"k", torch.full((10,), 1.0))
+    cache = remote_only(server.url, remote_queue_entries=1)
+    tier = _procs.tier_slot(cache, "remote").tier
+    real = tier._factory
+    tier._factory = lambda: PausingClient(real(), reached, go)
+    try:
+        cache.put(b"other", torch.ones(3))
+        assert reached.wait(30)  # the publisher is busy with "other"
+        cache.put(b"k", torch.full((10,), 2.0))
+        cache._demoter.join_queue()
+        assert cache.stats()["remote"]["publish_dropped"] == 1
+    finally:
+        go.set()
+        cache.close()
+    with remote_only(server.url) as reader:
+        assert_same(reader.get(b"k"), torch.full((10,), 1.0))
+
+
+def test_in_never_asks_the_server(server):
+    with remote_only(server.url) as a:
+        a.put(b"k", torch.ones(3))
+    with remote_only(server.url) as b:
+        before = b.stats()["remote"]
+        assert b"k" not in b  # only local tiers are asked (``Rules.local``)
+        assert b.stats()["remote"] == before
+        assert b.get(b"k") is not None
 
 
 # -- auth, secrets, settings ---------------------------------------------------------------------
@@ -534,7 +567,7 @@ def test_unexpected_client_errors_are_misses(server):
             raise ValueError("a client bug")
 
     with remote_only(server.url) as cache:
-        cache._remote._factory = Broken
+        _procs.tier_slot(cache, "remote").tier._factory = Broken
         assert cache.get(b"k") is None
         cache.put(b"k", torch.ones(3))
         cache.flush()

@@ -12,7 +12,9 @@ import time
 
 from ..lmdeploy.entry_meta import namespace_of
 from ..sizes import format_bytes
-from ..storeview import OtherFormatError, StoreView, discard_keys, purge_foreign_store
+from ..store.layout import OtherFormatError
+from ..storetools.maintenance import compact, discard_keys, purge_foreign_store
+from ..storetools.view import StoreView
 from .command import (
     EXIT_BAD,
     EXIT_OK,
@@ -147,7 +149,7 @@ def _compact_arguments(p: argparse.ArgumentParser) -> None:
 def _compact(args: argparse.Namespace) -> int:
     with StoreView(args.dir) as view:
         before = view.summary()
-        view.compact_to(args.dest)
+        compact(view, args.dest)
     with StoreView(args.dest) as copy:
         after = copy.summary()
     print(f"compacted {before.path} (data file {format_bytes(before.data_file_bytes)}) into "

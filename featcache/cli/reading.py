@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from ..config import DEFAULTS, CacheConfig
-from ..storeview import KeyNotFoundError, StoreView
+from ..storetools.view import KeyNotFoundError, StoreView
 from ..tiers.remote import server_summary
 from . import render
 from .command import (

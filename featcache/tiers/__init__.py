@@ -1,12 +1,11 @@
-"""The storage tiers, top to bottom: device (GPU), host (pinned RAM), disk (LMDB).
+"""The storage tiers, one module each: device (GPU), host (pinned RAM), disk (LMDB), remote
+(Redis/Valkey); ``base`` holds the protocol they share and the entry they hold.
 
-Each tier is synchronous and knows nothing of the others; the cache chains them and the demoter
-moves data between them in the background.
+Each tier is synchronous and knows nothing of the others; ``featcache.chain`` builds and orders
+them (the only module that names the concrete tiers), the cache loops over that chain, and the
+demoter and the tier writers move data between them in the background.
 """
 
-from .base import Entry, Tier
-from .device import DeviceTier
-from .disk import DiskTier
-from .host import HostTier
+from .base import Entry, LeasingTier, Op, StagingTier, Tier, WrittenTier
 
-__all__ = ["DeviceTier", "DiskTier", "Entry", "HostTier", "Tier"]
+__all__ = ["Entry", "LeasingTier", "Op", "StagingTier", "Tier", "WrittenTier"]

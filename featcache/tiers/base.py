@@ -1,15 +1,33 @@
-"""What every tier offers, and the entry they hold."""
+"""What every tier offers (``Tier``), the entry they hold, and the writes handed to lower tiers.
+
+The protocols, by role in the chain (``featcache.chain``):
+- ``Tier``: every tier. Synchronous; ``get`` counts hits and misses; ``fits`` says whether
+  an entry could be stored at all (its budget, its format's limits);
+- ``LeasingTier``: the top tier, which lends entries to requests (``pin``/``unpin``: a pinned
+  entry is never evicted);
+- ``StagingTier``: host memory in blocks, where copies between the device and the tiers below
+  are made (``reserve`` a block, ``put`` it, ``release`` a reference);
+- ``WrittenTier``: a tier below the host, written in the background by its ``TierWriter``
+  (``write``: a batch of puts, discards and touches, applied in order).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
-from ..hostpool import Block
+from .. import codec
+from ..copier import as_bytes
+from ..hostpool import Block, HostPool
 
 STAT_FIELDS = ("hits", "misses", "evictions", "drops", "corrupt", "errors")
+
+# Where a tier that copies a value out puts its bytes: ``alloc(n)`` returns a uint8 CPU tensor of
+# at least ``n`` bytes (a staging block, or a fresh buffer).
+Alloc = Callable[[int], torch.Tensor]
 
 
 @dataclass(eq=False)
@@ -18,9 +36,9 @@ class Entry:
 
     ``fence`` is a ``torch.cuda.Event`` recorded after the work that produced ``tensor`` (the
     producer's stream for the device tier, the copy stream for the host tier), or None when the
-    bytes are ready now. ``block`` is the host-pool block behind ``tensor`` (host tier only).
-    ``frame``, when set, is the disk value's buffer: ``tensor``'s bytes preceded by room for the
-    header and metadata, so the disk writer writes it without copying the payload.
+    bytes are ready now. ``block`` is the host-pool block behind ``tensor`` (host entries only).
+    ``frame``, when set, is the stored value's buffer: ``tensor``'s bytes preceded by room for the
+    header and metadata, so the value is written without copying the payload (``value_of``).
     """
 
     tensor: torch.Tensor
@@ -32,6 +50,28 @@ class Entry:
     @property
     def nbytes(self) -> int:
         return self.tensor.nbytes
+
+
+def value_of(entry: Entry) -> memoryview | bytes:
+    """The stored value (``codec``) of a host entry whose bytes are ready: written in place into
+    its frame when it has one (no payload copy), else encoded into new bytes."""
+    tensor = entry.tensor
+    if entry.frame is None:
+        data = as_bytes(tensor).numpy().data
+        return codec.encode(tensor.dtype, tuple(tensor.shape), data, entry.meta)
+    frame = entry.frame.numpy().data
+    codec.encode_in_place(frame, tensor.dtype, tuple(tensor.shape), entry.meta)
+    return frame
+
+
+@dataclass(frozen=True, eq=False)
+class Op:
+    """One write to a lower tier, applied in queue order: a ``put`` of a host entry (its bytes
+    ready), a ``discard``, or a ``touch`` (a use: recency only)."""
+
+    kind: Literal["put", "discard", "touch"]
+    key: bytes
+    entry: Entry | None = None  # for a put
 
 
 @dataclass
@@ -49,7 +89,13 @@ class Counters:
 
 
 class Tier(Protocol):
-    """A synchronous store of entries with a byte budget. ``get``/``put`` count hits/misses."""
+    """A synchronous store of entries with a byte budget; ``get`` counts hits and misses.
+
+    ``get(key, alloc)``: the entry or None (a miss: absent, or unreadable, or corrupt). A tier
+    that copies the value out (disk, remote) puts its bytes into ``alloc(n)``; one that holds
+    entries in memory ignores ``alloc``. ``count_drops``: writes headed for the tier that were
+    dropped before reaching it (a full queue, a failed copy), counted in its stats.
+    """
 
     name: str
     capacity_bytes: int
@@ -57,17 +103,55 @@ class Tier(Protocol):
     @property
     def used_bytes(self) -> int: ...
 
+    def fits(self, nbytes: int, meta_bytes: int = 0) -> bool: ...
+
     def contains(self, key: bytes) -> bool: ...
 
-    def get(self, key: bytes) -> Entry | None: ...
+    def get(self, key: bytes, alloc: Alloc | None = None) -> Entry | None: ...
 
     def put(self, key: bytes, entry: Entry) -> bool: ...
 
     def discard(self, key: bytes) -> bool: ...
 
+    def count_drops(self, n: int = 1) -> None: ...
+
     def stats(self) -> dict[str, int]: ...
 
     def close(self) -> None: ...
+
+
+class LeasingTier(Tier, Protocol):
+    """The top tier: a hit or a put may pin its key (a lease) in the same step; a pinned key is
+    never evicted until every pin is undone (``unpin``)."""
+
+    def get(self, key: bytes, alloc: Alloc | None = None, *, pin: bool = False) -> Entry | None: ...
+
+    def put(self, key: bytes, entry: Entry, *, pin: bool = False) -> bool: ...
+
+    def pin(self, key: bytes) -> None: ...
+
+    def unpin(self, key: bytes) -> None: ...
+
+
+class StagingTier(Tier, Protocol):
+    """Host memory in pool blocks: ``reserve`` a block to fill (evicting for room), ``put`` an
+    entry living in it (the tier takes over the reference), ``release`` a reference taken by
+    ``get`` or ``reserve``."""
+
+    pool: HostPool
+
+    def reserve(self, nbytes: int) -> Block | None: ...
+
+    def release(self, block: Block) -> None: ...
+
+
+class WrittenTier(Tier, Protocol):
+    """A tier written in the background by its ``TierWriter``: ``write`` applies ``ops`` in
+    order, each put's bytes ready (in one transaction where the tier has them). Failures of the
+    tier's own storage are the tier's to count and contain (a drop, an error); an exception out of
+    ``write`` means that nothing of the batch is known to have landed."""
+
+    def write(self, ops: Sequence[Op]) -> None: ...
 
 
 def empty_stats(capacity_bytes: int = 0) -> dict[str, int]:

@@ -9,10 +9,12 @@ from __future__ import annotations
 import threading
 
 from ..lru import LruBooks
-from .base import Counters, Entry
+from .base import Alloc, Counters, Entry
 
 
 class DeviceTier:
+    """The top tier (``LeasingTier``): the producers' tensors, LRU, leases."""
+
     name = "device"
 
     def __init__(self, capacity_bytes: int) -> None:
@@ -27,11 +29,17 @@ class DeviceTier:
     def used_bytes(self) -> int:
         return self._books.used_bytes
 
+    def fits(self, nbytes: int, meta_bytes: int = 0) -> bool:
+        """Whether an entry of ``nbytes`` could be held (the metadata is held with the tensor,
+        uncounted: it is at most 64 KiB)."""
+        return 0 < self.capacity_bytes and nbytes <= self.capacity_bytes
+
     def contains(self, key: bytes) -> bool:
         return key in self._entries
 
-    def get(self, key: bytes, pin: bool = False) -> Entry | None:
-        """The entry, or None; with ``pin`` the hit is pinned in the same step (a lease)."""
+    def get(self, key: bytes, alloc: Alloc | None = None, *, pin: bool = False) -> Entry | None:
+        """The entry, or None; with ``pin`` the hit is pinned in the same step (a lease).
+        (``alloc`` is not used: the entry is the tensor itself, never copied out.)"""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -43,7 +51,7 @@ class DeviceTier:
                 self._books.pin(key)
             return entry
 
-    def put(self, key: bytes, entry: Entry, pin: bool = False) -> bool:
+    def put(self, key: bytes, entry: Entry, *, pin: bool = False) -> bool:
         """Store ``entry``, evicting the oldest unpinned entries for room; False if it cannot fit.
 
         With ``pin`` the key is pinned in the same step (a lease), stored or not, so every lease
@@ -71,6 +79,9 @@ class DeviceTier:
         return self._entries.pop(key, None) is not None
 
     def pin(self, key: bytes) -> None:
+        """Pin ``key`` without looking it up: the lease of a lookup whose value was not
+        installed (a newer put or a discard of the key raced with it) still pins, so that its
+        ``unpin`` stays balanced."""
         with self._lock:
             self._books.pin(key)
 
@@ -78,6 +89,10 @@ class DeviceTier:
         with self._lock:
             if not self._closed:  # leases may outlive the cache; closing dropped every pin
                 self._books.unpin(key)
+
+    def count_drops(self, n: int = 1) -> None:
+        with self._lock:
+            self._counters.drops += n
 
     def stats(self) -> dict[str, int]:
         with self._lock:

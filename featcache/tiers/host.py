@@ -15,10 +15,12 @@ import threading
 from collections import OrderedDict
 
 from ..hostpool import Block, HostPool
-from .base import Counters, Entry
+from .base import Alloc, Counters, Entry
 
 
 class HostTier:
+    """The staging tier (``StagingTier``): entries in pool blocks, LRU."""
+
     name = "host"
 
     def __init__(self, capacity_bytes: int, slab_bytes: int, pin: bool) -> None:
@@ -32,7 +34,9 @@ class HostTier:
     def used_bytes(self) -> int:
         return self.pool.block_bytes
 
-    def fits(self, nbytes: int) -> bool:
+    def fits(self, nbytes: int, meta_bytes: int = 0) -> bool:
+        """Whether an entry of ``nbytes`` could be held (a block holds at most a slab; the room
+        for the value's header and metadata is checked by ``reserve``)."""
         return 0 < self.capacity_bytes and nbytes <= self.pool.max_block_bytes
 
     def contains(self, key: bytes) -> bool:
@@ -70,8 +74,9 @@ class HostTier:
             self._entries[key] = entry
             return True
 
-    def get(self, key: bytes) -> Entry | None:
-        """The entry, with an extra reference on its block: the caller must ``release`` it."""
+    def get(self, key: bytes, alloc: Alloc | None = None) -> Entry | None:
+        """The entry, with an extra reference on its block: the caller must ``release`` it.
+        (``alloc`` is not used: the entry already lives in host memory.)"""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -95,9 +100,9 @@ class HostTier:
             self.pool.release(entry.block)
             return True
 
-    def count_drop(self) -> None:
+    def count_drops(self, n: int = 1) -> None:
         with self._lock:
-            self._counters.drops += 1
+            self._counters.drops += n
 
     def stats(self) -> dict[str, int]:
         with self._lock:

@@ -1,17 +1,11 @@
 """Remote tier: features shared by a fleet of replicas through Redis or Valkey (one server or a
 Redis Cluster), with the redis-py client. Synchronous like every tier: the cache reads it on a
 local miss (the request path's only network call, bounded by ``remote_timeout_ms``) and the
-publisher thread (``featcache.demoter``) writes it.
+publisher thread (its ``featcache.writer.TierWriter``) writes it, through ``write``.
 
-Layout on the server, for a cache key whose hex is ``H`` and the prefix ``P``::
-
-    P:{H}:h          the head: a small manifest, or the whole value inline if it fits one chunk
-    P:{H}:<nonce>:i  chunk i of the value written with that nonce (8 random bytes, in hex)
-
-The ``{H}`` hash tag puts all of an entry's keys in one Cluster slot, so multi-key commands
-(MGET, UNLINK) work on a cluster too. A value is the disk tier's value (``featcache.codec``:
-header, metadata, payload, xxh3-128 checksum); no pickle. The manifest (``HEAD``) holds the
-nonce, the value's length, the chunk size and count, and an xxh3-64 digest of those fields.
+The layout on the server (key names, the head, chunks) is ``featcache.tiers.remote_layout``'s;
+a value is the disk tier's value (``featcache.codec``: header, metadata, payload, xxh3-128
+checksum); no pickle.
 
 Invariants:
 - a reader never sees half an entry: chunks are written first under a fresh nonce (so they are
@@ -34,34 +28,39 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
-import xxhash
 
 from .. import codec
 from ..breaker import Breaker
 from ..config import CacheConfig
 from ..copier import as_bytes
 from ..errors import CorruptEntryError
-from .base import Entry
+from .base import Alloc, Entry, Op
+from .remote_layout import (
+    CHUNK_TTL_MARGIN_S,
+    CHUNKED,
+    HEAD,
+    INLINE,
+    Manifest,
+    chunk_keys,
+    head_key,
+    max_value_bytes,
+    namespace,
+    pack_head,
+    parse_head,
+    split,
+)
 
 log = logging.getLogger("featcache")
 
 T = TypeVar("T")
-
-HEAD_MAGIC = b"FCr\x01"
-# magic, kind (0 inline, 1 chunked), nonce, value length, chunk size, chunk count, xxh3-64 digest
-HEAD = struct.Struct("<4sB3x8sQII8s")
-INLINE, CHUNKED = 0, 1
-CHUNK_TTL_MARGIN_S = 60  # chunks outlive their head by this much, so a head never outlives them
-MAX_CHUNKS = 1 << 16  # a head asking for more is corrupt (bounds what a bad head can make us read)
 
 STAT_NAMES = (
     "hits", "misses", "corrupt", "incomplete", "errors", "timeouts", "breaker_skips",
@@ -71,56 +70,6 @@ STAT_NAMES = (
 
 class _Unavailable(Exception):
     """A remote call did not happen or did not complete (breaker open, error, timeout)."""
-
-
-@dataclass(frozen=True)
-class Manifest:
-    kind: int
-    nonce: bytes
-    value_len: int
-    chunk_bytes: int
-    chunks: int
-    inline: memoryview | None = None  # the value, for an inline head
-
-
-def pack_head(kind: int, nonce: bytes, value_len: int, chunk_bytes: int, chunks: int) -> bytes:
-    fields = HEAD.pack(HEAD_MAGIC, kind, nonce, value_len, chunk_bytes, chunks, b"\0" * 8)
-    digest = xxhash.xxh3_64_digest(fields[: HEAD.size - 8])
-    return fields[: HEAD.size - 8] + digest
-
-
-def parse_head(raw: bytes) -> Manifest:
-    """Validate a head; raise ``CorruptEntryError`` on anything off."""
-    view = memoryview(raw)
-    if view.nbytes < HEAD.size:
-        raise CorruptEntryError("remote head shorter than a manifest")
-    magic, kind, nonce, value_len, chunk_bytes, chunks, digest = HEAD.unpack_from(view)
-    if magic != HEAD_MAGIC or digest != xxhash.xxh3_64_digest(view[: HEAD.size - 8]):
-        raise CorruptEntryError("remote head: bad magic or digest")
-    if kind == INLINE:
-        if chunks != 0 or value_len != view.nbytes - HEAD.size:
-            raise CorruptEntryError("remote head: inline length mismatch")
-        return Manifest(kind, nonce, value_len, chunk_bytes, 0, view[HEAD.size :])
-    if (
-        kind != CHUNKED or view.nbytes != HEAD.size or chunk_bytes < 1 or not 0 < chunks <= MAX_CHUNKS
-        or chunks != -(-value_len // chunk_bytes)
-    ):
-        raise CorruptEntryError("remote head: bad chunk layout")
-    return Manifest(kind, nonce, value_len, chunk_bytes, chunks)
-
-
-def split(lead: bytes, payload: memoryview, chunk_bytes: int) -> Iterator[bytes | memoryview]:
-    """The value ``lead + payload`` in pieces of ``chunk_bytes`` (the last may be shorter); only
-    the first piece is copied (it joins the lead to the payload's start)."""
-    first = chunk_bytes - len(lead)
-    if first <= 0:  # a lead longer than a chunk (64 KiB of metadata in 4 KiB chunks)
-        value = memoryview(lead + payload)
-        for start in range(0, value.nbytes, chunk_bytes):
-            yield value[start : start + chunk_bytes]
-        return
-    yield lead + payload[:first]
-    for start in range(first, payload.nbytes, chunk_bytes):
-        yield payload[start : start + chunk_bytes]
 
 
 def connect(config: CacheConfig) -> Any:
@@ -167,7 +116,7 @@ class RemoteTier:
         self._factory = client_factory
         self._client: Any = None
         self._client_lock = threading.Lock()
-        self.prefix = f"{prefix}:v{codec.FORMAT_VERSION}"
+        self.prefix = namespace(prefix)
         self.ttl_s = ttl_s
         self.chunk_bytes = chunk_bytes
         self.breaker = breaker if breaker is not None else Breaker(3, 5.0)
@@ -204,24 +153,30 @@ class RemoteTier:
 
     # -- keys ----------------------------------------------------------------------------------
     def head_key(self, key: bytes) -> str:
-        return f"{self.prefix}:{{{key.hex()}}}:h"
+        return head_key(self.prefix, key)
 
     def chunk_keys(self, key: bytes, manifest: Manifest) -> list[str]:
-        base = f"{self.prefix}:{{{key.hex()}}}:{manifest.nonce.hex()}"
-        return [f"{base}:{i}" for i in range(manifest.chunks)]
+        return chunk_keys(self.prefix, key, manifest)
 
     # -- the Tier protocol ---------------------------------------------------------------------
     @property
     def used_bytes(self) -> int:
         return 0
 
+    def fits(self, nbytes: int, meta_bytes: int = 0) -> bool:
+        """Whether a value of ``nbytes`` payload and ``meta_bytes`` metadata can be published:
+        the server's memory governs, only a head's chunk count bounds it."""
+        return HEAD.size + codec.HEADER.size + meta_bytes + nbytes <= max_value_bytes(self.chunk_bytes)
+
     def contains(self, key: bytes) -> bool:
+        """Whether the server holds a head for ``key`` (one network call; the cache never asks,
+        so that ``key in cache`` stays local)."""
         try:
             return bool(self._call(lambda c: c.exists(self.head_key(key))))
         except _Unavailable:
             return False
 
-    def get(self, key: bytes, alloc: Callable[[int], torch.Tensor] | None = None) -> Entry | None:
+    def get(self, key: bytes, alloc: Alloc | None = None) -> Entry | None:
         """Read and verify ``key``; its bytes land in ``alloc(n)`` (a uint8 CPU tensor of ``n``
         bytes: the value laid out so that the payload starts ``codec.PAYLOAD_ALIGN``-aligned).
         Anything missing, partial, corrupt or unreachable is a miss."""
@@ -276,6 +231,20 @@ class RemoteTier:
         self._unlink_chunks(key, old, keep=None)
         return old is not None
 
+    def write(self, ops: Sequence[Op]) -> None:
+        """Apply ``ops`` in order (the publisher thread): publish puts, delete discards. A publish
+        that fails leaves the server's value as it was (counted in ``publish_errors``)."""
+        for op in ops:
+            if op.kind == "put":
+                assert op.entry is not None
+                self.put(op.key, op.entry)
+            elif op.kind == "discard":
+                self.discard(op.key)
+
+    def count_drops(self, n: int = 1) -> None:
+        """Publishes dropped before reaching the server (``publish_dropped``)."""
+        self.count("publish_dropped", n)
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             counts = {name: self._counts.get(name, 0) for name in STAT_NAMES}
@@ -303,7 +272,7 @@ class RemoteTier:
         return f"RemoteTier({self._url!r}, prefix={self.prefix!r})"
 
     # -- reading -------------------------------------------------------------------------------
-    def _read(self, key: bytes, alloc: Callable[[int], torch.Tensor] | None) -> Entry | None:
+    def _read(self, key: bytes, alloc: Alloc | None) -> Entry | None:
         try:
             raw = self._call(lambda c: c.get(self.head_key(key)))
             if raw is None:
@@ -330,7 +299,7 @@ class RemoteTier:
 
     def _assemble(
         self, manifest: Manifest, pieces: list[bytes | memoryview],
-        alloc: Callable[[int], torch.Tensor] | None,
+        alloc: Alloc | None,
     ) -> Entry:
         sizes = [memoryview(p).nbytes for p in pieces]
         if sum(sizes) != manifest.value_len or (
@@ -437,7 +406,7 @@ def server_summary(config: CacheConfig, max_entries: int = 1_000_000) -> dict[st
     ``FeatCacheError`` when the server cannot be read."""
     from ..errors import FeatCacheError
 
-    prefix = f"{config.remote_prefix}:v{codec.FORMAT_VERSION}"
+    prefix = namespace(config.remote_prefix)
     client = connect(replace(config, remote_timeout_ms=max(config.remote_timeout_ms, 5000)))
     try:
         memory = client.info("memory")

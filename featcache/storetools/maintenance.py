@@ -1,0 +1,137 @@
+"""The writes of the store tools: ``verify --fix`` and ``purge`` delete entries (``discard_keys``),
+``purge --all`` of a store of another format deletes its files (``purge_foreign_store``), and
+``compact`` writes a compacted copy into a new directory (``compact``).
+
+Invariants:
+- entries are deleted only through ``DiskTier.write_batch``, so a value, its meta and lru records
+  and ``used_bytes`` change in one transaction, by the disk tier's own rules (``store.books``);
+  the tier is opened with a budget above what the store holds (``maintenance_budget``), so
+  opening it never evicts anything;
+- ``discard_keys(only_bad=True)`` deletes an entry only if it is still bad inside that write
+  transaction (``discard_bad``): a writer may have replaced a bad value with a good one since;
+- files are deleted only from a store this featcache can tell is featcache's, of another format
+  version, that no process has open (``store.files.store_in_use``);
+- ``compact`` writes only into an empty or new directory; the store itself is only read.
+
+LMDB forbids opening one environment twice in a process: no ``StoreView`` or ``FeatureCache`` on
+the same directory may be open in this process while these run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Literal
+
+import lmdb
+
+from ..errors import FeatCacheError, StoreFormatError, StoreOpenError
+from ..store.files import (
+    DATA_FILE,
+    LOCK_FILE,
+    check_store_dir,
+    data_file_bytes,
+    open_error,
+    os_error,
+    store_in_use,
+)
+from ..store.layout import FORMAT_RECORD, FORMAT_TAG, INFO_TABLE, TABLES, is_featcache_tag
+from ..store.lmdbcheck import check_data_file
+from ..tiers.disk import DiskOp, DiskTier
+from .view import StoreView
+
+DISCARD_BATCH = 1024  # discards per write transaction
+
+
+def maintenance_budget(path: str | os.PathLike[str]) -> int:
+    """A budget above what the store holds, so that opening a ``DiskTier`` on it for maintenance
+    evicts nothing (the store records no budget of its own)."""
+    return 2 * data_file_bytes(os.fspath(path)) + (1 << 30)  # used_bytes <= the data file's size
+
+
+def discard_keys(path: str | os.PathLike[str], keys: Iterable[bytes], *,
+                 only_bad: bool = False) -> int:
+    """Delete ``keys`` through a writable ``DiskTier``: each batch of DISCARD_BATCH is one write
+    transaction that deletes data, meta and lru records and lowers ``used_bytes``.
+
+    ``only_bad``: delete a key only if its entry is still bad inside that transaction (``verify
+    --fix`` on a live store: a writer may have replaced a bad value with a good one since).
+    Returns the number of keys deleted. Raises ``StoreOpenError`` if the store cannot be opened
+    for writing, ``FeatCacheError`` if a transaction failed (the disk tier counts it).
+    """
+    todo = list(keys)
+    kind: Literal["discard", "discard_bad"] = "discard_bad" if only_bad else "discard"
+    tier = DiskTier(path, maintenance_budget(path))
+    try:
+        for start in range(0, len(todo), DISCARD_BATCH):
+            tier.write_batch([DiskOp(kind, k) for k in todo[start : start + DISCARD_BATCH]])
+        stats = tier.stats()
+        errors = stats["errors"]
+        deleted = stats.get("bad_deleted", 0) if only_bad else len(todo)
+    finally:
+        tier.close()
+    if errors:
+        raise FeatCacheError(
+            f"{errors} write transaction(s) on {os.fspath(path)!r} failed (see the log above); "
+            "some entries may remain"
+        )
+    return deleted
+
+
+def purge_foreign_store(path: str | os.PathLike[str]) -> str:
+    """Delete the files of a featcache store of another format version (this featcache cannot
+    read its entries, only remove them). Returns the format tag it held.
+
+    Refuses anything but an LMDB environment whose ``info`` table names a ``featcache-`` format,
+    and a store another process has open.
+    """
+    where = os.fspath(path)
+    check_store_dir(where, lock=True)
+    holder = store_in_use(where)
+    if holder:
+        raise StoreOpenError(f"the store at {where!r} is open in process {holder}: stop it first")
+    try:
+        env = lmdb.open(where, readonly=True, lock=False, map_size=0, max_dbs=len(TABLES),
+                        create=False)
+    except lmdb.Error as e:
+        raise open_error(where, e) from e
+    try:
+        check_data_file(env, os.path.join(where, DATA_FILE))  # a damaged file could crash LMDB
+        with env.begin() as txn:
+            info = env.open_db(INFO_TABLE, txn=txn, create=False)
+            tag = bytes(txn.get(FORMAT_RECORD, db=info) or b"")
+    except lmdb.Error as e:
+        raise StoreFormatError(f"{where!r} is not a featcache store: nothing deleted") from e
+    finally:
+        env.close()
+    if not is_featcache_tag(tag):
+        raise StoreFormatError(f"{where!r} is not a featcache store: nothing deleted")
+    if tag == FORMAT_TAG:
+        raise StoreFormatError(f"{where!r} is a store of this version: purge its entries instead")
+    for name in (DATA_FILE, LOCK_FILE):
+        try:
+            os.remove(os.path.join(where, name))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise os_error(where, e) from e
+    return tag.decode("ascii", "replace")
+
+
+def compact(view: StoreView, dest: str | os.PathLike[str]) -> None:
+    """Write a compacted copy of the store ``view`` reads (free pages left out) into ``dest``: an
+    empty or missing directory, created 0700. The copy is consistent as of one read transaction;
+    what writers add meanwhile is not in it."""
+    target = os.fspath(dest)
+    if os.path.exists(target):
+        if not os.path.isdir(target):
+            raise StoreOpenError(f"{target!r} exists and is not a directory")
+        if os.listdir(target):
+            raise StoreOpenError(f"{target!r} is not empty: compact writes into an empty directory")
+    else:
+        try:
+            os.makedirs(target, mode=0o700)
+        except OSError as e:
+            raise os_error(target, e) from e
+    view.copy_to(target)
+    os.chmod(os.path.join(target, DATA_FILE), 0o600)  # as the disk tier creates its files
