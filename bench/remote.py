@@ -237,10 +237,11 @@ def run_shape(name: str, url: str, args: argparse.Namespace, workdir: str) -> di
 
     # The fetch alone: what redis-py takes to bring the head and the chunks to this process.
     client = redis.Redis.from_url(url)
+    from featcache.config import CacheConfig
     from featcache.tiers import remote as rm
     from featcache.tiers import remote_layout
 
-    tier = rm.RemoteTier(lambda: client)
+    tier = rm.RemoteTier.from_config(CacheConfig.create(remote_url=url), client_factory=lambda: client)
     fetch_times = []
     for key in keys:
         t0 = time.perf_counter()

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from .. import codec
+from ..config import DEFAULTS
 from ..errors import CorruptEntryError, StoreOpenError
 from ..store.books import Books
 from ..store.env import Gate, Shut, open_store
@@ -106,7 +107,7 @@ class DiskTier:
         capacity_bytes: int,
         *,
         readonly: bool = False,
-        sync: bool = True,
+        sync: bool = bool(DEFAULTS["disk_sync"]),
         on_corrupt: Callable[[bytes], None] | None = None,
     ) -> None:
         self.path = os.fspath(path)

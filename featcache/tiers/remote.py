@@ -106,10 +106,10 @@ class RemoteTier:
         self,
         client_factory: Callable[[], Any],
         *,
-        prefix: str = "featcache",
-        ttl_s: int = 0,
-        chunk_bytes: int = 4 << 20,
-        breaker: Breaker | None = None,
+        prefix: str,
+        ttl_s: int,
+        chunk_bytes: int,
+        breaker: Breaker,
         url_for_logs: str = "remote",
         on_corrupt: Callable[[bytes], None] | None = None,
     ) -> None:
@@ -119,7 +119,7 @@ class RemoteTier:
         self.prefix = namespace(prefix)
         self.ttl_s = ttl_s
         self.chunk_bytes = chunk_bytes
-        self.breaker = breaker if breaker is not None else Breaker(3, 5.0)
+        self.breaker = breaker
         self._url = url_for_logs
         self._on_corrupt = on_corrupt
         self._counts: Counter[str] = Counter()
