@@ -616,6 +616,10 @@ def test_a_bad_disk_bytes_on_the_command_line_is_one_line_not_a_traceback(tmp_pa
     image = tmp_path / "a.png"
     Image.new("RGB", (4, 4)).save(image)
     argv = ["warm", "some/model", str(image), "--cache-dir", str(tmp_path / "store")]
+    import featcache.cli.serving as serving
+
+    monkeypatch.setattr(serving, "model_problem", lambda model: None)  # the store fails first
+    monkeypatch.setattr(serving, "cuda_problem", lambda: None)
     assert cli([*argv, "--disk-bytes", "9" * 400 + "TiB"]) == 2  # OverflowError before
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "too large" in err

@@ -77,6 +77,9 @@ def served(monkeypatch, model, tmp_path):
         seen.update(app=app, host=host, port=port, metrics=TestClient(app).get("/metrics").text)
 
     monkeypatch.setattr(api_server.uvicorn, "run", run)
+    import featcache.cli.serving as serving
+
+    monkeypatch.setattr(serving, "cuda_problem", lambda: None)  # the engine is a stand-in
 
     def serve(*extra):
         argv = ["serve", model, "--cache-dir", str(tmp_path / "store"), "--disk-bytes", "64MiB",
@@ -268,6 +271,8 @@ def test_warm_runs_batches_keeps_going_past_a_bad_file_and_reports(tmp_path, mon
 
     monkeypatch.setattr(warm_module, "pipeline", lambda model, cache, **kw: StandInPipe(cache))
     monkeypatch.setattr(serving, "default_cache", default_cache)
+    monkeypatch.setattr(serving, "cuda_problem", lambda: None)  # the pipeline is a stand-in
+    monkeypatch.setattr(serving, "model_problem", lambda model: None)
     drawn = []
     monkeypatch.setattr(serving.ProgressBar, "update", lambda self, done, n, force=False:
                         drawn.append(done))

@@ -23,7 +23,8 @@ import lmdb
 from .._version import __version__
 from ..config import STORE_DIR_HELP
 from ..errors import FeatCacheError
-from .command import EXIT_BAD, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, Command
+from ..store.files import NO_LOCK_HINT
+from .command import EXIT_BAD, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, Command, UsageError
 from .demo import DEMO
 from .maintenance import COMPACT, PURGE, VERIFY
 from .reading import INSPECT, LS, STATS
@@ -77,19 +78,37 @@ def main(argv: list[str] | None = None) -> int:
     return run(command, args)
 
 
+# The optional dependencies a command may need: the module, and the extra that installs it.
+EXTRAS = {"lmdeploy": "lmdeploy", "redis": "remote", "prometheus_client": "metrics", "PIL": "image"}
+
+
 def run(command: Command, args: argparse.Namespace) -> int:
-    """Run ``command``; errors a user can act on become one line on stderr and exit code 1."""
+    """Run ``command``; errors a user can act on become one line on stderr and exit code 1 (2 for
+    bad usage)."""
+    def fail(message: str, code: int = EXIT_ERROR) -> int:
+        print(f"featcache {command.name}: error: {message}", file=sys.stderr)
+        return code
+
     try:
         return command.run(args)
     except BrokenPipeError:  # `featcache ls | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
+    except UsageError as e:
+        return fail(str(e), EXIT_BAD)
+    except ModuleNotFoundError as e:  # an optional dependency: say which extra installs it
+        module = (e.name or "").partition(".")[0]
+        if module not in EXTRAS:
+            raise
+        return fail(f"this command needs {module}, which is not installed: "
+                    f"pip install 'featcache[{EXTRAS[module]}]'")
     except (FeatCacheError, lmdb.Error, OSError) as e:
         message = str(e) if not isinstance(e, lmdb.Error) else f"LMDB error: {e}"
         if getattr(args, "dir", "set") is None and "no such directory" in message:
             message += " (the default store: pass DIR or set FEATCACHE_DIR)"
-        print(f"featcache {command.name}: error: {message}", file=sys.stderr)
-        return EXIT_ERROR
+        if not hasattr(args, "no_lock"):  # advice this command cannot follow
+            message = message.replace(NO_LOCK_HINT, "")
+        return fail(message)
     except KeyboardInterrupt:
         print(f"featcache {command.name}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -18,6 +18,11 @@ from ..config import STORE_DIR_HELP, default_store_dir
 EXIT_OK, EXIT_ERROR, EXIT_BAD, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
+class UsageError(Exception):
+    """Bad usage found while running a command (a value argparse cannot check): one line on
+    stderr and exit code 2."""
+
+
 @dataclass(frozen=True)
 class Command:
     name: str

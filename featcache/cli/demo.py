@@ -3,20 +3,32 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from .. import demo
-from .command import Command, at_least_one
+from ..errors import FeatCacheError
+from .command import EXIT_OK, Command, UsageError, at_least_one
 
 
 def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turns", type=at_least_one, default=demo.TURNS,
                    help=f"chat turns (default {demo.TURNS})")
     p.add_argument("--cache-dir", help="store directory (default: a temporary one)")
-    p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--device", choices=("cuda", "cpu"), help="cuda or cpu (default: cuda when available)")
 
 
 def _demo(args: argparse.Namespace) -> int:
-    return demo.run(turns=args.turns, cache_dir=args.cache_dir, device=args.device)
+    if args.cache_dir and os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
+        raise UsageError(f"--cache-dir {args.cache_dir!r} is a file, not a directory")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise FeatCacheError(f"--device cuda: no CUDA device here (torch {torch.__version__}); "
+                                 "use --device cpu")
+    if demo.run(turns=args.turns, cache_dir=args.cache_dir, device=args.device):
+        raise FeatCacheError("the check did not pass (see above)")
+    return EXIT_OK
 
 
 DEMO = Command(

@@ -19,6 +19,7 @@ from .command import (
     EXIT_BAD,
     EXIT_OK,
     Command,
+    UsageError,
     hex_key,
     limit,
     no_lock_argument,
@@ -58,8 +59,12 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _remote_summary(args: argparse.Namespace) -> dict[str, Any]:
-    return server_summary(CacheConfig.create(device="cpu", remote_url=args.remote_url,
-                                             remote_prefix=args.remote_prefix))
+    try:
+        config = CacheConfig.create(device="cpu", remote_url=args.remote_url,
+                                    remote_prefix=args.remote_prefix)
+    except ValueError as e:  # e.g. a URL of another scheme
+        raise UsageError(f"--remote-url: {e}") from None
+    return server_summary(config)
 
 
 STATS = Command(

@@ -6,6 +6,7 @@ work is ``featcache.serve``'s and ``featcache.warm``'s, the parsing and printing
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..config import SERVING_BUDGETS, STORE_DIR_HELP
@@ -28,6 +29,43 @@ def _bytes(text: str) -> int:
 def _budget_help(name: str) -> str:
     """``name``'s default, as ``featcache.lmdeploy.default_cache()`` sizes it, for a help text."""
     return str(SERVING_BUDGETS[name]).replace("%", "%%")  # (argparse formats help with %)
+
+
+# -- what running a model needs ----------------------------------------------------------------------
+def cuda_problem() -> str | None:
+    """Why lmdeploy's engines cannot run here (no CUDA device), or None."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+    return (f"this command needs a CUDA GPU ({why}: torch {torch.__version__}); "
+            "`featcache demo` runs on the CPU")
+
+
+def model_problem(model: str) -> str | None:
+    """Why ``model`` (a directory, or a Hugging Face hub id as lmdeploy takes) cannot be loaded,
+    or None: a missing directory, a name that is no hub id, a hub id neither cached nor reachable."""
+    if os.path.isdir(model):
+        return None
+    if os.path.exists(model):
+        return f"{model!r} is not a model directory"
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(model)
+    except HFValidationError:
+        return f"no such model directory: {model!r}"
+    if isinstance(try_to_load_from_cache(model, "config.json"), str):
+        return None
+    try:
+        hf_hub_download(model, "config.json")
+    except Exception as e:  # noqa: BLE001 (a probe: offline, no such repo, gated, ...)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return (f"cannot get the model {model!r} from the Hugging Face hub ({type(e).__name__}"
+                f"{': ' + first if first else ''}); pass a local model directory")
+    return None
 
 
 # -- serve -------------------------------------------------------------------------------------------
@@ -54,15 +92,24 @@ def featcache_parser() -> argparse.ArgumentParser:
 def _serve(args: argparse.Namespace) -> int:
     rest = args.rest  # lmdeploy's options, in order
     if not rest or "-h" in rest or "--help" in rest:
+        parser = lmdeploy_parser()  # (first: without lmdeploy, the error alone)
         featcache_parser().print_help()
         print("\nlmdeploy serve api_server options:\n")
-        lmdeploy_parser().print_help()
+        parser.print_help()
         return EXIT_OK if rest else EXIT_BAD
+    why = cuda_problem()  # before lmdeploy's parser, whose import logs warnings
+    if why:
+        print(f"featcache serve: error: {why}", file=sys.stderr)
+        return EXIT_ERROR
     lmdeploy_args = lmdeploy_parser().parse_args(rest)
     why = refusal(lmdeploy_args)
     if why:
         print(f"featcache serve: error: {why}", file=sys.stderr)
         return EXIT_BAD
+    why = model_problem(lmdeploy_args.model_path)
+    if why:
+        print(f"featcache serve: error: {why}", file=sys.stderr)
+        return EXIT_ERROR
     backend = backend_of(lmdeploy_args)
     try:
         cache = default_cache(path=args.cache_dir, device_bytes=args.device_bytes,
@@ -116,6 +163,10 @@ def _warm(args: argparse.Namespace) -> int:
     if not paths:
         print("featcache warm: error: no images (give IMAGE files or --from-dir DIR)", file=sys.stderr)
         return EXIT_BAD
+    why = model_problem(args.model) or cuda_problem()
+    if why:
+        print(f"featcache warm: error: {why}", file=sys.stderr)
+        return EXIT_ERROR
     try:
         cache = default_cache(path=args.cache_dir, disk_bytes=disk_bytes)
     except (FeatCacheError, TypeError, ValueError) as e:  # e.g. a --disk-bytes it cannot map

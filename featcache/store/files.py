@@ -95,6 +95,11 @@ def check_store_files(path: str) -> None:
             )
 
 
+# The advice of a permission error to the commands that read without the lock (the command line
+# drops it for those that do not take --no-lock).
+NO_LOCK_HINT = ", or add --no-lock if no process has the store open"
+
+
 def check_store_dir(path: str, *, lock: bool) -> None:
     """Raise the error a user can act on if ``path`` cannot hold a store a tool can read
     (``lock``: with LMDB's reader registration, which needs write access to ``lock.mdb``)."""
@@ -116,8 +121,7 @@ def check_store_dir(path: str, *, lock: bool) -> None:
     if lock and not lock_ok and not _read_only_fs(path):
         raise StorePermissionError(
             f"permission denied: {lock_file!r} is not writable by this user, and a safe reader "
-            "of a live store registers there; run as the store's owner, or add --no-lock if no "
-            "process has the store open"
+            f"of a live store registers there; run as the store's owner{NO_LOCK_HINT}"
         )
 
 
