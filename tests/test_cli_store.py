@@ -208,6 +208,23 @@ def test_inspect_by_key_and_prefix(store, capsys):
     assert exc.value.code == 2
 
 
+def test_inspect_finds_a_key_by_any_unique_prefix_odd_lengths_included(tmp_path, capsys):
+    """Every prefix of every key, 1 character up: found when unique, 'several' when not (issue 18:
+    `inspect 9` said "no entry" although one key started with 9)."""
+    path = tmp_path / "store"
+    keys = [k.hex() for k in build_store(path, n=12)]
+    for key in keys:
+        for n in range(1, 9):
+            prefix = key[:n]
+            matching = [k for k in keys if k.startswith(prefix)]
+            rc, out, err = run(capsys, "inspect", str(path), prefix, "--json")
+            if len(matching) == 1:
+                assert rc == 0 and json.loads(out)["key"] == key, (prefix, err)
+            else:
+                assert rc == 1 and "matches several entries" in err, (prefix, err)
+    assert any(sum(k.startswith(k0[0]) for k in keys) == 1 for k0 in keys)  # a 1-char unique one
+
+
 def test_meta_summary():
     assert meta_summary(b"") == "-"
     assert meta_summary(LMDEPLOY_META) == "image_tokens=256"

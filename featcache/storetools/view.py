@@ -173,7 +173,8 @@ class StoreView:
         text = key_hex.strip().lower()
         if not text or any(c not in "0123456789abcdef" for c in text):
             raise ValueError(f"{key_hex!r} is not a hex key (as `featcache ls` prints them)")
-        start = bytes.fromhex(text[: len(text) // 2 * 2])
+        # the smallest key with this hex prefix (an odd length ends in a nibble: pad it with 0)
+        start = bytes.fromhex(text + "0" * (len(text) % 2))
         found: list[bytes] = []
         with self._env.begin(db=self._tables.data) as txn:
             cursor = txn.cursor()
