@@ -125,6 +125,22 @@ class Lease:
         self.release()
 
 
+class _Computing:
+    """One miss of ``get_or_compute`` being computed: its waiters block on ``done``."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.value: torch.Tensor | None = None
+        self.error: BaseException | None = None
+
+    def result(self) -> torch.Tensor:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        assert self.value is not None
+        return self.value
+
+
 class FeatureCache:
     """A tiered, content-addressed cache of feature tensors. Thread-safe.
 
@@ -163,6 +179,8 @@ class FeatureCache:
             Demoter(self._copier, self._chain.staging, below, self.config.demote_queue_entries)
             if below else None
         )
+        self._computing: dict[bytes, _Computing] = {}  # get_or_compute's misses being computed
+        self._computing_lock = threading.Lock()
         self._counts: Counter[str] = Counter()
         self._events: dict[str, Counter[str]] = {}  # counters of integrations, by section
         self._counts_lock = threading.Lock()
@@ -220,6 +238,41 @@ class FeatureCache:
             return None
         self._copier.ready(entry.tensor, entry.fence)
         return entry.tensor
+
+    def get_or_compute(self, key: bytes, compute: Callable[[], torch.Tensor],
+                       meta: bytes | None = None) -> torch.Tensor:
+        """The features under ``key`` (``get``), else ``compute()``'s, which are ``put`` (with
+        ``meta``) and returned: the "get, else compute and put" pattern, with one computation per
+        miss in this process. Callers that ask for a key while another computes it wait for that
+        computation and return its result; if it raises, each of them raises that exception and
+        nothing is stored (a later call computes again). A hit returns the tensor on the cache's
+        device; a computed one is what ``compute`` returned.
+        """
+        found = self.get(key)
+        if found is not None:
+            return found
+        with self._computing_lock:
+            computing = self._computing.get(key)
+            first = computing is None
+            if computing is None:
+                computing = self._computing[key] = _Computing()
+        if not first:
+            return computing.result()
+        try:
+            # another caller's computation may have been put between our miss and our claim
+            found = self.get(key) if key in self else None
+            if found is None:
+                found = compute()
+                self.put(key, found, meta)
+            computing.value = found
+        except BaseException as e:
+            computing.error = e
+            raise
+        finally:
+            with self._computing_lock:
+                del self._computing[key]
+            computing.done.set()
+        return found
 
     def acquire(self, key: bytes) -> Lease | None:
         """Like ``get``, but the entry is pinned in the top tier until ``Lease.release()``."""
