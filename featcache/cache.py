@@ -44,7 +44,7 @@ import os
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -56,6 +56,7 @@ from .copier import make_copier
 from .demoter import Demoter
 from .errors import FeatCacheError
 from .lookup import Lookup
+from .store.report import VerifyReport
 from .tiers.base import Entry
 
 _FORKS = [0]  # bumped in every forked child: a cache built before it rebuilds on first use
@@ -300,6 +301,84 @@ class FeatureCache:
             return False
         return self._lookup.holds(key)
 
+    # -- the whole cache (python-diskcache's names: len, iterkeys as keys(), clear, check as verify)
+    def __len__(self) -> int:
+        """How many entries the persistent tier holds: the disk store (LMDB's count, so entries
+        other processes put there count too), or without one the memory tiers (device and host,
+        each key once). A put still on its way down counts once it lands (``flush()``)."""
+        if not self._adopted():
+            return 0
+        persistent = self._chain.persistent
+        if persistent is not None:
+            return persistent.entries()
+        return len(self._memory_keys())
+
+    def __bool__(self) -> bool:
+        """Always True: a cache is an object, not a container (``if cache:`` with an empty cache
+        would otherwise be False, since ``__len__`` is defined)."""
+        return True
+
+    def keys(self) -> Iterator[bytes]:
+        """The keys of the persistent tier (the disk store: yours and other processes'), in byte
+        order; without one, of the memory tiers (a snapshot taken at the first ``next``).
+
+        From the disk the keys are read in chunks, each in a short read-only LMDB transaction,
+        so a long iteration never holds writers back. While others write: no key is yielded
+        twice, and every key stored for the whole iteration is yielded; a key put or deleted
+        meanwhile may or may not be. A put still on its way down shows once it lands
+        (``flush()``). Counts nothing, promotes nothing. Raises ``FeatCacheError`` if the store
+        cannot be read.
+        """
+        self._check_open()
+        persistent = self._chain.persistent
+        if persistent is not None:
+            return persistent.keys()
+        return iter(sorted(self._memory_keys()))
+
+    def clear(self) -> int:
+        """Remove every entry from every local tier; return how many keys were removed (each
+        once, whatever tiers held it).
+
+        Pending writes are finished first (``flush``), and puts, discards and promotions wait
+        until the clear is done: a put made after ``clear()`` returns is kept. The disk store is
+        emptied in one transaction, other processes' entries included (as ``featcache purge
+        --all``). A lease in flight stays valid: its entry leaves view at once (lookups miss)
+        but stays in the device tier, counted in its budget, until released. The remote tier,
+        shared by a fleet, is left as it is (``discard`` a key there, or use the server's tools).
+        Raises ``FeatCacheError`` if the disk store cannot be written.
+        """
+        self._check_open()
+        with self._lookup.order:  # no put, discard or promotion while clearing
+            self.flush()
+            self._lookup.invalidate_all()  # a read below in flight installs nothing
+            chain = self._chain
+            memory = set(chain.top.clear())
+            if chain.staging is not None:
+                memory.update(chain.staging.clear())
+            persistent = chain.persistent
+            if persistent is None:
+                return len(memory)
+            only_memory = sum(not persistent.contains(key) for key in memory)
+            return persistent.clear() + only_memory
+
+    def verify(self, fix: bool = False,
+               progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+        """Check every disk entry's header and checksum and the books that account for them:
+        the report ``featcache verify`` prints (``bad`` entries, ``notes``), read in short read
+        transactions; ``progress(entries, bytes)`` after each value. Only reads, unless ``fix``:
+        then each bad entry still bad when deleted is deleted (``report.deleted``: how many).
+        Bad entries are served as misses either way. Without a disk tier there is nothing to
+        check (an empty report). Raises ``FeatCacheError`` if the store cannot be read.
+        """
+        self._check_open()
+        persistent = self._chain.persistent
+        if persistent is None:
+            return VerifyReport(deleted=0 if fix else None)
+        report = persistent.verify(progress)
+        if fix:
+            report.deleted = persistent.delete_bad([e.key for e in report.bad]) if report.bad else 0
+        return report
+
     def discard(self, key: bytes) -> None:
         """Remove ``key`` from every tier (from the lower tiers asynchronously, in queue order).
 
@@ -366,6 +445,12 @@ class FeatureCache:
         )
 
     # -- helpers -------------------------------------------------------------------------------
+    def _memory_keys(self) -> set[bytes]:
+        keys = set(self._chain.top.keys())
+        if self._chain.staging is not None:
+            keys.update(self._chain.staging.keys())
+        return keys
+
     def _remove(self, key: bytes) -> None:
         """Drop ``key`` from the top tier and (through the demoter) from every tier below."""
         with self._lookup.order:

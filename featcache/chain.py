@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from .config import CacheConfig
 from .copier import Copier
 from .store.layout import MAX_KEY_BYTES as _DISK_MAX_KEY_BYTES
-from .tiers.base import LeasingTier, StagingTier, Tier, WrittenTier, empty_stats
+from .tiers.base import LeasingTier, PersistentTier, StagingTier, Tier, WrittenTier, empty_stats
 from .tiers.device import DeviceTier
 from .tiers.disk import DiskTier
 from .tiers.host import HostTier
@@ -69,6 +69,9 @@ class Rules:
     touch: bool = False  # a hit is recorded through its writer (recency kept by writes)
     local: bool = True  # ``key in cache`` asks it (False: a network call, never made by ``in``)
     close_inherited: bool = False  # a forked child closes the parent's instance (LMDB: one per path)
+    # Outlives the process (a ``PersistentTier``): ``len(cache)``, ``keys()``, ``clear()`` and
+    # ``verify()`` read and change it; the first such tier that is on is the chain's ``persistent``.
+    persistent: bool = False
     writer: Writing | None = None  # None: written by the cache (top) or the demoter (staging)
     report: Report = Report()
 
@@ -116,7 +119,7 @@ TOP: Kind[LeasingTier] = Kind("device", _device, Rules())
 STAGING: Kind[StagingTier] = Kind("host", _host, Rules())
 BELOW: tuple[Kind[WrittenTier], ...] = (
     Kind("disk", _disk, Rules(
-        touch=True, close_inherited=True,
+        touch=True, close_inherited=True, persistent=True,
         writer=Writing("featcache-disk-writer", lambda c: c.disk_queue_entries, batch_entries=32),
         report=Report(queue=("cache", "disk_queue"), queue_help="Disk writes waiting."),
     )),
@@ -148,6 +151,7 @@ class Chain:
     staging: StagingTier | None
     slots: tuple[Slot, ...]
     off: tuple[Kind[Any], ...]
+    persistent: PersistentTier | None = None  # the first tier on whose rules say ``persistent``
 
     @property
     def below(self) -> tuple[Slot, ...]:
@@ -242,4 +246,5 @@ def build_chain(config: CacheConfig, copier: Copier) -> Chain:
                 slot.writer.stop()
             slot.tier.close()
         raise
-    return Chain(top, staging, tuple(slots), tuple(off))
+    persistent = next((s.tier for s in slots if s.rules.persistent), None)
+    return Chain(top, staging, tuple(slots), tuple(off), cast("PersistentTier | None", persistent))

@@ -86,6 +86,11 @@ class Lookup:
         if books is not None:
             books[0] += 1
 
+    def invalidate_all(self) -> None:
+        """Every key changes (``clear``; the caller holds ``order``): no read in flight installs."""
+        for books in self._reads.values():
+            books[0] += 1
+
     def release(self, entry: Entry) -> None:
         """Give back the block reference an entry from below came with, if any."""
         if entry.block is not None:

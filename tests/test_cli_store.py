@@ -23,6 +23,7 @@ import lmdb
 import pytest
 import torch
 
+import featcache.store.scan as scan_module
 import featcache.storetools.maintenance as maintenance
 import featcache.storetools.view as view_module
 from featcache import FeatureCache, config, image_key
@@ -313,8 +314,8 @@ def test_scans_span_many_read_transactions(tmp_path, capsys, monkeypatch):
     want = build_store(path, n=7)
     keys = list(want)
     flip_payload_byte(path, keys[3])
-    monkeypatch.setattr(view_module, "SCAN_CHUNK_ENTRIES", 2)
-    monkeypatch.setattr(view_module, "SCAN_CHUNK_BYTES", 1)
+    monkeypatch.setattr(scan_module, "SCAN_CHUNK_ENTRIES", 2)
+    monkeypatch.setattr(scan_module, "SCAN_CHUNK_BYTES", 1)
     monkeypatch.setattr(maintenance, "DISCARD_BATCH", 2)
     rc, out, _ = run(capsys, "ls", str(path), "--limit", "0", "--json")
     assert [json.loads(line)["key"] for line in out.splitlines()] == [k.hex() for k in reversed(keys)]

@@ -16,7 +16,7 @@ from ..lmdeploy.entry_meta import namespace_of, read
 from ..sizes import format_bytes
 
 if TYPE_CHECKING:
-    from ..storetools.report import EntryInfo, Summary
+    from ..store.report import EntryInfo, Summary
 
 PER_PROCESS_NOTE = (
     "hits, misses, evictions, drops and corrupt entries are counted in the memory of each process "

@@ -116,6 +116,15 @@ class Books:
             return True
         return False
 
+    def clear(self) -> int:
+        """Delete every entry's records and set ``used_bytes`` to 0; return how many values
+        there were. The tables themselves (and the ``info`` records) stay."""
+        entries = int(self.txn.stat(self.tables.data)["entries"])
+        for table in (self.tables.data, self.tables.meta, self.tables.lru):
+            self.txn.drop(table, delete=False)
+        self.set_used(0)
+        return entries
+
     # -- eviction --------------------------------------------------------------------------------
     def evict_oldest(self) -> int | None:
         """Delete the least recently used entry; return its bytes, or None if there is none."""

@@ -39,6 +39,7 @@ import lmdb
 
 from .. import codec
 from ..errors import FeatCacheError, StoreOpenError
+from ..store import scan
 from ..store.files import DATA_FILE, check_store_dir, open_error, store_in_use
 from ..store.layout import (
     FORMAT_RECORD,
@@ -46,17 +47,13 @@ from ..store.layout import (
     USED_RECORD,
     check_format,
     info_records,
-    lru_record,
     open_tables,
-    records_problem,
     unpack_lru,
     unpack_meta,
 )
 from ..store.lmdbcheck import check_data_file
-from .report import EntryInfo, Summary, VerifyReport, broken, describe
-
-SCAN_CHUNK_ENTRIES = 512  # entries per read transaction of a scan
-SCAN_CHUNK_BYTES = 64 << 20  # value bytes per read transaction of a scan
+from ..store.report import EntryInfo, Summary, VerifyReport, describe
+from ..store.scan import read_entry
 
 
 class KeyNotFoundError(FeatCacheError, LookupError):
@@ -163,7 +160,7 @@ class StoreView:
     def entry(self, key: bytes) -> EntryInfo | None:
         """The entry under ``key``, checksum verified, or None if there is none."""
         with self._env.begin(buffers=True) as txn:
-            return self._read(txn, key, check=True)
+            return read_entry(txn, self._tables, key, check=True)
 
     def find(self, key_hex: str) -> bytes:
         """The key whose hex form is ``key_hex`` or starts with it (a unique prefix).
@@ -201,20 +198,7 @@ class StoreView:
         Values are read in chunks, each in its own short read transaction (a live writer is never
         held back); ``progress(entries, bytes)`` is called after each value.
         """
-        report = VerifyReport()
-        bad_keys: set[bytes] = set()
-        for info in self._scan_values():
-            report.checked += 1
-            report.checked_bytes += info.size
-            if info.problem is not None:
-                report.bad.append(info)
-                bad_keys.add(info.key)
-            if progress is not None:
-                progress(report.checked, report.checked_bytes)
-        bad, notes = self._check_books()
-        report.bad.extend(e for e in bad if e.key not in bad_keys)
-        report.notes.extend(notes)
-        return report
+        return scan.verify(self._read, self._tables, progress)
 
     def keys_used_before(self, cutoff_ns: int) -> list[tuple[bytes, int]]:
         """(key, size) of the entries last used before ``cutoff_ns``, oldest first."""
@@ -237,7 +221,7 @@ class StoreView:
         read, the checksum is not: a damaged payload still has its metadata); every value when
         ``match`` is None, readable or not."""
         out: list[tuple[bytes, int]] = []
-        for chunk in self._key_chunks(self._tables.data):
+        for chunk in scan.key_chunks(self._read, self._tables.data):
             with self._env.begin(buffers=True) as txn:
                 for key in chunk:
                     value = txn.get(key, db=self._tables.data)
@@ -260,6 +244,10 @@ class StoreView:
         except lmdb.Error as e:
             raise StoreOpenError(f"compacting {self.path!r} into {target!r} failed: {e}") from e
 
+    def _read(self) -> lmdb.Transaction:
+        """One short read transaction (``store.scan.Read``)."""
+        return self._env.begin(buffers=True)
+
     def close(self) -> None:
         self._env.close()
 
@@ -270,14 +258,6 @@ class StoreView:
         self.close()
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _read(self, txn: lmdb.Transaction, key: bytes, *, check: bool) -> EntryInfo | None:
-        """The entry under ``key`` as ``txn`` sees it (last use from its meta record), or None."""
-        value = txn.get(key, db=self._tables.data)
-        if value is None:
-            return None
-        meta = unpack_meta(txn.get(key, db=self._tables.meta))
-        return describe(key, value, meta.stamp if meta else None, check=check)
-
     def _size(self, txn: lmdb.Transaction, key: bytes) -> int | None:
         """The bytes ``key``'s entry accounts for: its meta record's size, else its value's
         length; None if it has neither."""
@@ -303,96 +283,16 @@ class StoreView:
                     ok = cursor.set_range(position)
                     if ok and bytes(cursor.key()) == position:
                         ok = cursor.next()
-                while ok and len(chunk) < SCAN_CHUNK_ENTRIES:
+                while ok and len(chunk) < scan.SCAN_CHUNK_ENTRIES:
                     chunk.append(bytes(cursor.key()))
                     ok = cursor.prev() if newest_first else cursor.next()
             for record in chunk:
                 entry = unpack_lru(record)
                 if entry is not None:
                     yield entry
-            if len(chunk) < SCAN_CHUNK_ENTRIES:
+            if len(chunk) < scan.SCAN_CHUNK_ENTRIES:
                 return
             position = chunk[-1]
-
-    def _key_chunks(self, table: lmdb._Database) -> Iterator[list[bytes]]:
-        """The keys of ``table`` in order, in chunks, each read in its own transaction."""
-        last: bytes | None = None
-        while True:
-            chunk: list[bytes] = []
-            with self._env.begin(db=table) as txn:
-                cursor = txn.cursor()
-                ok = cursor.first() if last is None else cursor.set_range(last)
-                if ok and last is not None and bytes(cursor.key()) == last:
-                    ok = cursor.next()
-                while ok and len(chunk) < SCAN_CHUNK_ENTRIES:
-                    chunk.append(bytes(cursor.key()))
-                    ok = cursor.next()
-            if chunk:
-                yield chunk
-            if len(chunk) < SCAN_CHUNK_ENTRIES:
-                return
-            last = chunk[-1]
-
-    def _scan_values(self) -> Iterator[EntryInfo]:
-        """Every value, checksum verified; a read transaction ends after SCAN_CHUNK_BYTES."""
-        for chunk in self._key_chunks(self._tables.data):
-            i = 0
-            while i < len(chunk):
-                done: list[EntryInfo] = []
-                nbytes = 0
-                with self._env.begin(buffers=True) as txn:
-                    while i < len(chunk) and nbytes < SCAN_CHUNK_BYTES:
-                        info = self._read(txn, chunk[i], check=True)
-                        i += 1
-                        if info is None:
-                            continue  # deleted since the keys were read
-                        done.append(info)
-                        nbytes += info.size
-                yield from done
-
-    def _check_books(self) -> tuple[list[EntryInfo], list[str]]:
-        """The accounting, in one read transaction (small tables; values are not read)."""
-        bad: list[EntryInfo] = []
-        notes: list[str] = []
-        total = 0
-        tables = self._tables
-        with self._env.begin(buffers=True) as txn:
-            for raw_key, raw in txn.cursor(db=tables.meta):
-                key = bytes(raw_key)
-                meta = unpack_meta(raw)
-                value = txn.get(key, db=tables.data)
-                problem = records_problem(value, raw)
-                if meta is not None:
-                    total += meta.size
-                if problem is not None:
-                    size = len(value) if value is not None else meta.size if meta is not None else 0
-                    bad.append(broken(key, size, meta.stamp if meta is not None else None, problem))
-                    continue
-                assert meta is not None
-                if txn.get(lru_record(meta.stamp, key), db=tables.lru) is None:
-                    notes.append(f"{key.hex()}: no lru record (it cannot be evicted until used)")
-            for raw_key in txn.cursor(db=tables.data).iternext(keys=True, values=False):
-                key = bytes(raw_key)
-                if txn.get(key, db=tables.meta) is None:
-                    value = txn.get(key, db=tables.data)
-                    size = len(value) if value is not None else 0
-                    bad.append(broken(key, size, None, "value without a meta record"))
-            stale = 0
-            for raw_key in txn.cursor(db=tables.lru).iternext(keys=True, values=False):
-                record = bytes(raw_key)
-                entry = unpack_lru(record)  # None: too short to name a key
-                meta = unpack_meta(txn.get(entry[1], db=tables.meta)) if entry is not None else None
-                if entry is None or meta is None or lru_record(meta.stamp, entry[1]) != record:
-                    stale += 1
-            used = info_records(txn, tables.info).get(USED_RECORD.decode())
-        if stale:
-            notes.append(f"{stale} stale lru record(s) (the disk tier drops them as it evicts)")
-        if used != total:
-            notes.append(
-                f"used_bytes is {used}, the meta records add up to {total} (the disk tier "
-                "recounts when it finds its books wrong)"
-            )
-        return bad, notes
 
 
 def _stamp(record: bytes) -> int | None:

@@ -8,12 +8,14 @@ The protocols, by role in the chain (``featcache.chain``):
 - ``StagingTier``: host memory in blocks, where copies between the device and the tiers below
   are made (``reserve`` a block, ``put`` it, ``release`` a reference);
 - ``WrittenTier``: a tier below the host, written in the background by its ``TierWriter``
-  (``write``: a batch of puts, discards and touches, applied in order).
+  (``write``: a batch of puts, discards and touches, applied in order);
+- ``PersistentTier``: the written tier that outlives the process (the disk): what ``len(cache)``,
+  ``cache.keys()``, ``clear()`` and ``verify()`` read and change.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -22,6 +24,7 @@ import torch
 from .. import codec
 from ..copier import as_bytes
 from ..hostpool import Block, HostPool
+from ..store.report import VerifyReport
 
 STAT_FIELDS = ("hits", "misses", "evictions", "drops", "corrupt", "errors")
 
@@ -132,6 +135,10 @@ class LeasingTier(Tier, Protocol):
 
     def unpin(self, key: bytes) -> None: ...
 
+    def keys(self) -> list[bytes]: ...
+
+    def clear(self) -> list[bytes]: ...
+
 
 class StagingTier(Tier, Protocol):
     """Host memory in pool blocks: ``reserve`` a block to fill (evicting for room), ``put`` an
@@ -144,6 +151,10 @@ class StagingTier(Tier, Protocol):
 
     def release(self, block: Block) -> None: ...
 
+    def keys(self) -> list[bytes]: ...
+
+    def clear(self) -> list[bytes]: ...
+
 
 class WrittenTier(Tier, Protocol):
     """A tier written in the background by its ``TierWriter``: ``write`` applies ``ops`` in
@@ -152,6 +163,23 @@ class WrittenTier(Tier, Protocol):
     ``write`` means that nothing of the batch is known to have landed."""
 
     def write(self, ops: Sequence[Op]) -> None: ...
+
+
+class PersistentTier(WrittenTier, Protocol):
+    """The written tier that outlives the process (``Rules.persistent``): its entries can be
+    counted, listed (in short read transactions), checked and cleared by the caller's thread.
+    ``clear`` and ``delete_bad`` write in the caller's thread (the store serialises them with its
+    writer's transactions); ``delete_bad`` deletes a key only if its entry is still bad then."""
+
+    def entries(self) -> int: ...
+
+    def keys(self) -> Iterator[bytes]: ...
+
+    def verify(self, progress: Callable[[int, int], None] | None = None) -> VerifyReport: ...
+
+    def delete_bad(self, keys: Sequence[bytes]) -> int: ...
+
+    def clear(self) -> int: ...
 
 
 def empty_stats(capacity_bytes: int = 0) -> dict[str, int]:

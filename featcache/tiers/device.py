@@ -1,7 +1,10 @@
 """The device tier: features kept as tensors on the cache's device (a GPU, or the CPU without one).
 
 A put stores the caller's tensor itself (no copy); an entry is evicted oldest-first when room is
-needed, except entries pinned by a lease, which stay until released. Thread-safe.
+needed, except entries pinned by a lease, which stay until released. ``clear`` drops every entry
+but the pinned ones, which it marks dropped: they are no longer found (lookups miss, ``contains``
+is False) but stay, counted in the budget, until their last lease is released, then go (a put of
+the key in between keeps the new value). Thread-safe.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ class DeviceTier:
         self.capacity_bytes = capacity_bytes
         self._books = LruBooks(capacity_bytes)
         self._entries: dict[bytes, Entry] = {}
+        self._dropped: set[bytes] = set()  # cleared while leased: gone at the last unpin
         self._counters = Counters()
         self._lock = threading.Lock()
         self._closed = False
@@ -35,14 +39,14 @@ class DeviceTier:
         return 0 < self.capacity_bytes and nbytes <= self.capacity_bytes
 
     def contains(self, key: bytes) -> bool:
-        return key in self._entries
+        return key in self._entries and key not in self._dropped
 
     def get(self, key: bytes, alloc: Alloc | None = None, *, pin: bool = False) -> Entry | None:
         """The entry, or None; with ``pin`` the hit is pinned in the same step (a lease).
         (``alloc`` is not used: the entry is the tensor itself, never copied out.)"""
         with self._lock:
             entry = self._entries.get(key)
-            if entry is None:
+            if entry is None or key in self._dropped:
                 self._counters.misses += 1
                 return None
             self._books.touch(key)
@@ -60,6 +64,7 @@ class DeviceTier:
         with self._lock:
             if pin:
                 self._books.pin(key)
+            self._dropped.discard(key)
             victims = self._books.victims_for(entry.nbytes, replacing=key)
             if victims is None:
                 return False
@@ -75,6 +80,7 @@ class DeviceTier:
             return self._remove(key)
 
     def _remove(self, key: bytes) -> bool:
+        self._dropped.discard(key)
         self._books.remove(key)
         return self._entries.pop(key, None) is not None
 
@@ -89,6 +95,25 @@ class DeviceTier:
         with self._lock:
             if not self._closed:  # leases may outlive the cache; closing dropped every pin
                 self._books.unpin(key)
+                if key in self._dropped and not self._books.pinned(key):
+                    self._remove(key)
+
+    def keys(self) -> list[bytes]:
+        """The keys held now (a snapshot), leased entries that ``clear`` dropped left out."""
+        with self._lock:
+            return [k for k in self._entries if k not in self._dropped]
+
+    def clear(self) -> list[bytes]:
+        """Drop every entry; return the keys dropped. A leased entry is dropped from view at
+        once and from memory (and the budget) when its last lease is released."""
+        with self._lock:
+            gone = [k for k in self._entries if k not in self._dropped]
+            for key in gone:
+                if self._books.pinned(key):
+                    self._dropped.add(key)
+                else:
+                    self._remove(key)
+            return gone
 
     def count_drops(self, n: int = 1) -> None:
         with self._lock:
@@ -107,4 +132,5 @@ class DeviceTier:
         with self._lock:
             self._closed = True
             self._entries.clear()
+            self._dropped.clear()
             self._books = LruBooks(self.capacity_bytes)

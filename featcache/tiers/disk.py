@@ -17,7 +17,9 @@ Invariants (each write transaction keeps them):
 - no read trusts a value: ``codec.verify`` checks header and checksum, a bad value is reported
   through ``on_corrupt`` (the writer deletes it) and the read is a miss;
 - no LMDB error escapes a public method: reads become misses (or 0), writes become drops; each is
-  counted in ``errors`` and the first one is logged;
+  counted in ``errors`` and the first one is logged; only the whole-store calls (``keys``,
+  ``verify``, ``clear``: asked for by a user, not on the request path) raise ``FeatCacheError``
+  instead, so that a listing or a check never looks complete when it is not;
 - no damaged book record stops the store (``store.books``: skipped, deleted or recounted).
 
 Opening is ``store.env.open_store``'s: the directory and files checked (no links, no directory
@@ -48,10 +50,12 @@ import torch
 
 from .. import codec
 from ..config import DEFAULTS
-from ..errors import CorruptEntryError, StoreOpenError
+from ..errors import CorruptEntryError, FeatCacheError, StoreOpenError
+from ..store import scan
 from ..store.books import Books
 from ..store.env import Gate, Shut, open_store
 from ..store.layout import MAX_VALUE_BYTES, key_storable
+from ..store.report import VerifyReport
 from .base import Counters, Entry, Op, value_of
 
 log = logging.getLogger("featcache")
@@ -443,6 +447,57 @@ class DiskTier:
         except lmdb.Error as e:
             self._failed("count of entries", e)
             return 0
+
+    # -- the whole store (PersistentTier) -----------------------------------------------------------
+    @contextmanager
+    def _read_txn(self) -> Iterator[lmdb.Transaction]:
+        """One short read transaction through the gate (``store.scan.Read``)."""
+        with self._use() as env, env.begin(buffers=True) as txn:
+            yield txn
+
+    @contextmanager
+    def _whole_store(self, what: str) -> Iterator[None]:
+        """LMDB errors, and a closed tier, as ``FeatCacheError`` (counted, logged once)."""
+        try:
+            yield
+        except Shut:
+            raise FeatCacheError(f"{what}: the disk tier at {self.path!r} is closed") from None
+        except lmdb.Error as e:
+            self._failed(what, e)
+            raise FeatCacheError(f"{what} of the store at {self.path!r} failed: {e}") from e
+
+    def keys(self) -> Iterator[bytes]:
+        """Every key stored, in byte order, read in chunks of short read transactions
+        (``store.scan``): none is yielded twice, and every key stored from the start of the
+        iteration to its end is yielded, whatever writers do meanwhile; a key put or deleted
+        during the iteration may or may not be. Raises ``FeatCacheError`` if the store cannot
+        be read."""
+        with self._whole_store("listing of keys"):
+            for chunk in scan.key_chunks(self._read_txn, self._tables.data):
+                yield from chunk
+
+    def verify(self, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+        """Check every value's header and checksum and the books (``store.scan.verify``, what
+        ``featcache verify`` runs); only reads. Raises ``FeatCacheError`` on an LMDB error."""
+        with self._whole_store("check"):
+            return scan.verify(self._read_txn, self._tables, progress)
+
+    def delete_bad(self, keys: Sequence[bytes]) -> int:
+        """Delete each of ``keys`` whose entry is still bad inside the write transaction (a put
+        may have replaced it with a good value since it was found); return how many were."""
+        with self._lock:
+            before = self._counters.extra.get("bad_deleted", 0)
+        self.write_batch([DiskOp("discard_bad", k) for k in keys])
+        with self._lock:
+            return self._counters.extra.get("bad_deleted", 0) - before
+
+    def clear(self) -> int:
+        """Delete every entry in one write transaction (``Books.clear``); return how many there
+        were. Raises ``FeatCacheError`` if the transaction failed (nothing was deleted)."""
+        with self._whole_store("clear"), self._use() as env:
+            self._reader_check_of(env)
+            with env.begin(write=True) as txn:
+                return self._books(txn).clear()
 
     def stats(self) -> dict[str, int]:
         entries, used = self.entries(), self.used_bytes

@@ -100,6 +100,21 @@ class HostTier:
             self.pool.release(entry.block)
             return True
 
+    def keys(self) -> list[bytes]:
+        """The keys held now, oldest use first (a snapshot)."""
+        with self._lock:
+            return list(self._entries)
+
+    def clear(self) -> list[bytes]:
+        """Drop every entry; return their keys. A block still read by a copy or a pending write
+        is reused only after that reader releases it (its reference)."""
+        with self._lock:
+            entries, self._entries = self._entries, OrderedDict()
+            for entry in entries.values():
+                assert entry.block is not None
+                self.pool.release(entry.block)
+            return list(entries)
+
     def count_drops(self, n: int = 1) -> None:
         with self._lock:
             self._counters.drops += n

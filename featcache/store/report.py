@@ -1,4 +1,5 @@
-"""What the store tools hand back: typed records of a store and its entries, read-only.
+"""What a reading of a store hands back: typed records of a store and its entries, read-only
+(the store tools' ``StoreView`` and ``FeatureCache.verify`` alike).
 
 ``describe`` is the one place a tool turns a stored value into an ``EntryInfo``: the value's
 header is ``codec``'s to decode and verify, the records around it are ``store.layout``'s.
@@ -66,6 +67,7 @@ class VerifyReport:
     checked_bytes: int = 0
     bad: list[EntryInfo] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    deleted: int | None = None  # with a fix: the bad entries deleted (None: nothing was fixed)
 
 
 def describe(key: bytes, value: memoryview | bytes, stamp: int | None, *, check: bool) -> EntryInfo:
