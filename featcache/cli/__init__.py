@@ -2,7 +2,7 @@
 
 Each command is a ``Command`` (``command.py``): ``add_arguments(parser)`` declares its arguments,
 ``run(args)`` does the work and prints. They live one module per group: ``reading`` (stats, ls,
-inspect), ``maintenance`` (verify, purge, compact), ``serving`` (serve, warm), ``demo``; what the
+inspect), ``maintenance`` (verify, purge, compact), ``serving`` (serve, warm), ``demo``, ``doctor``; what the
 store commands print is built in ``render``; progress bars are ``progress``'s.
 
 Invariants: a command that reads a store never writes to it and never blocks a process serving
@@ -26,12 +26,13 @@ from ..errors import FeatCacheError
 from ..store.files import NO_LOCK_HINT
 from .command import EXIT_BAD, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, Command, UsageError
 from .demo import DEMO
+from .doctor import DOCTOR
 from .maintenance import COMPACT, PURGE, VERIFY
 from .reading import INSPECT, LS, STATS
 from .serving import SERVE, WARM
 
 # The commands, in the order `featcache --help` lists them.
-COMMANDS: tuple[Command, ...] = (STATS, LS, INSPECT, VERIFY, PURGE, COMPACT, SERVE, WARM, DEMO)
+COMMANDS: tuple[Command, ...] = (STATS, LS, INSPECT, VERIFY, PURGE, COMPACT, SERVE, WARM, DEMO, DOCTOR)
 
 EPILOG = f"""\
 Store commands take the store directory DIR (default: {STORE_DIR_HELP},

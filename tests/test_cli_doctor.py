@@ -1,0 +1,77 @@
+"""``featcache doctor`` (issue 18 item 7): one line per check, or one JSON document; exit 0 when
+featcache's core works, 1 when it does not; what is missing says what to install."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import featcache.cache as cache_module
+from featcache.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+CORE = {"python", "featcache", "torch", "lmdb", "xxhash", "numpy", "core"}
+ALL = CORE | {"cuda", "lmdeploy", "lmdeploy.pytorch", "lmdeploy.turbomind", "redis",
+              "prometheus_client", "PIL", "store"}
+
+
+def doctor(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "featcache", "doctor", *argv], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT, env=env)
+
+
+def environment(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "FEATCACHE_DIR": str(tmp_path / "store")}
+
+
+def test_doctor_prints_one_line_per_check_and_exits_0(tmp_path):
+    done = doctor(env=environment(tmp_path))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "featcache's core works"
+    checks = {}
+    for line in lines[:-1]:
+        status, name, detail = line.split(None, 2)
+        assert status in ("ok", "--", "FAIL"), line
+        checks[name] = (status, detail)
+    assert set(checks) == ALL
+    assert all(checks[name][0] == "ok" for name in CORE)
+    assert str(tmp_path / "store") in checks["store"][1] and "can be created" in checks["store"][1]
+    for status, detail in checks.values():  # whatever is missing says what to do
+        assert status == "ok" or "; fix: " in detail
+    import torch
+
+    assert checks["torch"][1] == torch.__version__
+    if not torch.cuda.is_available():
+        assert checks["cuda"][0] == "--" and "CUDA build of torch" in checks["cuda"][1]
+    assert "Traceback" not in done.stderr
+
+
+def test_doctor_json_shape(tmp_path):
+    done = doctor("--json", env=environment(tmp_path))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert set(report) == {"ok", "checks"} and report["ok"] is True
+    assert {c["name"] for c in report["checks"]} == ALL
+    for c in report["checks"]:
+        assert set(c) == {"name", "status", "detail", "fix", "required"}
+        assert c["required"] == (c["name"] in CORE)
+        assert c["status"] in ("ok", "--", "FAIL") and isinstance(c["detail"], str)
+
+
+def test_a_broken_core_exits_1_and_says_why(tmp_path, monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(cache_module, "FeatureCache", broken)
+    monkeypatch.setenv("FEATCACHE_DIR", str(tmp_path))
+    assert main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    core = next(line for line in out.splitlines() if line.split()[1] == "core")
+    assert core.startswith("FAIL") and "OSError: disk on fire" in core and "; fix: " in core
+    assert out.splitlines()[-1].startswith("featcache's core does not work here")
+    assert main(["doctor", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["ok"] is False
