@@ -13,6 +13,7 @@ and a broken native module could take this process down with it.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -47,7 +48,7 @@ def _version(dist: str) -> str | None:
 def _package(name: str, dist: str, required: bool, install: str, enables: str) -> Check:
     version = _version(dist)
     try:
-        __import__(name)
+        importlib.import_module(name)
     except Exception as e:  # not installed, or broken
         found = "not installed" if version is None else f"{dist} {version} does not import: {e}"
         return Check(name, FAIL if required else MISSING, found + (f" ({enables})" if enables else ""),
