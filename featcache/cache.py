@@ -55,7 +55,9 @@ from .config import CacheConfig
 from .copier import make_copier
 from .demoter import Demoter
 from .errors import FeatCacheError
+from .lease import Lease, NoLease
 from .lookup import Lookup
+from .singleflight import SingleFlight
 from .store.report import VerifyReport
 from .tiers.base import Entry
 
@@ -91,55 +93,6 @@ def _release(forks: int, chain: Chain, demoter: Demoter | None) -> None:
     if demoter is not None:
         demoter.close()
     chain.close()
-
-
-class Lease:
-    """A tensor lent by the cache; its top-tier entry stays resident until ``release``.
-
-    ``tensor`` is ready on the acquiring thread's current stream; a user on another stream calls
-    ``ready()`` there first. ``meta`` is the metadata stored with the entry (b"" if none).
-    """
-
-    def __init__(self, cache: FeatureCache, key: bytes, entry: Entry, pinned: bool) -> None:
-        self.key = key
-        self.tensor = entry.tensor
-        self.meta = entry.meta
-        self._fence = entry.fence
-        self._cache = cache
-        self._tier = cache._chain.top  # the tier it pinned (a forked child's cache has a new one)
-        self._pinned = pinned
-
-    def ready(self) -> torch.Tensor:
-        """The tensor, made safe to use on the caller's current stream."""
-        self._cache._copier.ready(self.tensor, self._fence)
-        return self.tensor
-
-    def release(self) -> None:
-        if self._pinned:
-            self._pinned = False
-            self._tier.unpin(self.key)
-
-    def __enter__(self) -> torch.Tensor:
-        return self.tensor
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-class _Computing:
-    """One miss of ``get_or_compute`` being computed: its waiters block on ``done``."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.value: torch.Tensor | None = None
-        self.error: BaseException | None = None
-
-    def result(self) -> torch.Tensor:
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
-        assert self.value is not None
-        return self.value
 
 
 class FeatureCache:
@@ -180,8 +133,7 @@ class FeatureCache:
             Demoter(self._copier, self._chain.staging, below, self.config.demote_queue_entries)
             if below else None
         )
-        self._computing: dict[bytes, _Computing] = {}  # get_or_compute's misses being computed
-        self._computing_lock = threading.Lock()
+        self._flights: SingleFlight[torch.Tensor] = SingleFlight()  # get_or_compute's misses
         self._counts: Counter[str] = Counter()
         self._events: dict[str, Counter[str]] = {}  # counters of integrations, by section
         self._counts_lock = threading.Lock()
@@ -252,28 +204,16 @@ class FeatureCache:
         found = self.get(key)
         if found is not None:
             return found
-        with self._computing_lock:
-            computing = self._computing.get(key)
-            first = computing is None
-            if computing is None:
-                computing = self._computing[key] = _Computing()
-        if not first:
-            return computing.result()
-        try:
-            # another caller's computation may have been put between our miss and our claim
-            found = self.get(key) if key in self else None
-            if found is None:
-                found = compute()
-                self.put(key, found, meta)
-            computing.value = found
-        except BaseException as e:
-            computing.error = e
-            raise
-        finally:
-            with self._computing_lock:
-                del self._computing[key]
-            computing.done.set()
-        return found
+
+        def fill() -> torch.Tensor:
+            # another caller's computation may have been put between our miss and our flight
+            value = self.get(key) if key in self else None
+            if value is None:
+                value = compute()
+                self.put(key, value, meta)
+            return value
+
+        return self._flights.run(key, fill)
 
     def acquire(self, key: bytes) -> Lease | None:
         """Like ``get``, but the entry is pinned in the top tier until ``Lease.release()``."""
@@ -286,9 +226,9 @@ class FeatureCache:
         self._copier.ready(entry.tensor, entry.fence)
         return Lease(self, key, entry, pinned=self._chain.top.capacity_bytes > 0)
 
-    def lease(self, key: bytes) -> Lease | _NoLease:
+    def lease(self, key: bytes) -> Lease | NoLease:
         """``with cache.lease(key) as feats:`` -- feats is the tensor or None; pinned meanwhile."""
-        return self.acquire(key) or _NoLease()
+        return self.acquire(key) or NoLease()
 
     def __contains__(self, key: object) -> bool:
         """Whether any local tier (or the way down) holds ``key``; counts nothing, promotes
@@ -520,14 +460,6 @@ def _counter(counts: Counter[str], lock: threading.Lock) -> Callable[[str], None
             counts[name] += 1
 
     return count
-
-
-class _NoLease:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _valid_key(key: object) -> bool:

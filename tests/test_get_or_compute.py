@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-import featcache.cache as cache_module
+import featcache.singleflight as singleflight
 from featcache import FeatureCache, image_key
 
 KEY = image_key(b"photo", namespace="m")
@@ -25,13 +25,13 @@ def cache(tmp_path):
 def waiting(monkeypatch):
     """Set when a caller starts waiting for another's computation."""
     event = threading.Event()
-    result = cache_module._Computing.result
+    result = singleflight._Flight.result
 
     def waits(self):
         event.set()
         return result(self)
 
-    monkeypatch.setattr(cache_module._Computing, "result", waits)
+    monkeypatch.setattr(singleflight._Flight, "result", waits)
     return event
 
 

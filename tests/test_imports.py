@@ -38,11 +38,11 @@ PACKAGE = "featcache"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("featcache._version", "featcache.errors", "featcache.sizes", "featcache.keys",
                     "featcache.codec", "featcache.config", "featcache.breaker", "featcache.lru",
-                    "featcache.hostpool", "featcache.copier")),
+                    "featcache.hostpool", "featcache.copier", "featcache.singleflight")),
     ("LMDB store", ("featcache.store",)),
     ("tiers", ("featcache.tiers",)),
     ("cache", ("featcache.cache", "featcache.chain", "featcache.lookup", "featcache.writer",
-               "featcache.demoter", "featcache.metrics")),
+               "featcache.demoter", "featcache.metrics", "featcache.lease")),
     ("public API", ("featcache",)),
     ("store tools", ("featcache.storetools",)),
     ("lmdeploy integration", ("featcache.lmdeploy",)),
