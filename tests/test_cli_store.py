@@ -539,3 +539,29 @@ def test_default_dir_is_where_the_lmdeploy_integration_keeps_its_store(monkeypat
     monkeypatch.delenv("FEATCACHE_DIR", raising=False)
     assert store_dir(argparse.Namespace(dir=None)) == config.DEFAULT_DIR
     assert config.DEFAULT_DIR == os.path.join(os.path.expanduser("~"), ".cache", "featcache")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("answer,deleted", [("n\n", False), ("\n", False), ("y\n", True)])
+def test_purge_all_asks_on_a_terminal(store, capsys, monkeypatch, answer, deleted):
+    path, keys = store
+    monkeypatch.setattr(sys, "stdin", _Terminal(answer))
+    rc, out, err = run(capsys, "purge", str(path), "--all")
+    assert "[y/N]" in out
+    if deleted:
+        assert rc == 0 and f"deleted {len(keys)} entries" in out
+        assert books(path)["data"] == {}
+    else:
+        assert rc == 1 and err.count("\n") == 1 and "nothing deleted" in err
+        assert len(books(path)["data"]) == len(keys)
+
+
+def test_purge_all_yes_and_scripts_are_not_asked(store, capsys, monkeypatch):
+    path, keys = store
+    monkeypatch.setattr(sys, "stdin", _Terminal(""))  # would decline if asked
+    rc, out, _ = run(capsys, "purge", str(path), "--all", "--yes")
+    assert rc == 0 and "[y/N]" not in out and f"deleted {len(keys)} entries" in out

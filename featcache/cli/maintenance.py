@@ -17,6 +17,7 @@ from ..storetools.maintenance import compact, discard_keys, purge_foreign_store
 from ..storetools.view import StoreView
 from .command import (
     EXIT_BAD,
+    EXIT_ERROR,
     EXIT_OK,
     Command,
     no_lock_argument,
@@ -91,6 +92,23 @@ def _purge_arguments(p: argparse.ArgumentParser) -> None:
                        help="entries whose metadata records namespace NS (as `featcache ls` "
                        "shows it; featcache.lmdeploy records the model identity)")
     p.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
+    p.add_argument("-y", "--yes", action="store_true",
+                   help="--all: do not ask on a terminal (without a terminal it never asks)")
+
+
+def _confirmed(args: argparse.Namespace, question: str) -> bool:
+    """Whether ``purge --all`` may go on: asked on a terminal unless ``--yes``; a script (stdin not
+    a terminal) is not asked. Declining is one line on stderr, nothing deleted."""
+    if not args.all or args.yes or not sys.stdin.isatty():
+        return True
+    try:
+        answer = input(f"{question} [y/N] ")
+    except EOFError:
+        answer = ""
+    if answer.strip().lower() in ("y", "yes"):
+        return True
+    print("featcache purge: nothing deleted (not confirmed; --yes skips the question)", file=sys.stderr)
+    return False
 
 
 def _purge(args: argparse.Namespace) -> int:
@@ -103,6 +121,9 @@ def _purge(args: argparse.Namespace) -> int:
         if args.dry_run:
             print(f"would delete the store files (format {e.tag.decode('ascii', 'replace')}) in {path}")
             return EXIT_OK
+        if not _confirmed(args, f"delete the store files of format "
+                                f"{e.tag.decode('ascii', 'replace')} in {path}?"):
+            return EXIT_ERROR
         tag = purge_foreign_store(path)
         print(f"deleted the store files of format {tag} in {path} (the directory stays)")
         return EXIT_OK
@@ -122,6 +143,8 @@ def _purge(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(f"would delete {len(victims)} of {total} {what} ({format_bytes(freed)})")
         return EXIT_OK
+    if not _confirmed(args, f"delete all {len(victims)} entries ({format_bytes(freed)}) in {path}?"):
+        return EXIT_ERROR
     if victims:
         discard_keys(path, [key for key, _ in victims])
     with StoreView(path) as view:
