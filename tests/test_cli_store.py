@@ -565,3 +565,16 @@ def test_purge_all_yes_and_scripts_are_not_asked(store, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", _Terminal(""))  # would decline if asked
     rc, out, _ = run(capsys, "purge", str(path), "--all", "--yes")
     assert rc == 0 and "[y/N]" not in out and f"deleted {len(keys)} entries" in out
+
+
+def test_ls_namespace_lists_only_that_namespace(store, capsys):
+    path, want = store
+    keys = list(want)
+    rc, out, _ = run(capsys, "ls", str(path), "--namespace", NS, "--json", "--limit", "0")
+    listed = [json.loads(line) for line in out.splitlines()]
+    assert rc == 0 and len(listed) == 2 and {d["namespace"] for d in listed} == {NS}
+    assert {bytes.fromhex(d["key"]) for d in listed} == {k for i, k in enumerate(keys) if i % 2 == 1}
+    rc, out, _ = run(capsys, "ls", str(path), "--namespace", NS, "--json", "--limit", "1")
+    assert len(out.splitlines()) == 1
+    rc, out, _ = run(capsys, "ls", str(path), "--namespace", "another-model")
+    assert rc == 0 and "no entries of namespace another-model" in out

@@ -8,10 +8,12 @@ for a store in use.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from typing import Any
 
 from ..config import DEFAULTS, CacheConfig
+from ..lmdeploy.entry_meta import namespace_of
 from ..storetools.view import KeyNotFoundError, StoreView
 from ..tiers.remote import server_summary
 from . import render
@@ -81,6 +83,8 @@ def _ls_arguments(p: argparse.ArgumentParser) -> None:
     store_dir_argument(p)
     p.add_argument("--limit", type=limit, default=50, metavar="N",
                    help="at most N entries (default 50; 0: all)")
+    p.add_argument("--namespace", metavar="NS",
+                   help="only entries whose metadata records namespace NS (the NAMESPACE column)")
     p.add_argument("--json", action="store_true", help="print JSON lines (for scripts)")
     no_lock_argument(p)
 
@@ -88,12 +92,16 @@ def _ls_arguments(p: argparse.ArgumentParser) -> None:
 def _ls(args: argparse.Namespace) -> int:
     with StoreView(store_dir(args), lock=not args.no_lock) as view:
         total = view.summary().entries
-        listed = list(view.entries(newest_first=True, limit=args.limit or None))
+        entries = view.entries(newest_first=True, limit=None if args.namespace else args.limit or None)
+        if args.namespace is not None:
+            entries = (e for e in entries if namespace_of(e.meta) == args.namespace)
+        listed = list(itertools.islice(entries, args.limit or None))
     if args.json:
         for e in listed:
             print(json.dumps(render.entry_doc(e)))
     elif not listed:
-        print(f"no entries in {view.path}")
+        ns = f" of namespace {args.namespace}" if args.namespace is not None else ""
+        print(f"no entries{ns} in {view.path}")
     else:
         print("\n".join(render.entry_table(listed, total)))
     return EXIT_OK
