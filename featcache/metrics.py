@@ -24,6 +24,9 @@ What is exported (all per process, since the cache was built), for each tier of 
   keys: ``featcache_<name>``, untyped);
 - ``featcache_<section>_<event>_total`` counters for each integration section of ``stats()``
   (e.g. ``featcache_lmdeploy_hits_total`` from ``stats()["lmdeploy"]["hits"]``);
+- ``featcache_hit_ratio`` (lookups that hit, since the cache was made) and, for a section that
+  counts hits, ``featcache_<section>_hit_ratio`` gauges (``featcache stats --url`` reads them
+  back with the counters; Prometheus users may prefer ``rate(hits)/rate(lookups)`` windows);
 - ``featcache_lookup_seconds{method="get"|"acquire",result="hit"|"miss"}``: a histogram of the
   time ``get``/``acquire`` took in the caller's thread (a ``lease`` is an ``acquire``). Lookups
   return without waiting for the device copy of a promoted entry (it is ordered on the caller's
@@ -228,6 +231,9 @@ def families(cache: FeatureCache) -> list[Family]:
     for result, key in (("hit", "hits"), ("miss", "misses")):
         add("featcache_lookups_total", "counter", "get()/acquire() calls, by result.",
             cache_stats.get(key, 0), (("result", result),))
+    lookups = cache_stats.get("hits", 0) + cache_stats.get("misses", 0)
+    add("featcache_hit_ratio", "gauge", "Share of get()/acquire() calls that hit, since the cache "
+        "was made (0 before the first).", cache_stats.get("hits", 0) / lookups if lookups else 0.0)
     for name, value in cache_stats.items():
         if name in _SKIPPED_CACHE:
             continue
@@ -248,6 +254,11 @@ def families(cache: FeatureCache) -> list[Family]:
             if metric not in out:  # an integration never overrides the cache's own families
                 add(metric, "counter", f"Events counted by the {section} integration: {event}.",
                     value)
+        seen = events.get("hits", 0) + events.get("misses", 0)
+        if "hits" in events and f"featcache_{_sanitise(section)}_hit_ratio" not in out:
+            add(f"featcache_{_sanitise(section)}_hit_ratio", "gauge",
+                f"Share of the {section} integration's lookups that hit (0 before the first).",
+                events["hits"] / seen if seen else 0.0)
 
     recorder = recorder_of(cache)
     if recorder is not None:

@@ -16,7 +16,7 @@ from ..config import DEFAULTS, CacheConfig
 from ..lmdeploy.entry_meta import namespace_of
 from ..storetools.view import KeyNotFoundError, StoreView
 from ..tiers.remote import server_summary
-from . import render
+from . import render, scrape
 from .command import (
     EXIT_BAD,
     EXIT_OK,
@@ -40,10 +40,19 @@ def _stats_arguments(p: argparse.ArgumentParser) -> None:
     prefix = DEFAULTS["remote_prefix"]
     p.add_argument("--remote-prefix", default=prefix, metavar="P",
                    help=f"the caches' remote_prefix (default {prefix})")
+    p.add_argument("--url", metavar="URL",
+                   help="a running featcache serve's hit ratios and tiers, from its /metrics "
+                   "(http://HOST:PORT); not with DIR or --remote-url")
     no_lock_argument(p)
 
 
 def _stats(args: argparse.Namespace) -> int:
+    if args.url is not None:
+        if args.dir is not None or args.remote_url:
+            raise UsageError("--url reads a running server: give it without DIR and --remote-url")
+        doc = scrape.server_stats(args.url)
+        print(json.dumps(doc, indent=2) if args.json else "\n".join(scrape.lines(doc)))
+        return EXIT_OK
     remote = _remote_summary(args) if args.remote_url else None
     if remote is not None and args.dir is None:  # the remote tier alone
         if args.json:

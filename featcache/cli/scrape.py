@@ -1,0 +1,104 @@
+"""``featcache stats --url``: a running ``featcache serve``'s counters, read from its ``/metrics``.
+
+Hits and misses live in each process's memory (``FeatureCache.stats()``), not in the store, so the
+hit ratios of a server are read where it exports them: the Prometheus text of its ``/metrics``
+(``featcache.metrics``). Only the ``featcache_*`` samples are read; a page without any is an error
+(the server runs without featcache, or with ``--disable-metrics``).
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from ..errors import FeatCacheError
+from .command import UsageError
+
+_SAMPLE = re.compile(r"^(featcache_[A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def metrics_url(url: str) -> str:
+    """``url`` with ``/metrics`` when it names no path; http(s) only (``UsageError`` else)."""
+    parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise UsageError(f"--url: {url!r} is not an http(s) address like http://HOST:PORT")
+    return urllib.parse.urlunsplit(parts._replace(path=parts.path if parts.path not in ("", "/")
+                                                  else "/metrics"))
+
+
+def parse(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """The ``featcache_*`` samples of a Prometheus text page: (name, labels, value)."""
+    out = []
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None:
+            continue
+        labels = dict(_LABEL.findall(m.group(2) or ""))
+        try:
+            out.append((m.group(1), labels, float(m.group(3))))
+        except ValueError:
+            continue
+    return out
+
+
+def _ratio(hits: float, misses: float) -> float | None:
+    return round(hits / (hits + misses), 4) if hits + misses else None
+
+
+def summary(samples: list[tuple[str, dict[str, str], float]]) -> dict[str, Any]:
+    """Lookups and their hit ratio, per tier hits/misses/ratio/entries/bytes, and every
+    integration's image counters (``featcache_<section>_<event>_total``) with its hit ratio."""
+    lookups: dict[str, float] = {}
+    tiers: dict[str, dict[str, float | None]] = {}
+    sections: dict[str, dict[str, float | None]] = {}
+    for name, labels, value in samples:
+        if name == "featcache_lookups_total" and "result" in labels:
+            lookups[labels["result"]] = value
+        elif name.startswith("featcache_tier_") and "tier" in labels:
+            field = name.removeprefix("featcache_tier_").removesuffix("_total")
+            tiers.setdefault(labels["tier"], {})[field] = value
+        elif name.startswith("featcache_lmdeploy_") and name.endswith("_total"):
+            event = name.removeprefix("featcache_lmdeploy_").removesuffix("_total")
+            sections.setdefault("lmdeploy", {})[event] = value
+    for t in tiers.values():
+        t["hit_ratio"] = _ratio(t.get("hits") or 0, t.get("misses") or 0)
+    for s in sections.values():
+        s["hit_ratio"] = _ratio(s.get("hits") or 0, s.get("misses") or 0)
+    return dict(lookups=lookups, hit_ratio=_ratio(lookups.get("hit", 0), lookups.get("miss", 0)),
+                tiers=tiers, **sections)
+
+
+def server_stats(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    """``summary`` of the page at ``url`` (``metrics_url``). Raises ``OSError`` when the server
+    cannot be read, ``FeatCacheError`` when the page holds no featcache metrics."""
+    target = metrics_url(url)
+    with urllib.request.urlopen(target, timeout=timeout_s) as response:  # noqa: S310 - http(s) only
+        text = response.read().decode("utf-8", "replace")
+    samples = parse(text)
+    if not samples:
+        raise FeatCacheError(f"no featcache metrics at {target} (a featcache serve with metrics on?)")
+    return dict(url=target, **summary(samples))
+
+
+def lines(doc: dict[str, Any]) -> list[str]:
+    """The human form of ``server_stats``."""
+    def pct(r: float | None) -> str:
+        return "-" if r is None else f"{100 * r:.1f}%"
+
+    out = [f"server metrics at {doc['url']}"]
+    lk = doc["lookups"]
+    out.append(f"lookups: {int(lk.get('hit', 0))} hits, {int(lk.get('miss', 0))} misses, "
+               f"hit ratio {pct(doc['hit_ratio'])}")
+    if "lmdeploy" in doc:
+        s = doc["lmdeploy"]
+        out.append(f"images (lmdeploy): {int(s.get('images') or 0)}, {int(s.get('hits') or 0)} hits, "
+                   f"{int(s.get('misses') or 0)} misses, hit ratio {pct(s['hit_ratio'])}")
+    out.append(f"{'tier':<8} {'hits':>10} {'misses':>10} {'ratio':>7} {'entries':>9} {'bytes':>14}")
+    for tier, t in doc["tiers"].items():
+        out.append(f"{tier:<8} {int(t.get('hits') or 0):>10} {int(t.get('misses') or 0):>10} "
+                   f"{pct(t['hit_ratio']):>7} {int(t.get('entries') or 0):>9} "
+                   f"{int(t.get('bytes') or 0):>14}")
+    return out
