@@ -551,7 +551,7 @@ def test_purge_all_asks_on_a_terminal(store, capsys, monkeypatch, answer, delete
     path, keys = store
     monkeypatch.setattr(sys, "stdin", _Terminal(answer))
     rc, out, err = run(capsys, "purge", str(path), "--all")
-    assert "[y/N]" in out
+    assert "[y/N]" in err and "[y/N]" not in out
     if deleted:
         assert rc == 0 and f"deleted {len(keys)} entries" in out
         assert books(path)["data"] == {}
@@ -560,11 +560,12 @@ def test_purge_all_asks_on_a_terminal(store, capsys, monkeypatch, answer, delete
         assert len(books(path)["data"]) == len(keys)
 
 
-def test_purge_all_yes_and_scripts_are_not_asked(store, capsys, monkeypatch):
+@pytest.mark.parametrize("stdin,extra", [(_Terminal, ["--yes"]), (io.StringIO, [])])
+def test_purge_all_yes_and_scripts_are_not_asked(store, capsys, monkeypatch, stdin, extra):
     path, keys = store
-    monkeypatch.setattr(sys, "stdin", _Terminal(""))  # would decline if asked
-    rc, out, _ = run(capsys, "purge", str(path), "--all", "--yes")
-    assert rc == 0 and "[y/N]" not in out and f"deleted {len(keys)} entries" in out
+    monkeypatch.setattr(sys, "stdin", stdin(""))  # would decline if asked
+    rc, out, err = run(capsys, "purge", str(path), "--all", *extra)
+    assert rc == 0 and "[y/N]" not in out + err and f"deleted {len(keys)} entries" in out
 
 
 def test_ls_namespace_lists_only_that_namespace(store, capsys):
@@ -578,3 +579,19 @@ def test_ls_namespace_lists_only_that_namespace(store, capsys):
     assert len(out.splitlines()) == 1
     rc, out, _ = run(capsys, "ls", str(path), "--namespace", "another-model")
     assert rc == 0 and "no entries of namespace another-model" in out
+
+
+def test_verify_purge_compact_json(store, capsys, tmp_path):
+    path, want = store
+    rc, out, _ = run(capsys, "verify", str(path), "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["checked"] == len(want) and doc["bad"] == [] and doc["deleted"] is None
+    rc, out, _ = run(capsys, "compact", str(path), str(tmp_path / "copy"), "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["entries"] == len(want) and doc["dest"].endswith("copy")
+    rc, out, _ = run(capsys, "purge", str(path), "--namespace", NS, "--dry-run", "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["dry_run"] and doc["matched"] == 2 and doc["entries"] == len(want)
+    rc, out, _ = run(capsys, "purge", str(path), "--all", "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["deleted"] == len(want) and doc["remaining_entries"] == 0

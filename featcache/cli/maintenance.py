@@ -7,8 +7,10 @@ transactions (books kept exact); ``compact`` writes only into DEST; plain ``veri
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from typing import Any
 
 from ..lmdeploy.entry_meta import namespace_of
 from ..sizes import format_bytes
@@ -34,6 +36,7 @@ def _verify_arguments(p: argparse.ArgumentParser) -> None:
     store_dir_argument(p)
     p.add_argument("--fix", action="store_true",
                    help="delete the bad entries (one transaction per batch, books kept exact)")
+    p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     no_lock_argument(p)
 
 
@@ -49,6 +52,15 @@ def _verify(args: argparse.Namespace) -> int:
         report = view.verify(progress=bar.update)
         bar.close(report.checked, report.checked_bytes)
     elapsed = time.monotonic() - started
+    if args.json:
+        deleted = (discard_keys(path, [e.key for e in report.bad], only_bad=True)
+                   if args.fix and report.bad else None)
+        print(json.dumps(dict(
+            path=path, checked=report.checked, checked_bytes=report.checked_bytes,
+            seconds=round(elapsed, 3), notes=list(report.notes), deleted=deleted,
+            bad=[dict(key=e.key.hex(), size=e.size, problem=e.problem) for e in report.bad]),
+            indent=2))
+        return EXIT_BAD if report.bad else EXIT_OK
     verdict = f"{len(report.bad)} bad" if report.bad else "all good"
     print(f"verified {report.checked} entries ({format_bytes(report.checked_bytes)}) in "
           f"{elapsed:.2f} s: {verdict}")
@@ -94,6 +106,7 @@ def _purge_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
     p.add_argument("-y", "--yes", action="store_true",
                    help="--all: do not ask on a terminal (without a terminal it never asks)")
+    p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
 
 
 def _confirmed(args: argparse.Namespace, question: str) -> bool:
@@ -101,10 +114,8 @@ def _confirmed(args: argparse.Namespace, question: str) -> bool:
     a terminal) is not asked. Declining is one line on stderr, nothing deleted."""
     if not args.all or args.yes or not sys.stdin.isatty():
         return True
-    try:
-        answer = input(f"{question} [y/N] ")
-    except EOFError:
-        answer = ""
+    print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)  # stdout stays the result's
+    answer = sys.stdin.readline()
     if answer.strip().lower() in ("y", "yes"):
         return True
     print("featcache purge: nothing deleted (not confirmed; --yes skips the question)", file=sys.stderr)
@@ -118,14 +129,16 @@ def _purge(args: argparse.Namespace) -> int:
     except OtherFormatError as e:
         if not args.all:
             raise
+        fmt = e.tag.decode("ascii", "replace")
         if args.dry_run:
-            print(f"would delete the store files (format {e.tag.decode('ascii', 'replace')}) in {path}")
+            _say(args, f"would delete the store files (format {fmt}) in {path}",
+                 path=path, dry_run=True, foreign_format=fmt)
             return EXIT_OK
-        if not _confirmed(args, f"delete the store files of format "
-                                f"{e.tag.decode('ascii', 'replace')} in {path}?"):
+        if not _confirmed(args, f"delete the store files of format {fmt} in {path}?"):
             return EXIT_ERROR
         tag = purge_foreign_store(path)
-        print(f"deleted the store files of format {tag} in {path} (the directory stays)")
+        _say(args, f"deleted the store files of format {tag} in {path} (the directory stays)",
+             path=path, dry_run=False, foreign_format=tag)
         return EXIT_OK
     with view:
         total = view.summary().entries
@@ -140,8 +153,10 @@ def _purge(args: argparse.Namespace) -> int:
             victims = view.keys_used_before(cutoff)
             what = f"entries last used before {when(cutoff)}"
     freed = sum(size for _, size in victims)
+    doc = dict(path=path, what=what, matched=len(victims), matched_bytes=freed, entries=total)
     if args.dry_run:
-        print(f"would delete {len(victims)} of {total} {what} ({format_bytes(freed)})")
+        _say(args, f"would delete {len(victims)} of {total} {what} ({format_bytes(freed)})",
+             **doc, dry_run=True)
         return EXIT_OK
     if not _confirmed(args, f"delete all {len(victims)} entries ({format_bytes(freed)}) in {path}?"):
         return EXIT_ERROR
@@ -150,9 +165,15 @@ def _purge(args: argparse.Namespace) -> int:
     with StoreView(path) as view:
         left = view.summary()
     left_bytes = format_bytes(left.used_bytes) if left.used_bytes is not None else "?"
-    print(f"deleted {len(victims)} {what} ({format_bytes(freed)}); {left.entries} entries "
-          f"({left_bytes}) remain")
+    _say(args, f"deleted {len(victims)} {what} ({format_bytes(freed)}); {left.entries} entries "
+         f"({left_bytes}) remain", **doc, dry_run=False, deleted=len(victims),
+         remaining_entries=left.entries, remaining_bytes=left.used_bytes)
     return EXIT_OK
+
+
+def _say(args: argparse.Namespace, text: str, **doc: Any) -> None:
+    """The result: ``text`` for people, or ``doc`` as JSON with ``--json``."""
+    print(json.dumps(doc, indent=2) if args.json else text)
 
 
 PURGE = Command(
@@ -167,6 +188,7 @@ PURGE = Command(
 def _compact_arguments(p: argparse.ArgumentParser) -> None:
     store_dir_argument(p, optional=False)
     p.add_argument("dest", metavar="DEST")
+    p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
 
 
 def _compact(args: argparse.Namespace) -> int:
@@ -175,6 +197,12 @@ def _compact(args: argparse.Namespace) -> int:
         compact(view, args.dest)
     with StoreView(args.dest) as copy:
         after = copy.summary()
+    if args.json:
+        print(json.dumps(dict(source=before.path, dest=after.path, entries=after.entries,
+                              source_data_file_bytes=before.data_file_bytes,
+                              dest_data_file_bytes=after.data_file_bytes,
+                              source_in_use_by=before.in_use_by), indent=2))
+        return EXIT_OK
     print(f"compacted {before.path} (data file {format_bytes(before.data_file_bytes)}) into "
           f"{after.path} (data file {format_bytes(after.data_file_bytes)}, {after.entries} entries)")
     if before.in_use_by:
