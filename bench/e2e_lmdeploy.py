@@ -317,7 +317,8 @@ def check(model: str, tier_bytes: int = 12 << 10) -> dict[str, Any]:
         torch.cuda.empty_cache()
         print(f"[e2e] {name}: done in {results[name]['seconds']} s; stats "
               f"{stats and stats.get('lmdeploy')}", flush=True)
-    base = {r["label"]: r["token_ids"] for r in results["plain"]["rows"]}
+    plain_rows = {r["label"]: r for r in results["plain"]["rows"]}
+    base = {label: r["token_ids"] for label, r in plain_rows.items()}
     verdict = {}
     for name in ("featcache", "featcache_prefix", "featcache_restart"):
         mismatched = [r["label"] for r in results[name]["rows"] if r["token_ids"] != base[r["label"]]]
@@ -343,7 +344,7 @@ def check(model: str, tier_bytes: int = 12 << 10) -> dict[str, Any]:
     # may reuse at most the text blocks before the image; the same image reuses blocks holding it.
     # The image's first token in plain's "long D" prefill (no prefix cache there: the whole prompt)
     # bounds what another image may reuse; 200 (the text's characters) where it is not known.
-    steps = {r["label"]: r for r in results["plain"]["rows"]}["long D"]["prefill_logits"]
+    steps = plain_rows["long D"]["prefill_logits"]
     image_at = next((s["image_at"] for s in steps if s.get("image_at") is not None), 200)
     rows = {r["label"]: r for r in results["featcache_prefix"]["rows"]}
     other, same = rows["long E (same text)"]["cached_tokens"][0], rows["long D again"]["cached_tokens"][0]
@@ -351,7 +352,6 @@ def check(model: str, tier_bytes: int = 12 << 10) -> dict[str, Any]:
                              image_at=image_at, safe=other <= image_at, reused=same > image_at,
                              input_tokens=rows["long D again"]["input_tokens"][0])
     # How far a prefix-cache prefill moves the logits, against how far another image moves them
-    plain_rows = {r["label"]: r for r in results["plain"]["rows"]}
     verdict["last_logits_max_abs_diff"] = {
         name: {k: v for k, v in last_logits_diff(results["plain"]["rows"], results[name]["rows"]).items()
                if v} for name in ("featcache", "featcache_prefix", "featcache_restart")}

@@ -53,6 +53,11 @@ def store_dir_argument(p: argparse.ArgumentParser, optional: bool = True) -> Non
         p.add_argument("dir", metavar="DIR", help="the store directory")
 
 
+def json_argument(p: argparse.ArgumentParser, help: str = "print JSON (for scripts)") -> None:
+    """``--json``: the command's result as JSON on stdout (progress and questions stay on stderr)."""
+    p.add_argument("--json", action="store_true", help=help)
+
+
 def no_lock_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-lock", action="store_true",
                    help="read without registering in lock.mdb (for a store no process has "
@@ -84,21 +89,24 @@ def hex_key(text: str) -> str:
     return cleaned
 
 
-def limit(text: str) -> int:
+def _int_at_least(text: str, low: int) -> int | None:
+    """``text`` as an int if it is one >= ``low``, else None."""
     try:
         value = int(text)
     except ValueError:
-        value = -1
-    if value < 0:
+        return None
+    return value if value >= low else None
+
+
+def limit(text: str) -> int:
+    value = _int_at_least(text, 0)
+    if value is None:
         raise argparse.ArgumentTypeError(f"invalid limit {text!r}: a number >= 0 (0: no limit)")
     return value
 
 
 def at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
+    value = _int_at_least(text, 1)
+    if value is None:
         raise argparse.ArgumentTypeError(f"invalid value {text!r}: a number >= 1")
     return value

@@ -23,7 +23,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from importlib import metadata
 
-from .command import EXIT_ERROR, EXIT_OK, Command
+from .command import EXIT_ERROR, EXIT_OK, Command, json_argument
 
 OK, MISSING, FAIL = "ok", "--", "FAIL"
 PROBE_TIMEOUT_S = 180  # an engine's import, in a child process
@@ -213,7 +213,7 @@ def checks() -> list[Check]:
 
 
 def _doctor_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="one JSON document instead of lines")
+    json_argument(p, "one JSON document instead of lines")
 
 
 def _doctor(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ from .command import (
     EXIT_ERROR,
     EXIT_OK,
     Command,
+    json_argument,
     no_lock_argument,
     parse_age,
     store_dir,
@@ -36,7 +37,7 @@ def _verify_arguments(p: argparse.ArgumentParser) -> None:
     store_dir_argument(p)
     p.add_argument("--fix", action="store_true",
                    help="delete the bad entries (one transaction per batch, books kept exact)")
-    p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    json_argument(p)
     no_lock_argument(p)
 
 
@@ -106,7 +107,7 @@ def _purge_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
     p.add_argument("-y", "--yes", action="store_true",
                    help="--all: do not ask on a terminal (without a terminal it never asks)")
-    p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    json_argument(p)
 
 
 def _confirmed(args: argparse.Namespace, question: str) -> bool:
@@ -188,7 +189,7 @@ PURGE = Command(
 def _compact_arguments(p: argparse.ArgumentParser) -> None:
     store_dir_argument(p, optional=False)
     p.add_argument("dest", metavar="DEST")
-    p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    json_argument(p)
 
 
 def _compact(args: argparse.Namespace) -> int:

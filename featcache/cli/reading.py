@@ -23,6 +23,7 @@ from .command import (
     Command,
     UsageError,
     hex_key,
+    json_argument,
     limit,
     no_lock_argument,
     store_dir,
@@ -33,7 +34,7 @@ from .command import (
 # -- stats -------------------------------------------------------------------------------------------
 def _stats_arguments(p: argparse.ArgumentParser) -> None:
     store_dir_argument(p)
-    p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    json_argument(p)
     p.add_argument("--remote-url", metavar="URL",
                    help="also the shared remote tier on this Redis/Valkey server (entries under "
                    "--remote-prefix, memory, eviction policy); without DIR, only it")
@@ -94,7 +95,7 @@ def _ls_arguments(p: argparse.ArgumentParser) -> None:
                    help="at most N entries (default 50; 0: all)")
     p.add_argument("--namespace", metavar="NS",
                    help="only entries whose metadata records namespace NS (the NAMESPACE column)")
-    p.add_argument("--json", action="store_true", help="print JSON lines (for scripts)")
+    json_argument(p, "print JSON lines (for scripts)")
     no_lock_argument(p)
 
 
@@ -130,7 +131,7 @@ LS = Command(
 def _inspect_arguments(p: argparse.ArgumentParser) -> None:
     store_dir_argument(p)
     p.add_argument("key", type=hex_key, metavar="KEY")
-    p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    json_argument(p)
     no_lock_argument(p)
 
 
