@@ -8,11 +8,11 @@
 #   bash bench/device/pack_turbomind.sh        # -> .tmx/ .tm01/ ... .tmNN/ (ignored by .gitignore)
 #
 # Env: STAGE (default /tmp/tmstage: downloads in STAGE/dl, reuses STAGE/all.tar.zst when its
-# recorded inputs match), PIECE_MIB (default 62), CALL_MIB (default 64: the device tool's limit).
+# recorded inputs match), PIECE_MIB (default 56: 8 MiB of each call left for the repository itself), CALL_MIB (default 64: the device tool's limit).
 set -euo pipefail
 ROOT=$(git rev-parse --show-toplevel); cd "$ROOT"
 W=${STAGE:-/tmp/tmstage}; DL=$W/dl; mkdir -p "$DL"
-PIECE_MIB=${PIECE_MIB:-62}; CALL_MIB=${CALL_MIB:-64}
+PIECE_MIB=${PIECE_MIB:-56}; CALL_MIB=${CALL_MIB:-64}
 PLAT=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64
       --platform manylinux_2_17_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64)
 get() {  # get GLOB SPEC: the wheel in DL matching GLOB, downloaded first if missing

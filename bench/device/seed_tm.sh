@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The seed models (issue 13) on lmdeploy 0.18's TurboMind, and the PyTorch engine's `check` again, on
 # nvidia-h200-x2, one job per GPU at once. Runs in the environment the TurboMind ferry assembled
-# (docs/benchmarks.md, "TurboMind on the H200"): after the ferry's 8 calls, on the same warm machine,
+# (docs/benchmarks.md, "TurboMind on the H200"): after the ferry's calls, on the same warm machine,
 #
 #   bash bench/device/run_turbomind.sh exec bash bench/device/seed_tm.sh check   # call 9
 #   bash bench/device/run_turbomind.sh exec bash bench/device/seed_tm.sh bench   # call 10
