@@ -3,7 +3,9 @@
     pip install matplotlib          # on the CPU machine, after the JSONs came back
     python bench/plot_bench.py bench-2b.json bench-26b.json --out docs/seed-bench.png
 
-One panel per model (one JSON per model; a ``merge``d JSON counts as one), in the order given. In
+One panel per model (one JSON per model; a ``merge``d JSON counts as one), in the order given; a
+``bench/turbomind_bench.py`` JSON makes a TurboMind panel (its engines ``plain`` and ``native``, p10
+and p90 from its raw per-request times; (d) keeps per-rep medians only: its bar spans median-p90). In
 each panel, grouped bars: (a) same image in a fresh context, (b) chat turns 1-4 resending the
 image, (c) all-distinct images, (d) TTFT under 32 concurrent clients; plain and featcache side by
 side, the bar at the median over all reps, the error bar from p10 to p90. A series the bench
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from typing import Any
 
@@ -32,8 +35,57 @@ def _get(d: dict[str, Any], path: str) -> dict[str, Any]:
     return d
 
 
+def _summary(ms: list[float]) -> dict[str, Any]:
+    """turbomind_bench.py's own median and p90 (its ``stats``), plus the p10 it does not keep."""
+    xs = sorted(ms)
+
+    def q(f: float) -> float:
+        return xs[min(len(xs) - 1, int(round(f * (len(xs) - 1))))]
+
+    med = round(statistics.median(xs), 2)
+    return dict(n=len(xs), median_ms=med, p10_ms=round(q(0.1), 2), p90_ms=round(q(0.9), 2),
+                noisy=q(0.9) > 2 * med)
+
+
+def from_turbomind(result: dict[str, Any]) -> dict[str, Any]:
+    """A ``turbomind_bench.py`` result in the shape ``panel_data`` reads (engine ``native`` drawn
+    as featcache), with p10/p90 over its raw per-request times."""
+    out: dict[str, Any] = dict(meta=dict(label=result.get("meta", {}).get("label")
+                                         or _model_label(result) + " (TurboMind)"))
+    for path, e in result.get("engines", {}).items():
+        if "failed" in e or "raw" not in e:
+            continue
+        raw = e["raw"]
+        turns: dict[str, list[float]] = {}
+        for rep in raw["b"]:
+            for chat in rep:
+                for t, row in enumerate(chat, 1):
+                    turns.setdefault(f"turn_{t}", []).append(row["ms"])
+        d = e.get("d_concurrent", {})
+        out["featcache" if path == "native" else path] = dict(
+            a_same_image_fresh_context=_summary([r["ms"] for rep in raw["a"] for r in rep["rows"]]),
+            b_multi_turn={t: _summary(v) for t, v in turns.items()},
+            c_distinct_images=_summary([r["ms"] for rep in raw["c"] for r in rep]),
+            d_concurrent_32_clients_pool_8=dict(ttft=dict(
+                n=d.get("requests", 0), median_ms=d.get("ttft_median_ms"), p10_ms=d.get("ttft_median_ms"),
+                p90_ms=d.get("ttft_p90_ms")) if d else {}))
+    r = result.get("ratios", {}).get("native", {})
+    out["ratios"] = dict(a_same_image_speedup=r.get("a_speedup_median"),
+                         b_turn_4_speedup=r.get("b_turn_4_speedup_median"),
+                         c_distinct_slowdown=r.get("c_slowdown_median"),
+                         d_requests_per_s_gain=r.get("d_requests_per_s_gain"))
+    return out
+
+
+def _model_label(result: dict[str, Any]) -> str:
+    model = str(result.get("meta", {}).get("args", {}).get("model", "?")).rstrip("/")
+    return model.rsplit("/", 1)[-1]
+
+
 def panel_data(result: dict[str, Any]) -> dict[str, Any]:
     """The numbers one panel draws: per engine, per group, (median, p10, p90, noisy) or None."""
+    if isinstance(result.get("engines"), dict):  # bench/turbomind_bench.py
+        result = from_turbomind(result)
     engines = [e for e, _, _ in ENGINES if e in result]
     data: dict[str, list[Any]] = {}
     for e in engines:
@@ -54,19 +106,25 @@ def title(p: dict[str, Any]) -> str:
                       ("c_distinct_slowdown", "(c) misses {}x the time"),
                       ("d_requests_per_s_gain", "(d) {}x req/s")):
         if r.get(key) is not None:
-            bits.append(name.format(r[key]))
+            bits.append(name.format(round(r[key], 2)))
     return p["label"] + ("\n" + ", ".join(bits) if bits else "")
 
 
-def plot(results: list[dict[str, Any]], out: str) -> None:
+def plot(results: list[dict[str, Any]], out: str, labels: list[str] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = [panel_data(r) for r in results]
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.6), squeeze=False)
-    for ax, p in zip(axes[0], panels, strict=True):
+    for p, label in zip(panels, labels or []):
+        p["label"] = label
+    cols = min(len(panels), 2)
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.6 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    for ax, p in zip(axes.flat, panels):
         n = len(p["engines"])
         width = 0.8 / max(n, 1)
         for j, e in enumerate(p["engines"]):
@@ -98,12 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("inputs", nargs="+", help="bench JSONs, one per model (panel order)")
     ap.add_argument("--out", required=True, help="PNG to write")
+    ap.add_argument("--labels", help="panel titles separated by ;, in the order of the inputs "
+                    "(default: each result's label)")
     args = ap.parse_args(argv)
+    labels = args.labels.split(";") if args.labels else []
+    if labels and len(labels) != len(args.inputs):
+        ap.error(f"--labels names {len(labels)} panels for {len(args.inputs)} inputs")
     results = []
     for path in args.inputs:
         with open(path) as f:
             results.append(json.load(f))
-    plot(results, args.out)
+    plot(results, args.out, labels)
     print(f"wrote {args.out}: {len(results)} panel(s)")
     return 0
 

@@ -62,6 +62,23 @@ def test_plot_bench_writes_png(tmp_path) -> None:
     assert "(a)" not in plot_bench.title(panel)  # and makes no ratio in the title
 
 
+def test_plot_bench_reads_a_turbomind_result() -> None:
+    """A turbomind_bench.py JSON (the recorded 2B run) becomes a panel whose medians are the
+    bench's own, native drawn as featcache."""
+    path = os.path.join(_ROOT, "bench", "results", "seed-tmbench-2b-2026-11-30.json")
+    with open(path) as f:
+        result = json.load(f)
+    panel = plot_bench.panel_data(result)
+    assert panel["engines"] == ["plain", "featcache"] and "TurboMind" in panel["label"]
+    for engine, path_name in (("plain", "plain"), ("featcache", "native")):
+        e = result["engines"][path_name]
+        a_med, a_lo, a_hi, _ = panel["data"][engine][0]
+        assert a_med == e["a_same_image_fresh_context"]["median_ms"] and a_lo <= a_med <= a_hi
+        assert panel["data"][engine][4][0] == e["b_chat"]["turn_4"]["median_ms"]
+        assert panel["data"][engine][6][0] == e["d_concurrent"]["ttft_median_ms"]
+    assert "2.89x faster" in plot_bench.title(panel)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("lmdeploy") is None, reason="lmdeploy is not installed")
 def test_dry_run(tmp_path) -> None:
     """bench and breakdown over the stand-in pipeline, in a subprocess (the stage timers patch
