@@ -117,14 +117,14 @@ def plot(results: list[dict[str, Any]], out: str, labels: list[str] | None = Non
     import matplotlib.pyplot as plt
 
     panels = [panel_data(r) for r in results]
-    for p, label in zip(panels, labels or []):
+    for p, label in zip(panels, labels or [], strict=False):  # no labels: keep their own
         p["label"] = label
     cols = min(len(panels), 2)
     rows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.6 * rows), squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.axis("off")
-    for ax, p in zip(axes.flat, panels):
+    for ax, p in zip(axes.flat, panels, strict=False):  # spare axes were switched off above
         n = len(p["engines"])
         width = 0.8 / max(n, 1)
         for j, e in enumerate(p["engines"]):
