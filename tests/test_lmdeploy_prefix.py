@@ -316,3 +316,34 @@ def test_install_is_counted_and_remove_restores_lmdeploy():
     second()
     assert (SchedulerSequence.clamp_prefix_cache_match_step,
             SchedulerSequence.get_input_multimodals) == original
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_wrap_installs_the_hook_with_prefix_caching_and_close_removes_it(
+        tmp_path_factory, monkeypatch, prefix_caching):
+    from lmdeploy import PytorchEngineConfig
+
+    from featcache import FeatureCache
+    from featcache.lmdeploy import wrap
+
+    cls = CLASSES[tiny.QWEN2VL]
+    monkeypatch.setattr(cls, "prepare_inputs_for_generation", cls.prepare_inputs_for_generation)
+    path = tiny.PromptPath(tiny.checkpoint(tiny.QWEN2VL, tmp_path_factory))
+    original = SchedulerSequence.clamp_prefix_cache_match_step
+    engine = types.SimpleNamespace(
+        vl_encoder=path.encoder, prompt_processor=path.processor,
+        backend_config=PytorchEngineConfig(enable_prefix_caching=prefix_caching),
+        engine=types.SimpleNamespace(input_processor=object()))
+    closed = []
+    pipe = types.SimpleNamespace(async_engine=engine, close=lambda: closed.append(True))
+    cache = FeatureCache(device="cpu", device_bytes="1MiB", host_bytes=0)
+    try:
+        assert wrap(pipe, cache) is pipe
+        hooked = SchedulerSequence.clamp_prefix_cache_match_step is prefix.clamp_prefix_cache_match_step
+        assert hooked == prefix_caching
+        pipe.close()
+        assert closed == [True]
+        assert SchedulerSequence.clamp_prefix_cache_match_step is original
+    finally:
+        path.close()
+        cache.close()
