@@ -88,6 +88,16 @@ def patched(rig, monkeypatch):
     return cls
 
 
+@pytest.fixture(autouse=True)
+def lmdeploy_alone(monkeypatch):
+    """lmdeploy's own ``SchedulerSequence`` and no hook installed, whatever an earlier test left
+    (``featcache serve``'s engine has no ``close``: its hook stays for the process)."""
+    for name, method in (prefix._installed[0] if prefix._installed else {}).items():
+        monkeypatch.setattr(SchedulerSequence, name, method)
+    monkeypatch.setattr(prefix, "_installed", [])
+    monkeypatch.setattr(prefix, "_users", 0)
+
+
 @pytest.fixture
 def hooked():
     remove = prefix.install_prefix_hook()

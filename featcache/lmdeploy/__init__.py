@@ -140,15 +140,16 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
     engine.engine.input_processor = KeyedInputProcessor(inner)
     if engine.backend_config.enable_prefix_caching:  # matches may end inside held images
         remove_prefix_hook = install_prefix_hook()
-        close = pipe.close
+        close = getattr(pipe, "close", None)
+        if close is not None:  # else a server's engine (featcache serve): hooked for the process
 
-        def close_and_unhook() -> None:
-            try:
-                close()
-            finally:
-                remove_prefix_hook()
+            def close_and_unhook() -> None:
+                try:
+                    close()
+                finally:
+                    remove_prefix_hook()
 
-        pipe.close = close_and_unhook
+            pipe.close = close_and_unhook
     pipe.featcache = cache
     log.info("featcache: caching %s image features (namespace %s)", arch, namespace)
     return pipe
