@@ -25,6 +25,7 @@ from .engine import KeyedInputProcessor, keep_prefix_caching
 from .frontend import SECTION, install_frontend
 from .identity import model_identity
 from .models import SPECS, patch_model_class
+from .prefix import install_prefix_hook
 from .refs import FeatRef
 from .turbomind import install_turbomind
 
@@ -137,6 +138,18 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
     patch_model_class(spec)
     install_frontend(encoder.model, cache, namespace, engine.prompt_processor)
     engine.engine.input_processor = KeyedInputProcessor(inner)
+    if engine.backend_config.enable_prefix_caching:  # matches may end inside held images
+        remove_prefix_hook = install_prefix_hook()
+        close = getattr(pipe, "close", None)
+        if close is not None:  # else a server's engine (featcache serve): hooked for the process
+
+            def close_and_unhook() -> None:
+                try:
+                    close()
+                finally:
+                    remove_prefix_hook()
+
+            pipe.close = close_and_unhook
     pipe.featcache = cache
     log.info("featcache: caching %s image features (namespace %s)", arch, namespace)
     return pipe

@@ -12,7 +12,9 @@ embeddings in image order. For each supported class we wrap, at class level:
 - the vision call (a method or submodule named by the spec, wrapped per instance on first use):
   runs the real vision model on the misses, splits its output per image (by token count), puts
   each miss's features in the cache (on the engine's stream: no host copy), and returns the
-  features of every image in order: hits from their leases, misses from the output.
+  features of every image in order: hits from their leases, misses from the output. A hit whose
+  head is already in the KV cache (a prefix match ending inside it, see ``prefix``) contributes
+  only its tail rows, a view of the leased features.
 
 Classes whose instances never see a ``FeatRef`` behave exactly as before. Invariant: the vision
 model runs only on images that missed; the returned features have exactly one row per image token.
@@ -24,12 +26,13 @@ import importlib
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .frontend import SECTION
+from .prefix import SKIP_KEY
 from .refs import REF_KEY, FeatRef
 
 log = logging.getLogger("featcache")
@@ -70,7 +73,10 @@ SPECS: dict[str, ArchSpec] = {
 @dataclass
 class _Plan:
     refs: list[FeatRef | None]  # one per image of the step, in token order
-    tokens: list[int]  # image tokens of each
+    tokens: list[int]  # image tokens of each in this step
+    # rows of each before this step (in the KV cache already): 0 but for a held image that a
+    # prefix match ends inside; empty: all 0
+    skips: list[int] = field(default_factory=list)
 
 
 _step = threading.local()  # the plan of the step being run on this thread (the engine loop)
@@ -107,7 +113,8 @@ def patch_model_class(spec: ArchSpec) -> type:
             for name, make in spec.placeholders.items():
                 inputs[name] = make(device)
             inputs["image_mask"] = context.input_ids == images[0].meta["image_token_id"]
-        _step.plan = _Plan(refs, [d.end - d.start for d in images])
+        _step.plan = _Plan(refs, [d.end - d.start for d in images],
+                           [(d.meta or {}).get(SKIP_KEY, 0) for d in images])
         return inputs
 
     prepare_inputs_for_generation._featcache = True  # type: ignore[attr-defined]
@@ -169,11 +176,14 @@ def _serve(plan: _Plan, run_vision: Callable[[], torch.Tensor]) -> torch.Tensor:
     cache.count(SECTION, "vision_skipped", len(plan.refs) - len(misses))
     parts = []
     miss_pieces = iter(pieces)
-    for ref, n in zip(plan.refs, plan.tokens, strict=True):
+    skips = plan.skips or [0] * len(plan.refs)
+    if any(skips):
+        cache.count(SECTION, "partial_images", sum(1 for s in skips if s))
+    for ref, n, skip in zip(plan.refs, plan.tokens, skips, strict=True):
         if ref is not None and ref.hit:
             assert ref.lease is not None
             features = ref.lease.ready()
-            parts.append(features.reshape(n, -1))
+            parts.append(features.reshape(skip + n, -1)[skip:])
         else:
             parts.append(next(miss_pieces))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -1,0 +1,359 @@
+"""featcache's prefix-cache hook (``featcache.lmdeploy.prefix``) on lmdeploy's real CPU code.
+
+Requests go through lmdeploy's real prompt path with featcache's frontend and the model's real
+input processor inside ``KeyedInputProcessor`` (the rigs of ``test_lmdeploy_engine``: tiny
+InternVL-HF and Qwen2-VL checkpoints), then into lmdeploy's real ``Scheduler`` (its
+``BlockTrie``, prefill scheduler and ``SchedulerSequenceDefault``: pure Python) with prefix
+caching on and small blocks, so that the tiny images span several blocks. The forward of a
+scheduled sequence gets what lmdeploy's input maker would give it (``seq.token_ids``,
+``seq.get_input_multimodals()``, ``seq.mrope_pos_ids``) through the patched real
+``prepare_inputs_for_generation`` and real ``forward`` of the model class (fake towers, as there).
+
+lmdeploy's ``strategies.ar.sequence`` imports the engine's guided decoding, which imports
+``xgrammar`` (a CUDA-only dependency, not installed here): a stub stands in for it when missing.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+_SKIP = ("lmdeploy is not installed; for these tests: "
+         "pip install --no-deps lmdeploy==0.18.0 -r requirements/lmdeploy-cpu.txt")
+pytest.importorskip("lmdeploy", minversion="0.18", reason=_SKIP)
+pytest.importorskip("lmdeploy.vl.engine", reason=_SKIP)
+
+
+def _stub_xgrammar() -> None:
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        def attr(name: str) -> type:
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return type(name, (), {})
+
+        stub = types.ModuleType("xgrammar")
+        stub.__getattr__ = attr  # type: ignore[method-assign]
+        sys.modules["xgrammar"] = stub
+
+
+_stub_xgrammar()
+
+import lmdeploy_tiny as tiny  # noqa: E402
+from lmdeploy.pytorch.config import CacheConfig, SchedulerConfig  # noqa: E402
+from lmdeploy.pytorch.messages import SchedulerSequence, SequenceMeta, UpdateTokenMode  # noqa: E402
+from lmdeploy.pytorch.multimodal.data_type import ensure_multimodal_content_hashes  # noqa: E402
+from lmdeploy.pytorch.paging.scheduler import Scheduler  # noqa: E402
+from lmdeploy.pytorch.strategies.ar.sequence import ARSequenceStrategy  # noqa: E402
+from test_lmdeploy_engine import CLASSES, Rig  # noqa: E402
+
+from featcache.lmdeploy import models, prefix  # noqa: E402
+from featcache.lmdeploy.refs import REF_KEY  # noqa: E402
+
+TAIL = [11, 12]  # text after the prompt's template (stands in for the next turn's first words)
+
+
+def block_for(rig, image, tail: list[int] = TAIL, before_end: int = 1) -> int:
+    """A block size whose last whole block ``before_end`` tokens or more before the prompt's end
+    ends inside the image, as 64 does for a 13-tile InternVL image followed by a short question
+    (the tiny prompts have a dozen or two tokens after the image); of those, the one leaving
+    most of the image uncached. ``before_end``: 1 for a match of the same prompt (a block must
+    end before the last token), 0 for the blocks a prompt leaves in the trie."""
+    ids, mm = _prompt(rig, image, tail=tail)
+    (data,) = rig.processor.preprocess_input(ids, mm).input_multimodals["image"]
+    fits = {block: ((len(ids) - before_end) // block) * block for block in range(2, len(ids))}
+    fits = {block: h for block, h in fits.items() if data.start < h < data.end}
+    assert fits, f"no block size fits an image at {data.start}..{data.end} of {len(ids)}"
+    return min(fits, key=lambda block: (fits[block], block))
+
+
+@pytest.fixture(params=[tiny.INTERNVL, tiny.QWEN2VL], ids=["internvl_hf", "qwen2vl"])
+def rig(request, tmp_path_factory):
+    r = Rig(request.param, tiny.checkpoint(request.param, tmp_path_factory))
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def patched(rig, monkeypatch):
+    """The rig's model class with featcache's ``prepare`` (lmdeploy's own restored afterwards)."""
+    cls = CLASSES[rig.arch]
+    monkeypatch.setattr(cls, "prepare_inputs_for_generation", cls.prepare_inputs_for_generation)
+    assert models.patch_model_class(models.SPECS[rig.arch]) is cls
+    return cls
+
+
+@pytest.fixture(autouse=True)
+def lmdeploy_alone(monkeypatch):
+    """lmdeploy's own ``SchedulerSequence`` and no hook installed, whatever an earlier test left
+    (``featcache serve``'s engine has no ``close``: its hook stays for the process)."""
+    for name, method in (prefix._installed[0] if prefix._installed else {}).items():
+        monkeypatch.setattr(SchedulerSequence, name, method)
+    monkeypatch.setattr(prefix, "_installed", [])
+    monkeypatch.setattr(prefix, "_users", 0)
+
+
+@pytest.fixture
+def hooked():
+    remove = prefix.install_prefix_hook()
+    yield
+    remove()
+
+
+class Engine:
+    """lmdeploy's real scheduler and block trie, driven as the engine loop drives them."""
+
+    def __init__(self, rig, block: int) -> None:
+        self.rig = rig
+        self.block = block
+        use_mrope = rig.arch == tiny.QWEN2VL
+        meta = SequenceMeta(block, strategy=ARSequenceStrategy(), use_mrope=use_mrope)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_batches=8, max_session_len=8192),
+            CacheConfig(max_batches=8, block_size=block, num_cpu_blocks=0, num_gpu_blocks=4096,
+                        enable_prefix_caching=True),
+            seq_meta=meta)
+        self.sessions = 0
+
+    def request(self, input_ids: list[int], multimodal: list[dict]) -> SchedulerSequence:
+        """Add a request (as ``Engine._on_add_message`` does) and schedule its prefill."""
+        res = self.rig.processor.preprocess_input(input_ids, multimodal)
+        mms = ensure_multimodal_content_hashes(res.input_multimodals)
+        self.sessions += 1
+        self.scheduler.add_session(self.sessions)
+        seq = self.scheduler.sessions[self.sessions].add_sequence(np.array(res.input_ids),
+                                                                  multimodals=mms)
+        running = self.scheduler.schedule(is_prefill=True).running
+        assert running == [seq]
+        self.scheduler.activate_seqs(running)  # dispatched to the forward
+        return seq
+
+    def finish(self, seq: SchedulerSequence, generated: list[int]) -> None:
+        """The forwards of ``seq``: its prefill's token, then decode steps; then end it."""
+        seq.update_token_ids(np.array(generated[:1]), mode=UpdateTokenMode.PREFILL)
+        for token in generated[1:]:
+            assert self.scheduler.schedule_running([seq]) == [True]
+            seq.update_token_ids(np.array([token]), mode=UpdateTokenMode.DECODE)
+        self.scheduler.end_session(seq.session_id)
+
+
+def _prompt(rig, *imgs, tail: list[int] = ()) -> tuple[list[int], list[dict]]:
+    out = rig.prompt(*imgs)
+    return out["input_ids"] + list(tail), out["multimodal"]
+
+
+def _span(seq: SchedulerSequence) -> tuple[int, int]:
+    (data,) = seq.history_multimodals.multimodals["image"]
+    return data.start, data.end
+
+
+def _forward(rig, patched, seq: SchedulerSequence, model=None):
+    """One prefill forward of ``seq`` as the engine builds it: (token embeddings, input ids,
+    model)."""
+    ids = seq.token_ids.tolist()
+    mms = seq.get_input_multimodals()
+    ctx = types.SimpleNamespace(
+        input_ids=torch.tensor([ids]), position_ids=None, attn_metadata=None,
+        input_embeddings=None, input_embedding_indexing=None,
+        input_multimodals=[mms] if mms else None, mrope_position_ids=None)
+    model = model or rig.fake_model()
+    inputs = patched.prepare_inputs_for_generation(model, None, context=ctx)
+    return patched.forward(model, **inputs)[0], ctx.input_ids[0], model
+
+
+def _turn_one(rig, engine: Engine, image, tail: list[int]) -> tuple[list[int], list[dict]]:
+    """Turn 1 (the image a miss): prefilled whole, its blocks in the trie; then the model's put
+    (``rig.seed``) makes the image a featcache hit."""
+    ids, mm = _prompt(rig, image, tail=tail)
+    assert not mm[0][REF_KEY].hit
+    seq = engine.request(ids, mm)
+    assert seq.num_history_ids == 0
+    engine.finish(seq, [7])
+    return ids, mm
+
+
+IMAGE = dict(width=100, height=80, seed=5)
+
+
+def test_match_inside_a_held_image_keeps_its_block_and_serves_the_tail_rows(rig, patched, hooked):
+    a = tiny.noise_image(**IMAGE)
+    engine = Engine(rig, block_for(rig, a))
+    ids, _ = _turn_one(rig, engine, a, TAIL)
+    (stored,) = rig.seed(a).values()
+
+    again, mm = _prompt(rig, a, tail=TAIL)  # the same prompt again: the image a hit
+    assert again == ids and mm[0][REF_KEY].hit
+    seq = engine.request(again, mm)
+
+    start, end = _span(seq)
+    h = seq.num_history_ids
+    # kept at the deepest block the trie holds (whole blocks before the prompt's end), which ends
+    # inside the image
+    assert h == ((len(ids) - 1) // engine.block) * engine.block
+    assert start < h < end
+    assert seq.cached_tokens == h
+
+    embeds, step_ids, model = _forward(rig, patched, seq)
+
+    mask = step_ids == rig.token_id
+    assert int(mask.sum()) == end - h
+    # exactly the tail rows of the cached features, bit for bit, and no vision call
+    assert torch.equal(embeds[mask], stored[h - start:])
+    assert model.vision_inputs == []
+    assert rig.stats()["partial_images"] == 1
+    # and what the uncached forward gives those positions
+    seq.set_step(0)
+    assert seq.get_input_multimodals()["image"][0].start == start  # whole again: no partial
+    full, _, _ = _forward(rig, patched, seq, model)
+    assert torch.equal(embeds, full[h:])
+
+
+def test_a_miss_keeps_lmdeploys_clamp(rig, hooked):
+    a = tiny.noise_image(**IMAGE)
+    engine = Engine(rig, block_for(rig, a))
+    _turn_one(rig, engine, a, TAIL)  # the image's features are never stored
+
+    again, mm = _prompt(rig, a, tail=TAIL)
+    assert not mm[0][REF_KEY].hit
+    seq = engine.request(again, mm)
+
+    start, _ = _span(seq)
+    assert seq.num_history_ids == (start // engine.block) * engine.block  # rewound before the image
+    assert prefix.partial_image(seq) is None
+    assert seq.get_input_multimodals()["image"][0].start == start  # the whole image, as lmdeploy
+
+
+def test_without_the_hook_a_held_image_is_rewound_too(rig):
+    """lmdeploy alone: the behaviour the hook changes (and why turn 2 of a chat misses)."""
+    a = tiny.noise_image(**IMAGE)
+    engine = Engine(rig, block_for(rig, a))
+    _turn_one(rig, engine, a, TAIL)
+    rig.seed(a)
+    seq = engine.request(*_prompt(rig, a, tail=TAIL))
+    start, _ = _span(seq)
+    assert seq.num_history_ids == (start // engine.block) * engine.block
+    assert seq.cached_tokens == seq.num_history_ids
+
+
+def test_two_different_images_after_the_same_text_share_no_block(rig, hooked):
+    a, b = tiny.noise_image(**IMAGE), tiny.noise_image(**{**IMAGE, "seed": 6})  # same size
+    engine = Engine(rig, 4)  # small blocks: the text before the images fills some
+    rig.seed(a, b)
+    first = engine.request(*_prompt(rig, a, tail=TAIL))
+    ids_a = first.history_cache[:first.num_all_ids].tolist()
+    blocks_a = first.logical_blocks.get_real_blocks().tolist()  # first stays alive: no block
+    # id it holds can be recycled for the second
+    ids_b, mm = _prompt(rig, b, tail=TAIL)
+    assert ids_b == ids_a  # the same token ids: only the images' content tells them apart
+    second = engine.request(ids_b, mm)
+
+    start, _ = _span(second)
+    first_image_block = start // engine.block
+    assert first_image_block > 0
+    assert second.num_history_ids == first_image_block * engine.block  # the text blocks only
+    blocks_b = second.logical_blocks.get_real_blocks().tolist()
+    assert blocks_b[:first_image_block] == blocks_a[:first_image_block]
+    assert not set(blocks_b[first_image_block:]) & set(blocks_a[first_image_block:])
+
+
+def test_chat_turns_reuse_earlier_turns_whatever_the_answers_length(rig, hooked):
+    """A 3-turn chat resending its image, 6-token answers whose sampled ids differ from the ids
+    the next turn's prompt re-tokenises them to (blocks holding sampled ids never match): turn 2
+    reuses turn 1's prompt blocks, the last ending inside the image; turn 3 turn 2's."""
+    a = tiny.noise_image(**IMAGE)
+    engine = Engine(rig, block_for(rig, a, before_end=0))
+    block = engine.block
+    user = [TAIL, [21, 22, 23], [24, 25, 26, 27]]  # each turn's new user text
+    answers = [[31, 32, 33, 34, 35, 36], [41, 42, 43, 44, 45, 46]]  # as the next turn tokenises
+    sampled = [90, 91, 92, 93, 94, 95]  # what the engine generated
+    history: list[int] = []
+    lengths, cached = [], []
+    for turn in range(3):
+        history = history + user[turn]
+        ids, mm = _prompt(rig, a, tail=history)
+        seq = engine.request(ids, mm)
+        lengths.append(len(ids))
+        cached.append(seq.cached_tokens)
+        if turn < 2:
+            engine.finish(seq, sampled)
+            history = history + answers[turn]
+        if turn == 0:
+            rig.seed(a)  # the model's put of turn 1's features
+    start, end = _span(seq)
+    assert cached[0] == 0
+    assert cached[1] == (lengths[0] // block) * block and start < cached[1] < end
+    assert cached[2] == (lengths[1] // block) * block > end
+
+
+def test_mrope_positions_of_a_partly_cached_image_are_the_uncached_ones(rig, hooked):
+    if rig.arch != tiny.QWEN2VL:
+        pytest.skip("M-RoPE: Qwen2-VL")
+    a = tiny.noise_image(100, 130, seed=5)  # a grid that is not square: rows and columns differ
+    block = block_for(rig, a)
+    engine = Engine(rig, block)
+    _turn_one(rig, engine, a, TAIL)
+    rig.seed(a)
+    seq = engine.request(*_prompt(rig, a, tail=TAIL))
+    start, end = _span(seq)
+    h = seq.num_history_ids
+    assert start < h < end
+
+    got = seq.mrope_pos_ids.copy()  # what the input maker hands the forward
+
+    plain = Engine(rig, block)  # the same prompt, nothing cached
+    full = plain.request(*_prompt(rig, a, tail=TAIL))
+    assert full.num_history_ids == 0
+    assert np.array_equal(got, full.mrope_pos_ids[h:])
+    # the image's own grid positions (lmdeploy's processor) from its start, then text after it
+    (data,) = full.history_multimodals.multimodals["image"]
+    assert np.array_equal(got[:end - h], data.mrope_pos_ids[h - start:] + start)
+    assert len(set(got[:end - h, 1].tolist())) > 1 and len(set(got[:end - h, 2].tolist())) > 1
+
+
+def test_install_is_counted_and_remove_restores_lmdeploy():
+    original = (SchedulerSequence.clamp_prefix_cache_match_step,
+                SchedulerSequence.get_input_multimodals)
+    first, second = prefix.install_prefix_hook(), prefix.install_prefix_hook()
+    assert SchedulerSequence.clamp_prefix_cache_match_step is prefix.clamp_prefix_cache_match_step
+    first()
+    first()  # idempotent
+    assert SchedulerSequence.clamp_prefix_cache_match_step is prefix.clamp_prefix_cache_match_step
+    second()
+    assert (SchedulerSequence.clamp_prefix_cache_match_step,
+            SchedulerSequence.get_input_multimodals) == original
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_wrap_installs_the_hook_with_prefix_caching_and_close_removes_it(
+        tmp_path_factory, monkeypatch, prefix_caching):
+    from lmdeploy import PytorchEngineConfig
+
+    from featcache import FeatureCache
+    from featcache.lmdeploy import wrap
+
+    cls = CLASSES[tiny.QWEN2VL]
+    monkeypatch.setattr(cls, "prepare_inputs_for_generation", cls.prepare_inputs_for_generation)
+    path = tiny.PromptPath(tiny.checkpoint(tiny.QWEN2VL, tmp_path_factory))
+    original = SchedulerSequence.clamp_prefix_cache_match_step
+    engine = types.SimpleNamespace(
+        vl_encoder=path.encoder, prompt_processor=path.processor,
+        backend_config=PytorchEngineConfig(enable_prefix_caching=prefix_caching),
+        engine=types.SimpleNamespace(input_processor=object()))
+    closed = []
+    pipe = types.SimpleNamespace(async_engine=engine, close=lambda: closed.append(True))
+    cache = FeatureCache(device="cpu", device_bytes="1MiB", host_bytes=0)
+    try:
+        assert wrap(pipe, cache) is pipe
+        hooked = SchedulerSequence.clamp_prefix_cache_match_step is prefix.clamp_prefix_cache_match_step
+        assert hooked == prefix_caching
+        pipe.close()
+        assert closed == [True]
+        assert SchedulerSequence.clamp_prefix_cache_match_step is original
+    finally:
+        path.close()
+        cache.close()
