@@ -45,7 +45,8 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+import types
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -236,6 +237,10 @@ def check_requests() -> list[tuple[str, Any]]:
     ]
 
 
+def rows_by(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["label"]: r for r in result["rows"]}
+
+
 def run_check(pipe: Any, counter: VisionCounter, logits: PromptLogits) -> list[dict[str, Any]]:
     from lmdeploy import GenerationConfig
 
@@ -330,13 +335,23 @@ def check(model: str, tier_bytes: int = 12 << 10) -> dict[str, Any]:
                              plain_vision_calls=sum(r["vision_calls"] for r in results["plain"]["rows"]),
                              prompt_logits=logits_verdict(results["plain"]["rows"], results[name]["rows"]))
         if name != "featcache":  # against lmdeploy with the same prefix caching
+            # like for like where both engines reused the same prefix; where featcache reused
+            # more (a match ending inside an image it holds, featcache.lmdeploy.prefix) there is no
+            # plain-prefix equivalent: those rows are held to plain lmdeploy without prefix caching
             ref = {r["label"]: r for r in results["plain_prefix"]["rows"]}
+            more = [r["label"] for r in results[name]["rows"]
+                    if r["cached_tokens"] != ref[r["label"]]["cached_tokens"]]
             other = [r["label"] for r in results[name]["rows"]
-                     if r["token_ids"] != ref[r["label"]]["token_ids"]]
+                     if r["label"] not in more and r["token_ids"] != ref[r["label"]]["token_ids"]]
             verdict[name]["vs_plain_prefix"] = dict(
-                token_identical=not other, mismatched=other,
-                cached_tokens_differ=[r["label"] for r in results[name]["rows"]
-                                      if r["cached_tokens"] != ref[r["label"]]["cached_tokens"]],
+                token_identical=not other, mismatched=other, cached_tokens_differ=more,
+                cached_tokens={label: dict(featcache=rows_by(results[name])[label]["cached_tokens"],
+                                           plain_prefix=ref[label]["cached_tokens"]) for label in more},
+                more_cached_tokens_vs_plain=dict(
+                    token_identical=all(rows_by(results[name])[label]["token_ids"] == base[label]
+                                        for label in more),
+                    mismatched=[label for label in more
+                                if rows_by(results[name])[label]["token_ids"] != base[label]]),
                 prompt_logits=logits_verdict(results["plain_prefix"]["rows"], results[name]["rows"]))
     same_text = [r for r in results["plain"]["rows"] if r["label"].startswith("same text")]
     verdict["different_images_same_text_differ"] = same_text[0]["token_ids"] != same_text[1]["token_ids"]
@@ -422,29 +437,92 @@ def chat_turn(chat: int, turn: int, im: Any) -> dict[str, Any]:
     return dict(role="user", content=f"and what about detail {turn}?")
 
 
-def chats(pipe: Any, gen: Any, size: tuple[int, int], count: int,
-          seed: int = 100) -> tuple[list[list[float]], list[list[int]], Any]:
+class ChatSeries(NamedTuple):
+    """Per turn (4 lists): time to first token (ms), cached and input prompt tokens; the last
+    response; with ``twins``, the same for each chat's text-only twin."""
+
+    walls: list[list[float]]
+    cached: list[list[int]]
+    input_tokens: list[list[int]]
+    out: Any
+    twin_walls: list[list[float]]
+    twin_cached: list[list[int]]
+    twin_input_tokens: list[list[int]]
+
+
+def _ask(pipe: Any, hist: list[dict[str, Any]], gen: Any) -> tuple[float, Any]:
+    """Time to first token (ms; the wall time when one token is asked for) and the response."""
+    if gen.max_new_tokens == 1:
+        t = time.perf_counter()
+        out = pipe([hist], gen_config=gen)[0]
+        return (time.perf_counter() - t) * 1e3, out
+    return first_token(pipe, hist, gen)
+
+
+def prompt_tokens(pipe: Any, hist: list[dict[str, Any]]) -> int:
+    """Tokens of a text-only conversation's prompt, as lmdeploy renders and tokenises it."""
+    eng = pipe.async_engine
+    return len(eng.tokenizer.encode(eng.chat_template.messages2prompt(hist)))
+
+
+def twin_first_message(pipe: Any, chat: int, tokens: int) -> dict[str, Any]:
+    """A text-only first user message whose prompt is ``tokens`` long (or just under), made of
+    words no other prompt uses: the image turn's length, without an image."""
+    def msg(n: int) -> dict[str, Any]:
+        return dict(role="user", content=f"chat {chat}: describe this "
+                    + " ".join(f"t{chat}w{i}" for i in range(n)))
+
+    lo, hi = 0, tokens
+    while lo < hi:  # the longest message not over ``tokens``
+        mid = (lo + hi + 1) // 2
+        if prompt_tokens(pipe, [msg(mid)]) <= tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return msg(lo)
+
+
+def chats(pipe: Any, gen: Any, size: tuple[int, int], count: int, seed: int = 100,
+          twins: bool = False) -> ChatSeries:
     """``count`` 4-turn chats, each resending its image (in its first user message) every turn:
-    time to first token (ms) and cached prompt tokens per turn, and the last response. With one
-    new token the time is the request's wall time; with more, the first token's, by streaming."""
+    time to first token (ms), cached and input prompt tokens per turn. With one new token the
+    time is the request's wall time; with more, the first token's, by streaming.
+
+    ``twins``: after each chat, its text-only twin through the same engine: a first message as
+    many tokens long as the image turn's prompt (no image), then the same user turns and the same
+    answers, so that every turn has the chat's cached and new token counts (both recorded): what
+    lmdeploy itself spends on such a prompt (issue 15's reference)."""
     walls: list[list[float]] = [[] for _ in range(4)]
     cached: list[list[int]] = [[] for _ in range(4)]
+    lens: list[list[int]] = [[] for _ in range(4)]
+    t_walls: list[list[float]] = [[] for _ in range(4)]
+    t_cached: list[list[int]] = [[] for _ in range(4)]
+    t_lens: list[list[int]] = [[] for _ in range(4)]
     out = None
     for c in range(count):
         im = image(seed + c, size)
         hist: list[dict[str, Any]] = []
+        answers = []
         for turn in range(4):
             hist.append(chat_turn(seed + c, turn, im))
-            if gen.max_new_tokens == 1:
-                t = time.perf_counter()
-                out = pipe([hist], gen_config=gen)[0]
-                walls[turn].append((time.perf_counter() - t) * 1e3)
-            else:
-                ttft, out = first_token(pipe, hist, gen)
-                walls[turn].append(ttft)
+            ms, out = _ask(pipe, hist, gen)
+            walls[turn].append(ms)
             cached[turn].append(out.cached_tokens)
-            hist.append(dict(role="assistant", content=out.text or "x"))
-    return walls, cached, out
+            lens[turn].append(out.input_token_len)
+            answers.append(out.text or "x")
+            hist.append(dict(role="assistant", content=answers[-1]))
+        if not twins:
+            continue
+        hist = [twin_first_message(pipe, seed + c, lens[0][-1])]
+        for turn in range(4):
+            if turn:
+                hist.append(chat_turn(seed + c, turn, None))
+            ms, t_out = _ask(pipe, hist, gen)
+            t_walls[turn].append(ms)
+            t_cached[turn].append(t_out.cached_tokens)
+            t_lens[turn].append(t_out.input_token_len)
+            hist.append(dict(role="assistant", content=answers[turn]))
+    return ChatSeries(walls, cached, lens, out, t_walls, t_cached, t_lens)
 
 
 ENGINES = {"plain": ("plain", True), "featcache": ("fc", True), "featcache_noprefix": ("fc", False)}
@@ -504,8 +582,12 @@ def bench_engine(pipe: Any, args: argparse.Namespace, size: tuple[int, int], dea
         rows = timed([(f"rep {rep} question {i}: what is in the picture?", same)
                       for i in range(args.n)], pipe, gen)
         raw["a"].append(dict(first_ms=first, ms=rows))
-        walls, cached, out = chats(pipe, chat_gen, size, args.chats, seed=20_000 + 100 * rep)
-        raw["b"].append(dict(ms=walls, cached=cached, input_tokens_turn_4=out.input_token_len))
+        b = chats(pipe, chat_gen, size, args.chats, seed=20_000 + 100 * rep, twins=args.text_twins)
+        raw["b"].append(dict(ms=b.walls, cached=b.cached, input_tokens=b.input_tokens,
+                             input_tokens_turn_4=b.out.input_token_len))
+        if args.text_twins:
+            raw["b"][-1].update(twin_ms=b.twin_walls, twin_cached=b.twin_cached,
+                                twin_input_tokens=b.twin_input_tokens)
         raw["c"].append(timed([(f"rep {rep} question {i}: what is in the picture?",
                                 image(30_000 + 100 * rep + i, size)) for i in range(args.n)], pipe, gen))
         prompts = [(f"rep {rep} client {i}: what is this?", pool[i % 8]) for i in range(args.d_requests)]
@@ -513,7 +595,9 @@ def bench_engine(pipe: Any, args: argparse.Namespace, size: tuple[int, int], dea
                                     session_base=100_000 * (rep + 1)))
         print(f"[e2e] rep {rep}: a {statistics.median(rows):.1f} ms, c "
               f"{statistics.median(raw['c'][-1]):.1f} ms, b "
-              + " / ".join(f"{statistics.median(w):.1f}" for w in walls)
+              + " / ".join(f"{statistics.median(w):.1f}" for w in b.walls)
+              + (" (text twins " + " / ".join(f"{statistics.median(w):.1f}" for w in b.twin_walls) + ")"
+                 if args.text_twins else "")
               + f" ms, d {raw['d'][-1]['requests_per_s']} req/s", flush=True)
         if save is not None:
             save()
@@ -538,6 +622,20 @@ def summarise(raw: dict[str, list[Any]], limit: float) -> dict[str, Any]:
         for t in range(4)} if raw["b"] else {}
     out["b_cached_tokens_by_turn"] = [[x for r in raw["b"] for x in r["cached"][t]] for t in range(4)]
     out["b_input_tokens_turn_4"] = raw["b"][-1]["input_tokens_turn_4"] if raw["b"] else None
+    if raw["b"] and "input_tokens" in raw["b"][0]:
+        out["b_input_tokens_by_turn"] = [[x for r in raw["b"] for x in r["input_tokens"][t]]
+                                         for t in range(4)]
+    if raw["b"] and "twin_ms" in raw["b"][0]:  # the text-only twins (--text-twins)
+        out["b_text_twin"] = {
+            f"turn_{t + 1}": dict(**spread([x for r in raw["b"] for x in r["twin_ms"][t]], limit),
+                                  cached_tokens=[x for r in raw["b"] for x in r["twin_cached"][t]],
+                                  input_tokens=[x for r in raw["b"] for x in r["twin_input_tokens"][t]])
+            for t in range(4)}
+        # the chat turn's time over its twin's, medians (issue 15's target: <= 1.1 from turn 2)
+        out["b_turn_over_text_twin"] = {
+            f"turn_{t + 1}": round(out["b_multi_turn"][f"turn_{t + 1}"]["median_ms"]
+                                   / out["b_text_twin"][f"turn_{t + 1}"]["median_ms"], 3)
+            for t in range(4)}
     out["c_distinct_images"] = dict(**spread([x for r in raw["c"] for x in r], limit),
                                     per_rep_median_ms=rep_medians(raw["c"]))
     if raw["d"]:
@@ -1201,7 +1299,7 @@ def profile(model: str, size: tuple[int, int], n: int) -> dict[str, Any]:
                                **{f"a_{k}": round(statistics.median(v), 2) for k, v in spent.items()}}
         for v in spent.values():
             v.clear()
-        turns, turn_cached, o = chats(pipe, gen, size, 3)
+        turns, turn_cached, _, o, *_ = chats(pipe, gen, size, 3)
         res["b_wall_median_by_turn"] = [round(statistics.median(w), 2) for w in turns]
         res["b_cached_tokens_by_turn"] = turn_cached
         res["b_input_tokens_last"] = o.input_token_len
@@ -1397,6 +1495,10 @@ def standin() -> tuple[Any, list[tuple[Any, str | None, Any]], Any]:
             self.vl_encoder.model = Vision()
             self.model = Model().eval()
             self.legacy_copy = legacy_copy
+            # what the text-only twins count prompts with: this stand-in's 8 characters a token
+            self.tokenizer = types.SimpleNamespace(encode=lambda text: [1] * (len(text) // 8))
+            self.chat_template = types.SimpleNamespace(
+                messages2prompt=lambda msgs: "".join(str(m.get("content")) for m in msgs))
 
         def _prepare(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
             msgs = [dict(m, content=[dict(type="image", data=x["image_data"]["data"])
@@ -1480,6 +1582,7 @@ def dry_run(args: argparse.Namespace) -> int:
     base = args.json or tempfile.mktemp(prefix="e2e-dry-")
     args.cache_device = "cpu"
     args.json = base + "-bench.json"
+    args.text_twins = True
     b = bench(args, build)
     for e in ("plain", "featcache"):
         r = b[e]
@@ -1487,6 +1590,11 @@ def dry_run(args: argparse.Namespace) -> int:
         assert r["a_same_image_fresh_context"]["n"] == args.reps * args.n
         assert r["c_distinct_images"]["n"] == args.reps * args.n
         assert all(r["b_multi_turn"][f"turn_{t}"]["n"] == args.reps * args.chats for t in range(1, 5))
+        twins = r["b_text_twin"]
+        assert all(twins[f"turn_{t}"]["n"] == args.reps * args.chats for t in range(1, 5)), twins
+        assert set(r["b_turn_over_text_twin"]) == {f"turn_{t}" for t in range(1, 5)}
+        first = r["b_input_tokens_by_turn"][0]  # a twin's first turn is its chat's length or under
+        assert all(0 < x <= y for x, y in zip(twins["turn_1"]["input_tokens"], first, strict=True))
         d = r["d_concurrent_32_clients_pool_8"]
         assert d["requests"] == args.reps * args.d_requests and len(d["requests_per_s_by_rep"]) == args.reps
         for s in ("a_same_image_fresh_context", "c_distinct_images"):
@@ -1568,6 +1676,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="image size, WxH (default 1344x1008: 12 tiles + thumbnail)")
     parser.add_argument("--tier-bytes", type=int, default=12 << 10,
                         help="check: device and host tier bytes, about one image's features")
+    parser.add_argument("--text-twins", action="store_true",
+                        help="bench (b): after each chat, its text-only twin (same cached and new "
+                             "tokens per turn, no image) through the same engine")
     parser.add_argument("--answer-tokens", type=int, default=1,
                         help="tokens per chat answer in (b) (bench; >1: first token streamed)")
     args = parser.parse_args(argv)
@@ -1593,6 +1704,7 @@ def main(argv: list[str] | None = None) -> int:
         on = ("featcache_prefix", "featcache_restart")
         ok = (v["featcache"]["token_identical"] and not v["featcache"]["prompt_logits"]["differ"]
               and all(v[k]["vs_plain_prefix"]["token_identical"] for k in on)
+              and all(v[k]["vs_plain_prefix"]["more_cached_tokens_vs_plain"]["token_identical"] for k in on)
               and not any(v[k]["vs_plain_prefix"]["prompt_logits"]["differ"] for k in on)
               and not any(v[k]["prompt_logits"]["differ"] for k in on)
               and v["featcache_restart"]["vision_images"] in (None, 0)
