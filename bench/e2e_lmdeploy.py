@@ -183,6 +183,10 @@ LONG_SUFFIX = ("then answer in one word, please, and nothing else at all; thank 
 
 
 LONG_TEXT = " ".join([LONG_PREFIX] * 10) + " " + LONG_SUFFIX
+# Texts of 225-245 characters before the image: with the tiny models' ~30-token images a 64-token
+# block boundary (256) falls inside the image, so the repeat's prefix match ends inside an image
+# featcache holds (featcache.lmdeploy.prefix); lmdeploy alone rewinds it to 192.
+STRADDLE = [(LONG_PREFIX + " and a few more words of it, before the picture.")[:n] for n in (225, 235, 245)]
 
 
 def last_logits_diff(plain: list[dict[str, Any]], other: list[dict[str, Any]]) -> dict[str, float]:
@@ -218,6 +222,10 @@ def check_requests() -> list[tuple[str, Any]]:
         # does to greedy tokens by itself (a prefill of the tail over cached KV is other kernels)
         ("long text", [dict(role="user", content=LONG_TEXT)]),
         ("long text again", [dict(role="user", content=LONG_TEXT)]),
+        # a repeat whose cached prefix ends inside the image (the partial-image path)
+        *[(f"straddle {len(t)}{again}", [dict(role="user", content=[
+            dict(type="text", text=t), dict(type="image_data", image_data=dict(data=d)),
+            dict(type="text", text=LONG_SUFFIX)])]) for t in STRADDLE for again in ("", " again")],
         ("A", ("describe the image", a)),
         ("A again", ("describe the image", a)),
         ("B", ("describe the image", b)),
@@ -372,6 +380,8 @@ def check(model: str, tier_bytes: int = 12 << 10) -> dict[str, Any]:
                if v} for name in ("featcache", "featcache_prefix", "featcache_restart")}
     verdict["last_logits_max_abs_diff"]["plain: long D vs long E (another image)"] = last_logits_diff(
         [plain_rows["long D"]], [dict(plain_rows["long E (same text)"], label="long D")])["long D"]
+    verdict["partial_image_rows"] = {name: verdict[name]["vs_plain_prefix"]["cached_tokens"]
+                                     for name in ("featcache_prefix", "featcache_restart")}
     text = [r for r in results["featcache_prefix"]["rows"] if r["label"] == "long text again"][0]
     verdict["text_only_control"] = dict(
         cached_tokens=text["cached_tokens"][0],
