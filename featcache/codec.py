@@ -5,7 +5,7 @@ Header (little-endian, ``HEADER.size`` = 104 bytes)::
 
     magic      4s   b"FCv\\x00"
     version    u16  FORMAT_VERSION (2; version 1 had a 96-byte header and no metadata)
-    dtype      u8   code from DTYPE_CODES
+    dtype      u8   code from DTYPES
     ndim       u8   0..MAX_NDIM
     meta_len   u32  metadata length, 0..MAX_META_BYTES
     reserved   u32  0
@@ -26,8 +26,8 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import torch
 import xxhash
 
 from .errors import CorruptEntryError
@@ -39,21 +39,45 @@ MAX_META_BYTES = 64 * 1024
 _PREFIX = struct.Struct(f"<4sHBBIIQ{MAX_NDIM}Q")
 HEADER = struct.Struct(f"<4sHBBIIQ{MAX_NDIM}Q16s")
 
-DTYPE_CODES: dict[torch.dtype, int] = {
-    torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4,
-    torch.uint8: 5, torch.int8: 6, torch.int16: 7, torch.int32: 8, torch.int64: 9, torch.bool: 10,
-    torch.float8_e4m3fn: 11, torch.float8_e5m2: 12,
+if TYPE_CHECKING:
+    import torch
+
+# dtype code -> (torch's name of the dtype, bytes per element). Names, not torch.dtype objects: the
+# store tools read headers without importing torch (``featcache stats``/``ls`` start fast).
+DTYPES: dict[int, tuple[str, int]] = {
+    1: ("float32", 4), 2: ("float16", 2), 3: ("bfloat16", 2), 4: ("float64", 8), 5: ("uint8", 1),
+    6: ("int8", 1), 7: ("int16", 2), 8: ("int32", 4), 9: ("int64", 8), 10: ("bool", 1),
+    11: ("float8_e4m3fn", 1), 12: ("float8_e5m2", 1),
 }
-CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+NAME_CODES = {name: code for code, (name, _) in DTYPES.items()}
+
+
+def dtype_code(dtype: torch.dtype) -> int | None:
+    """The code of a torch dtype, or None for a dtype the format does not store."""
+    return NAME_CODES.get(str(dtype).removeprefix("torch."))
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPE_CODES":  # torch.dtype -> code, for callers that have torch anyway
+        import torch
+
+        return {getattr(torch, n): code for code, (n, _) in DTYPES.items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
 class Header:
-    dtype: torch.dtype
+    dtype_name: str  # torch's name: "bfloat16", ...
     shape: tuple[int, ...]
     nbytes: int
     meta_len: int
     checksum: bytes
+
+    @property
+    def dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype_name)  # type: ignore[no-any-return]
 
     @property
     def payload_offset(self) -> int:
@@ -63,13 +87,15 @@ class Header:
 def check_storable(tensor: torch.Tensor) -> None:
     """Raise ``TypeError``/``ValueError`` if ``tensor`` cannot be stored.
 
-    Storable: a plain dense (strided) tensor of a dtype in ``DTYPE_CODES`` with data on the CPU
+    Storable: a plain dense (strided) tensor of a dtype in ``DTYPES`` with data on the CPU
     or a CUDA device. Refused: meta tensors (no data), nested, sparse and mkldnn tensors,
     quantized dtypes, tensors of other devices, tensors wrapped by functorch transforms (vmap,
     grad) and tensor subclasses that intercept dispatch (FakeTensor, DTensor, ...): their raw
     bytes are not their values, or they have none. A tensor with the negative or conjugate bit
     set is storable: the cache resolves it (``resolve_neg``) before reading its bytes.
     """
+    import torch
+
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"features must be a torch.Tensor, not {type(tensor).__name__}")
     allowed = "pass a dense tensor on the CPU or a CUDA device"
@@ -89,8 +115,8 @@ def check_storable(tensor: torch.Tensor) -> None:
             "only from the CPU and CUDA devices"
         raise TypeError(f"features on the {tensor.device.type} device cannot be cached ({why}): "
                         f"{allowed}")
-    if tensor.dtype not in DTYPE_CODES:
-        names = ", ".join(str(d).removeprefix("torch.") for d in DTYPE_CODES)
+    if dtype_code(tensor.dtype) is None:
+        names = ", ".join(name for name, _ in DTYPES.values())
         hint = " (dequantize() it first)" if tensor.is_quantized else ""
         raise TypeError(f"dtype {tensor.dtype} cannot be cached{hint}; supported: {names}")
     if tensor.dim() > MAX_NDIM:
@@ -112,7 +138,8 @@ def check_meta(meta: object) -> bytes:
 def _prefix(dtype: torch.dtype, shape: tuple[int, ...], meta_len: int, nbytes: int) -> bytes:
     dims = list(shape) + [0] * (MAX_NDIM - len(shape))
     return _PREFIX.pack(
-        MAGIC, FORMAT_VERSION, DTYPE_CODES[dtype], len(shape), meta_len, 0, nbytes, *dims
+        MAGIC, FORMAT_VERSION, NAME_CODES[str(dtype).removeprefix("torch.")], len(shape), meta_len, 0,
+        nbytes, *dims
     )
 
 
@@ -181,21 +208,20 @@ def decode_header(value: memoryview | bytes) -> Header:
         raise CorruptEntryError("bad magic")
     if version != FORMAT_VERSION:
         raise CorruptEntryError(f"format version {version}, expected {FORMAT_VERSION}")
-    if code not in CODE_DTYPES:
+    if code not in DTYPES:
         raise CorruptEntryError(f"unknown dtype code {code}")
     if ndim > MAX_NDIM or any(dims[ndim:]):
         raise CorruptEntryError(f"bad shape header (ndim {ndim})")
     if reserved != 0 or meta_len > MAX_META_BYTES:
         raise CorruptEntryError(f"bad metadata header (meta_len {meta_len})")
     shape = tuple(dims[:ndim])
-    dtype = CODE_DTYPES[code]
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    dtype, itemsize = DTYPES[code]
     if nbytes != view.nbytes - HEADER.size - meta_len or math.prod(shape) * itemsize != nbytes:
         raise CorruptEntryError(
             f"length mismatch: header says {meta_len} + {nbytes} bytes for {shape} of {dtype}, "
             f"value holds {view.nbytes - HEADER.size}"
         )
-    return Header(dtype=dtype, shape=shape, nbytes=nbytes, meta_len=meta_len, checksum=digest)
+    return Header(dtype_name=dtype, shape=shape, nbytes=nbytes, meta_len=meta_len, checksum=digest)
 
 
 def verify(value: memoryview | bytes) -> Header:

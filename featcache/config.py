@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
-
-import torch
 
 from .sizes import MAX_BYTES, parse_bytes
 
@@ -78,6 +78,8 @@ class MachineBudget:
 # The tier budgets featcache.lmdeploy.default_cache() gives a serving process (and so `featcache
 # serve` and `featcache warm`) where DEFAULTS' fixed sizes would not fit: a share of what the
 # machine has. The device tier stays small: lmdeploy takes most of the GPU for its KV cache.
+DEMO_TURNS = 6  # chat turns of `featcache demo`
+
 SERVING_BUDGETS: dict[str, MachineBudget] = {
     "device_bytes": MachineBudget(4, "free GPU memory", "2GiB"),
     "host_bytes": MachineBudget(10, "RAM", "8GiB"),
@@ -85,7 +87,13 @@ SERVING_BUDGETS: dict[str, MachineBudget] = {
 }
 
 
+if TYPE_CHECKING:
+    import torch
+
+
 def default_device() -> str:
+    import torch  # here, not at the top: the store tools read this module without torch
+
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -125,6 +133,8 @@ class CacheConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         self._check_remote()
+        import torch
+
         try:
             device = torch.device(self.device)
         except RuntimeError:  # torch's message lists device types the cache cannot use
@@ -190,7 +200,8 @@ class CacheConfig:
         unknown = set(options) - set(DEFAULTS)
         if unknown:
             raise TypeError(f"unknown cache option(s): {', '.join(sorted(unknown))}")
-        if device is not None and not isinstance(device, (str, torch.device)):
+        torch_device = getattr(sys.modules.get("torch"), "device", ())  # a torch.device needs torch
+        if device is not None and not isinstance(device, (str, torch_device)):
             raise TypeError(
                 f"device must be a string like 'cuda:0' or 'cpu', or a torch.device, not "
                 f"{type(device).__name__} {device!r}"

@@ -19,12 +19,13 @@ import torch
 from torch import nn
 
 from .cache import FeatureCache
+from .config import DEMO_TURNS
 from .keys import image_key
 from .sizes import format_bytes
 
 TILE = 448
 PATCH = 14
-TURNS = 6  # chat turns of `featcache demo`
+TURNS = DEMO_TURNS
 
 
 class TinyVisionEncoder(nn.Module):

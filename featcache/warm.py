@@ -15,10 +15,10 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .cache import FeatureCache
-from .lmdeploy import SECTION, pipeline
+if TYPE_CHECKING:
+    from .cache import FeatureCache
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
@@ -87,6 +87,8 @@ def warm_images(model: str, cache: FeatureCache, paths: list[str], *, params: di
     ``cache`` (the caller's: it stays open, flushed). An image that fails is reported, not raised;
     ``progress(done, bytes)`` is called after each batch."""
     from lmdeploy import GenerationConfig, PytorchEngineConfig
+
+    from .lmdeploy import SECTION, pipeline  # (here: collect and parse_params need no torch)
 
     pipe = pipeline(model, cache=cache, log_level="ERROR",
                     backend_config=PytorchEngineConfig(dtype=dtype, session_len=16384))

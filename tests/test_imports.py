@@ -37,6 +37,7 @@ PACKAGE = "featcache"
 # docs/design.md ("Layers").
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("featcache._version", "featcache.errors", "featcache.sizes", "featcache.keys",
+                    "featcache.entrymeta",
                     "featcache.codec", "featcache.config", "featcache.breaker", "featcache.lru",
                     "featcache.hostpool", "featcache.copier", "featcache.singleflight")),
     ("LMDB store", ("featcache.store",)),

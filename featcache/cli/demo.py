@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 
-from .. import demo
+from ..config import DEMO_TURNS
 from ..errors import FeatCacheError
 from .command import EXIT_OK, Command, UsageError, at_least_one
 
 
 def _demo_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--turns", type=at_least_one, default=demo.TURNS,
-                   help=f"chat turns (default {demo.TURNS})")
+    p.add_argument("--turns", type=at_least_one, default=DEMO_TURNS,
+                   help=f"chat turns (default {DEMO_TURNS})")
     p.add_argument("--cache-dir", help="store directory (default: a temporary one)")
     p.add_argument("--device", choices=("cuda", "cpu"), help="cuda or cpu (default: cuda when available)")
 
@@ -26,6 +26,8 @@ def _demo(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             raise FeatCacheError(f"--device cuda: no CUDA device here (torch {torch.__version__}); "
                                  "use --device cpu")
+    from .. import demo  # torch: only when the demo runs
+
     if demo.run(turns=args.turns, cache_dir=args.cache_dir, device=args.device):
         raise FeatCacheError("the check did not pass (see above)")
     return EXIT_OK

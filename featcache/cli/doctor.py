@@ -16,14 +16,14 @@ import argparse
 import importlib
 import json
 import os
-import platform
-import subprocess
 import sys
-import tempfile
 from dataclasses import asdict, dataclass
-from importlib import metadata
+from typing import TYPE_CHECKING
 
 from .command import EXIT_ERROR, EXIT_OK, Command, json_argument
+
+if TYPE_CHECKING:  # the rest is imported where used: the CLI's other commands start without it
+    import subprocess
 
 OK, MISSING, FAIL = "ok", "--", "FAIL"
 PROBE_TIMEOUT_S = 180  # an engine's import, in a child process
@@ -39,6 +39,8 @@ class Check:
 
 
 def _version(dist: str) -> str | None:
+    from importlib import metadata
+
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
@@ -57,6 +59,8 @@ def _package(name: str, dist: str, required: bool, install: str, enables: str) -
 
 
 def _python() -> Check:
+    import platform
+
     version = platform.python_version()
     ok = sys.version_info >= (3, 10)
     return Check("python", OK if ok else FAIL, f"{version} ({sys.executable})",
@@ -99,6 +103,8 @@ def _torch() -> list[Check]:
 
 def _core() -> Check:
     """A put and a get through a tiny cache with a disk tier, and back after a reopen."""
+    import tempfile
+
     try:
         import torch
 
@@ -122,11 +128,15 @@ def _core() -> Check:
 
 
 def _probe(module: str) -> subprocess.Popen[str]:
+    import subprocess
+
     return subprocess.Popen([sys.executable, "-c", f"import {module}"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
 
 
 def _probed(name: str, proc: subprocess.Popen[str] | None, enables: str, fix: str) -> Check:
+    import subprocess
+
     if proc is None:
         return Check(name, MISSING, f"not checked: lmdeploy is not installed ({enables})", fix)
     try:

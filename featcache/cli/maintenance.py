@@ -12,10 +12,9 @@ import sys
 import time
 from typing import Any
 
-from ..lmdeploy.entry_meta import namespace_of
+from ..entrymeta import namespace_of
 from ..sizes import format_bytes
 from ..store.layout import OtherFormatError
-from ..storetools.maintenance import compact, discard_keys, purge_foreign_store
 from ..storetools.view import StoreView
 from .command import (
     EXIT_BAD,
@@ -42,6 +41,8 @@ def _verify_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    from ..storetools.maintenance import discard_keys  # (torch: tiers.disk)
+
     if args.fix and args.no_lock:
         print("featcache verify: error: --fix writes to the store: it cannot be combined with "
               "--no-lock", file=sys.stderr)
@@ -124,6 +125,8 @@ def _confirmed(args: argparse.Namespace, question: str) -> bool:
 
 
 def _purge(args: argparse.Namespace) -> int:
+    from ..storetools.maintenance import discard_keys, purge_foreign_store  # (torch: tiers.disk)
+
     path = store_dir(args)
     try:
         view = StoreView(path)
@@ -193,6 +196,8 @@ def _compact_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _compact(args: argparse.Namespace) -> int:
+    from ..storetools.maintenance import compact  # (torch: tiers.disk)
+
     with StoreView(args.dir) as view:
         before = view.summary()
         compact(view, args.dest)

@@ -13,9 +13,8 @@ import json
 from typing import Any
 
 from ..config import DEFAULTS, CacheConfig
-from ..lmdeploy.entry_meta import namespace_of
+from ..entrymeta import namespace_of
 from ..storetools.view import KeyNotFoundError, StoreView
-from ..tiers.remote import server_summary
 from . import render, scrape
 from .command import (
     EXIT_BAD,
@@ -76,6 +75,8 @@ def _remote_summary(args: argparse.Namespace) -> dict[str, Any]:
                                     remote_prefix=args.remote_prefix)
     except ValueError as e:  # e.g. a URL of another scheme
         raise UsageError(f"--remote-url: {e}") from None
+    from ..tiers.remote import server_summary  # torch: only for --remote-url
+
     return server_summary(config)
 
 

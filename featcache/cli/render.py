@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from .. import codec
-from ..lmdeploy.entry_meta import namespace_of, read
+from ..entrymeta import namespace_of, read
 from ..sizes import format_bytes
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ def exact_bytes(n: int) -> str:
 
 
 def dtype_text(e: EntryInfo) -> str:
-    return str(e.header.dtype).removeprefix("torch.") if e.header is not None else "?"
+    return e.header.dtype_name if e.header is not None else "?"
 
 
 def shape_text(e: EntryInfo) -> str:
@@ -86,7 +86,7 @@ def entry_doc(e: EntryInfo, full_meta: bool = False) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "key": e.key.hex(),
         "size": e.size,
-        "dtype": str(h.dtype).removeprefix("torch.") if h is not None else None,
+        "dtype": h.dtype_name if h is not None else None,
         "shape": list(h.shape) if h is not None else None,
         "payload_bytes": h.nbytes if h is not None else None,
         "meta_bytes": len(e.meta),
@@ -128,7 +128,7 @@ def entry_lines(entry: EntryInfo) -> list[str]:
     rows: list[tuple[str, str]] = [("key", entry.key.hex()), ("size", exact_bytes(entry.size))]
     if h is not None:
         rows += [
-            ("dtype", str(h.dtype).removeprefix("torch.")),
+            ("dtype", h.dtype_name),
             ("shape", shape_text(entry)),
             ("layout", f"header {codec.HEADER.size} B (codec v{codec.FORMAT_VERSION}) + metadata "
                        f"{h.meta_len} B + payload {h.nbytes} B"),

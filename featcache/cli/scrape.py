@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 import urllib.parse
-import urllib.request
 from typing import Any
 
 from ..errors import FeatCacheError
@@ -75,6 +74,8 @@ def server_stats(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
     """``summary`` of the page at ``url`` (``metrics_url``). Raises ``OSError`` when the server
     cannot be read, ``FeatCacheError`` when the page holds no featcache metrics."""
     target = metrics_url(url)
+    import urllib.request  # (here: ~20 ms of imports, only for --url)
+
     with urllib.request.urlopen(target, timeout=timeout_s) as response:  # noqa: S310 - http(s) only
         text = response.read().decode("utf-8", "replace")
     samples = parse(text)

@@ -11,10 +11,8 @@ import sys
 
 from ..config import SERVING_BUDGETS, STORE_DIR_HELP
 from ..errors import FeatCacheError
-from ..lmdeploy import default_cache
-from ..serve import backend_of, lmdeploy_parser, refusal, run_server
 from ..sizes import parse_bytes
-from ..warm import IMAGE_SUFFIXES, collect, parse_params, warm_images
+from ..warm import IMAGE_SUFFIXES, collect, parse_params
 from .command import EXIT_BAD, EXIT_ERROR, EXIT_OK, Command, at_least_one
 from .progress import ProgressBar
 
@@ -90,6 +88,9 @@ def featcache_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from ..lmdeploy import default_cache  # lmdeploy and torch: only when serving
+    from ..serve import backend_of, lmdeploy_parser, refusal, run_server
+
     rest = args.rest  # lmdeploy's options, in order
     if not rest or "-h" in rest or "--help" in rest:
         parser = lmdeploy_parser()  # (first: without lmdeploy, the error alone)
@@ -153,6 +154,9 @@ def _warm_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _warm(args: argparse.Namespace) -> int:
+    from ..lmdeploy import default_cache  # lmdeploy and torch: only when warming
+    from ..warm import warm_images
+
     try:
         paths = collect(args.images, args.from_dir)
         params = parse_params(args.param)

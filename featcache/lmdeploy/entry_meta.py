@@ -15,19 +15,22 @@ grids). Keys are digests, so ``ns`` is the only way to tell which model an entry
 
 Writers: the frontend (``encode_item``) and the TurboMind native path; readers: the frontend
 (``decode_item``) and the store commands (``featcache ls``, ``inspect``, ``purge --namespace``),
-through ``read`` and ``namespace_of``, which also take metadata of any other shape (a
-``FeatureCache`` user's own bytes) without raising. Nothing else decodes it.
+through ``featcache.entrymeta``'s ``read`` and ``namespace_of`` (re-exported here; torch-free, so
+the store tools start fast), which also take metadata of any other shape (a ``FeatureCache``
+user's own bytes) without raising. Nothing else decodes it.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..entrymeta import EntryMeta, namespace_of, read
 from .refs import REF_KEY
+
+__all__ = ["EntryMeta", "decode_item", "encode_item", "namespace_of", "read"]
 
 MAX_TENSOR_ELEMENTS = 64  # metadata tensors (image_grid_thw, image_tokens) are tiny
 
@@ -58,48 +61,6 @@ def decode_item(meta: bytes) -> dict[str, Any]:
     item = {k: _decode(v) for k, v in record["fields"].items()}
     item["pixel_values"] = torch.empty((0, *tail), dtype=getattr(torch, dtype))
     return item
-
-
-@dataclass(frozen=True)
-class EntryMeta:
-    """An entry's metadata as the store tools show it (any bytes: this format or not)."""
-
-    size: int  # bytes
-    is_json: bool
-    record: Any  # the decoded JSON value (None when empty or not JSON)
-    namespace: str | None  # "ns" of a JSON object, when a string
-    image_tokens: int | None  # the image's token count, when recorded
-
-
-def read(meta: bytes) -> EntryMeta:
-    """What ``meta`` says, for tools; never raises."""
-    try:
-        record = json.loads(meta) if meta else None
-        is_json = bool(meta)
-    except (UnicodeDecodeError, ValueError):
-        record, is_json = None, False
-    tokens = None
-    if isinstance(record, dict):
-        fields = record.get("fields")
-        nested = fields if isinstance(fields, dict) else {}
-        found = record.get("image_tokens", nested.get("image_tokens"))
-        tokens = found if isinstance(found, int) and not isinstance(found, bool) else None
-    return EntryMeta(len(meta), is_json, record, _namespace(record), tokens)
-
-
-def namespace_of(meta: bytes) -> str | None:
-    """The namespace ``meta`` records (``"ns"`` of a JSON object), or None; never raises."""
-    if not meta.startswith(b"{"):  # cheap for the opaque metadata a scan may meet
-        return None
-    try:
-        return _namespace(json.loads(meta))
-    except (UnicodeDecodeError, ValueError):
-        return None
-
-
-def _namespace(record: Any) -> str | None:
-    ns = record.get("ns") if isinstance(record, dict) else None
-    return ns if isinstance(ns, str) else None
 
 
 def _encode(v: Any) -> Any:

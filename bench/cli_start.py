@@ -1,0 +1,72 @@
+"""How long the CLI takes to start, measured (issue 18: ``--version``, ``--help``, ``stats``, ``ls``
+under 0.3 s), against the interpreter alone and an ``import torch`` in the same run.
+
+    python bench/cli_start.py [--n 15] [--json OUT]
+
+Builds a small store in a temporary directory, then runs each command ``--n`` times in a fresh
+interpreter (wall time of the whole process) and prints median and p90 per command, the
+interpreter's own start (``python -c pass``) and what ``import torch`` alone costs here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def wall(cmd: list[str], n: int) -> dict[str, float]:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, check=True)
+        times.append((time.perf_counter() - t) * 1e3)
+    times.sort()
+    return dict(median_ms=round(statistics.median(times), 1),
+                p90_ms=round(times[min(len(times) - 1, round(0.9 * (len(times) - 1)))], 1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, default=15)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, ROOT)
+    import torch
+
+    from featcache import FeatureCache
+
+    with tempfile.TemporaryDirectory() as store:
+        with FeatureCache(device="cpu", device_bytes="1MiB", host_bytes=0, disk_path=store,
+                          disk_bytes="64MiB") as cache:
+            for i in range(16):
+                cache.put(bytes([i + 1]) * 16, torch.full((256, 64), float(i)), meta=b'{"ns":"m"}')
+        py = [sys.executable]
+        rows = {"python -c pass": wall(py + ["-c", "pass"], args.n),
+                "python -c 'import torch'": wall(py + ["-c", "import torch"], max(3, args.n // 3))}
+        for cmd in (["--version"], ["--help"], ["stats", store], ["ls", store]):
+            rows["featcache " + " ".join(c if c != store else "STORE" for c in cmd)] = wall(
+                py + ["-m", "featcache", *cmd], args.n)
+    base = rows["python -c pass"]["median_ms"]
+    print(f"{'command':34s} {'median ms':>10s} {'p90 ms':>8s} {'- python':>9s}")
+    for name, r in rows.items():
+        print(f"{name:34s} {r['median_ms']:10.1f} {r['p90_ms']:8.1f} {r['median_ms'] - base:9.1f}")
+    slow = [k for k, r in rows.items() if k.startswith("featcache") and r["median_ms"] > 300]
+    verdict = "met" if not slow else "NOT met: " + ", ".join(slow)
+    print(f"target: every featcache command under 300 ms (median): {verdict}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(rows=rows, n=args.n, python=sys.version.split()[0]), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""How the store tools read an entry's metadata: the ``"ns"`` (namespace) and the image's token
+count of featcache's JSON entry metadata, from any bytes, without raising and without torch.
+
+The format itself (one JSON object, keys sorted: ``{"fields": {...}, "ns": NAMESPACE, "pixels":
+[...]}``) is written by ``featcache.lmdeploy.entry_meta``, which documents it whole; a
+``FeatureCache`` user's own metadata may be anything, and reads as "not this format". Keys are
+digests, so ``ns`` is the only way to tell which model an entry belongs to (``featcache ls``,
+``purge --namespace``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EntryMeta:
+    """An entry's metadata as the store tools show it (any bytes: this format or not)."""
+
+    size: int  # bytes
+    is_json: bool
+    record: Any  # the decoded JSON value (None when empty or not JSON)
+    namespace: str | None  # "ns" of a JSON object, when a string
+    image_tokens: int | None  # the image's token count, when recorded
+
+
+def read(meta: bytes) -> EntryMeta:
+    """What ``meta`` says, for tools; never raises."""
+    try:
+        record = json.loads(meta) if meta else None
+        is_json = bool(meta)
+    except (UnicodeDecodeError, ValueError):
+        record, is_json = None, False
+    tokens = None
+    if isinstance(record, dict):
+        fields = record.get("fields")
+        nested = fields if isinstance(fields, dict) else {}
+        found = record.get("image_tokens", nested.get("image_tokens"))
+        tokens = found if isinstance(found, int) and not isinstance(found, bool) else None
+    return EntryMeta(len(meta), is_json, record, _namespace(record), tokens)
+
+
+def namespace_of(meta: bytes) -> str | None:
+    """The namespace ``meta`` records (``"ns"`` of a JSON object), or None; never raises."""
+    if not meta.startswith(b"{"):  # cheap for the opaque metadata a scan may meet
+        return None
+    try:
+        return _namespace(json.loads(meta))
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
+def _namespace(record: Any) -> str | None:
+    ns = record.get("ns") if isinstance(record, dict) else None
+    return ns if isinstance(ns, str) else None
