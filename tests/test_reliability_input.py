@@ -191,11 +191,11 @@ def hostile_values(draw) -> bytes:
     """Values whose checksum is right (so the reader gets past it) but whose header fields are
     anything: consistent with the payload, or not."""
     consistent = draw(st.booleans())
-    code = draw(st.sampled_from(sorted(codec.CODE_DTYPES)) if consistent else st.integers(0, 255))
+    code = draw(st.sampled_from(sorted(codec.DTYPES)) if consistent else st.integers(0, 255))
     meta = draw(st.binary(max_size=64))
     payload = draw(st.binary(max_size=512))
-    if consistent and code in codec.CODE_DTYPES:
-        item = torch.empty((), dtype=codec.CODE_DTYPES[code]).element_size()
+    if consistent and code in codec.DTYPES:
+        item = codec.DTYPES[code][1]
         payload = payload[: len(payload) // item * item]
         shape = [len(payload) // item]
         ndim, nbytes, meta_len = 1, len(payload), len(meta)

@@ -238,7 +238,7 @@ def test_warm_runs_batches_keeps_going_past_a_bad_file_and_reports(tmp_path, mon
     --batch, a failing batch retried image by image, progress per batch, the store flushed and
     closed, the summary on stdout and each failed file on stderr (exit code 1)."""
     import featcache.cli.serving as serving
-    import featcache.warm as warm_module
+    import featcache.lmdeploy as fc_lmdeploy  # warm imports pipeline and default_cache when it runs
     from featcache import FeatureCache, image_key
     from featcache.lmdeploy import SECTION
 
@@ -269,8 +269,8 @@ def test_warm_runs_batches_keeps_going_past_a_bad_file_and_reports(tmp_path, mon
         caches.append(FeatureCache(device="cpu", host_bytes=0, disk_path=path, disk_bytes="64MiB"))
         return caches[-1]
 
-    monkeypatch.setattr(warm_module, "pipeline", lambda model, cache, **kw: StandInPipe(cache))
-    monkeypatch.setattr(serving, "default_cache", default_cache)
+    monkeypatch.setattr(fc_lmdeploy, "pipeline", lambda model, cache, **kw: StandInPipe(cache))
+    monkeypatch.setattr(fc_lmdeploy, "default_cache", default_cache)
     monkeypatch.setattr(serving, "cuda_problem", lambda: None)  # the pipeline is a stand-in
     monkeypatch.setattr(serving, "model_problem", lambda model: None)
     drawn = []
