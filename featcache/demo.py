@@ -10,8 +10,10 @@ Each served feature is checked against a fresh encoding: hits must be bit-identi
 
 from __future__ import annotations
 
+import json
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -116,18 +118,21 @@ def check_bit_identical(cache: FeatureCache, model: nn.Module, images: list[np.n
     return bad
 
 
-def _print_turns(title: str, turns: list[Turn]) -> None:
-    print(f"\n{title}")
-    print(f"  {'turn':>4} {'images':>6} {'encoded':>8} {'device':>7} {'host':>5} {'disk':>5} {'ms':>8}")
+def _print_turns(title: str, turns: list[Turn], say: Callable[[str], None] = print) -> None:
+    say(f"\n{title}")
+    say(f"  {'turn':>4} {'images':>6} {'encoded':>8} {'device':>7} {'host':>5} {'disk':>5} {'ms':>8}")
     for i, t in enumerate(turns, 1):
         s = t.sources
-        print(f"  {i:>4} {t.images:>6} {s['encoded']:>8} {s['device']:>7} {s['host']:>5} {s['disk']:>5} "
+        say(f"  {i:>4} {t.images:>6} {s['encoded']:>8} {s['device']:>7} {s['host']:>5} {s['disk']:>5} "
               f"{t.ms:>8.1f}")
 
 
-def run(turns: int = TURNS, cache_dir: str | None = None, device: str | None = None) -> int:
-    """Run the demo, printing what it does; 0 if every feature served was bit-identical to a
-    fresh encoding and each image not already in the store was encoded once, else 1."""
+def run(turns: int = TURNS, cache_dir: str | None = None, device: str | None = None,
+        as_json: bool = False) -> int:
+    """Run the demo, printing what it does (``as_json``: one JSON object at the end instead); 0 if
+    every feature served was bit-identical to a fresh encoding and each image not already in the
+    store was encoded once, else 1."""
+    say: Callable[[str], None] = (lambda text: None) if as_json else print
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -138,7 +143,7 @@ def run(turns: int = TURNS, cache_dir: str | None = None, device: str | None = N
                                    disk_bytes=256 << 20)
     tmp = None if cache_dir else tempfile.TemporaryDirectory(prefix="featcache-demo-")
     path = cache_dir or tmp.name  # type: ignore[union-attr]
-    print(f"featcache demo on {dev}: {turns}-turn chat resending its images; encoder "
+    say(f"featcache demo on {dev}: {turns}-turn chat resending its images; encoder "
           f"{model.identity} -> [1, 256, 1024] {str(dtype).removeprefix('torch.')} per image "
           f"({format_bytes(per_image)}); device tier {format_bytes(budgets['device_bytes'])}, "
           f"host tier {format_bytes(budgets['host_bytes'])}, disk tier "
@@ -152,23 +157,33 @@ def run(turns: int = TURNS, cache_dir: str | None = None, device: str | None = N
             first = run_chat(cache, model, images, dtype, identity)
             cache.flush()
         _print_turns("First run (a cold cache):" if not stored else
-                     f"First run ({stored} of {len(images)} images already in the store):", first)
+                     f"First run ({stored} of {len(images)} images already in the store):", first, say)
         with FeatureCache(device=dev, disk_path=path, **budgets) as cache:
             second = run_chat(cache, model, images, dtype, identity)
             mismatches = check_bit_identical(cache, model, images, dtype, identity)
             stats = cache.stats()
-        _print_turns("After a restart (same directory):", second)
+        _print_turns("After a restart (same directory):", second, say)
     finally:
         if tmp is not None:
             tmp.cleanup()
     encoded = sum(t.sources["encoded"] for t in first + second)
     asked = sum(t.images for t in first + second)
     cold = sum(t.ms for t in first) / max(1, sum(t.images for t in first))
-    print(f"\n{asked} image requests, {encoded} encoder runs ({len(images)} distinct images); "
+    say(f"\n{asked} image requests, {encoded} encoder runs ({len(images)} distinct images); "
           f"mean per image {cold:.1f} ms on the first run, "
           f"{sum(t.ms for t in second) / max(1, sum(t.images for t in second)):.1f} ms after restart")
-    print(f"bit-identical to a fresh encoding: {len(images) - mismatches}/{len(images)}")
+    say(f"bit-identical to a fresh encoding: {len(images) - mismatches}/{len(images)}")
     tiers = ("device", "host", "disk")
-    print("store: " + ", ".join(
+    say("store: " + ", ".join(
         f"{tier} {stats[tier]['entries']} entries {format_bytes(stats[tier]['bytes'])}" for tier in tiers))
-    return 0 if mismatches == 0 and encoded == len(images) - stored else 1
+    ok = mismatches == 0 and encoded == len(images) - stored
+    if as_json:
+        print(json.dumps(dict(
+            ok=ok, device=str(dev), turns=turns, images=len(images), already_stored=stored,
+            image_requests=asked, encoder_runs=encoded, bit_identical=len(images) - mismatches,
+            store=cache_dir, runs={name: [dict(images=t.images, ms=round(t.ms, 2), **t.sources)
+                                          for t in run_turns]
+                                   for name, run_turns in (("first", first), ("after_restart", second))},
+            tiers={tier: dict(entries=stats[tier]["entries"], bytes=stats[tier]["bytes"])
+                   for tier in tiers}), indent=2))
+    return 0 if ok else 1

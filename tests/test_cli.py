@@ -28,6 +28,18 @@ def test_demo_serves_every_image_once_and_bit_identical(tmp_path, capsys):
     assert "After a restart" in out
 
 
+def test_demo_json_is_one_object_a_script_can_read(tmp_path, capsys):
+    import json
+
+    assert main(["demo", "--turns", "3", "--cache-dir", str(tmp_path / "s"), "--device", "cpu",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)  # nothing else on stdout
+    assert report["ok"] and report["encoder_runs"] == 3 and report["bit_identical"] == 3
+    assert [t["encoded"] for t in report["runs"]["first"]] == [1, 1, 1]
+    assert sum(t["encoded"] for t in report["runs"]["after_restart"]) == 0
+    assert report["tiers"]["disk"]["entries"] == 3
+
+
 def test_readme_test_command_is_what_ci_runs():
     root = Path(__file__).resolve().parent.parent
     text = (root / "README.md").read_text()

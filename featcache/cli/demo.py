@@ -7,7 +7,7 @@ import os
 
 from ..config import DEMO_TURNS
 from ..errors import FeatCacheError
-from .command import EXIT_OK, Command, UsageError, at_least_one
+from .command import EXIT_OK, Command, UsageError, at_least_one, json_argument
 
 
 def _demo_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,6 +15,7 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"chat turns (default {DEMO_TURNS})")
     p.add_argument("--cache-dir", help="store directory (default: a temporary one)")
     p.add_argument("--device", choices=("cuda", "cpu"), help="cuda or cpu (default: cuda when available)")
+    json_argument(p, "one JSON object: per run and turn, what was encoded and what each tier served")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -28,7 +29,7 @@ def _demo(args: argparse.Namespace) -> int:
                                  "use --device cpu")
     from .. import demo  # torch: only when the demo runs
 
-    if demo.run(turns=args.turns, cache_dir=args.cache_dir, device=args.device):
+    if demo.run(turns=args.turns, cache_dir=args.cache_dir, device=args.device, as_json=args.json):
         raise FeatCacheError("the check did not pass (see above)")
     return EXIT_OK
 

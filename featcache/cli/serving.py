@@ -6,6 +6,8 @@ work is ``featcache.serve``'s and ``featcache.warm``'s, the parsing and printing
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 
@@ -13,7 +15,7 @@ from ..config import SERVING_BUDGETS, STORE_DIR_HELP
 from ..errors import FeatCacheError
 from ..sizes import parse_bytes
 from ..warm import IMAGE_SUFFIXES, collect, parse_params
-from .command import EXIT_BAD, EXIT_ERROR, EXIT_OK, Command, at_least_one
+from .command import EXIT_BAD, EXIT_ERROR, EXIT_OK, Command, at_least_one, json_argument
 from .progress import ProgressBar
 
 
@@ -151,6 +153,7 @@ def _warm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="as the server's --dtype (default auto)")
     p.add_argument("--batch", type=at_least_one, default=8, metavar="N",
                    help="images per batch (default 8)")
+    json_argument(p, "print the report as one JSON object (no progress bar; failures in it)")
 
 
 def _warm(args: argparse.Namespace) -> int:
@@ -176,12 +179,16 @@ def _warm(args: argparse.Namespace) -> int:
     except (FeatCacheError, TypeError, ValueError) as e:  # e.g. a --disk-bytes it cannot map
         print(f"featcache warm: error: {e}", file=sys.stderr)
         return EXIT_ERROR
-    bar = ProgressBar(len(paths), "warm")
+    bar = None if args.json else ProgressBar(len(paths), "warm")
     try:
         report = warm_images(args.model, cache, paths, params=params, dtype=args.dtype,
-                             batch=args.batch, progress=bar.update)
+                             batch=args.batch, progress=bar.update if bar else None)
     finally:
         cache.close()
+    if args.json:
+        print(json.dumps(dataclasses.asdict(report), indent=2))
+        return EXIT_ERROR if report.failed else EXIT_OK
+    assert bar is not None
     bar.close(report.images, report.image_bytes)
     print(f"warmed {report.images - len(report.failed)} of {report.images} images in "
           f"{report.seconds:.1f} s: {report.computed} computed, {report.cached} already cached; "
