@@ -54,6 +54,7 @@ from .codec import check_meta, check_storable
 from .config import CacheConfig
 from .copier import make_copier
 from .demoter import Demoter
+from .entrymeta import with_namespace
 from .errors import FeatCacheError
 from .lease import Lease, NoLease
 from .lookup import Lookup
@@ -143,7 +144,8 @@ class FeatureCache:
         self._finalizer = weakref.finalize(self, _release, self._forks, self._chain, self._demoter)
 
     # -- public API ----------------------------------------------------------------------------
-    def put(self, key: bytes, features: torch.Tensor, meta: bytes | None = None) -> None:
+    def put(self, key: bytes, features: torch.Tensor, meta: bytes | None = None, *,
+            namespace: str | None = None) -> None:
         """Store ``features`` under ``key``; returns at once (lower tiers fill in the background).
 
         ``meta``: optional small bytes (at most 64 KiB) stored and served with the tensor
@@ -153,11 +155,15 @@ class FeatureCache:
         reached (a put that does not reach the disk deletes the key there). The remote tier, if
         any, serves the last value *published* (in the background, after the put returns): a
         publish that is dropped or fails leaves the server's value as it was.
+
+        ``namespace``: the one given to ``image_key``, recorded in the metadata (``{"ns": ...}``,
+        or added to ``meta`` when that is a JSON object) so that ``featcache ls`` shows it and
+        ``purge --namespace`` finds the entry; keys are digests and cannot tell it.
         """
         self._check_open()
         _check_key(key)
         check_storable(features)
-        meta_bytes = check_meta(meta)
+        meta_bytes = check_meta(meta if namespace is None else with_namespace(meta, namespace))
         tensor = self._owned(features)
         top = self._chain.top
         to_top = top.fits(tensor.nbytes, len(meta_bytes))
@@ -193,13 +199,13 @@ class FeatureCache:
         return entry.tensor
 
     def get_or_compute(self, key: bytes, compute: Callable[[], torch.Tensor],
-                       meta: bytes | None = None) -> torch.Tensor:
+                       meta: bytes | None = None, *, namespace: str | None = None) -> torch.Tensor:
         """The features under ``key`` (``get``), else ``compute()``'s, which are ``put`` (with
-        ``meta``) and returned: the "get, else compute and put" pattern, with one computation per
-        miss in this process. Callers that ask for a key while another computes it wait for that
-        computation and return its result; if it raises, each of them raises that exception and
-        nothing is stored (a later call computes again). A hit returns the tensor on the cache's
-        device; a computed one is what ``compute`` returned.
+        ``meta`` and ``namespace``) and returned: the "get, else compute and put" pattern, with one
+        computation per miss in this process. Callers that ask for a key while another computes
+        it wait for that computation and return its result; if it raises, each of them raises
+        that exception and nothing is stored (a later call computes again). A hit returns the
+        tensor on the cache's device; a computed one is what ``compute`` returned.
         """
         found = self.get(key)
         if found is not None:
@@ -210,7 +216,7 @@ class FeatureCache:
             value = self.get(key) if key in self else None
             if value is None:
                 value = compute()
-                self.put(key, value, meta)
+                self.put(key, value, meta, namespace=namespace)
             return value
 
         return self._flights.run(key, fill)

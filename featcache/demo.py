@@ -94,7 +94,7 @@ def run_chat(cache: FeatureCache, model: nn.Module, images: list[np.ndarray], dt
             if feats is None:
                 with torch.inference_mode():
                     feats = model(preprocess(image, cache.device, dtype))
-                cache.put(key, feats)
+                cache.put(key, feats, namespace=identity)  # `featcache ls` shows it
         if cache.device.type == "cuda":
             torch.cuda.synchronize(cache.device)
         turn.ms = (time.perf_counter() - t0) * 1e3

@@ -55,3 +55,28 @@ def namespace_of(meta: bytes) -> str | None:
 def _namespace(record: Any) -> str | None:
     ns = record.get("ns") if isinstance(record, dict) else None
     return ns if isinstance(ns, str) else None
+
+
+def with_namespace(meta: bytes | None, namespace: str) -> bytes:
+    """``meta`` with ``namespace`` recorded as its ``"ns"`` (what ``FeatureCache.put(...,
+    namespace=...)`` stores, so that ``featcache ls`` shows it and ``purge --namespace`` finds it):
+    ``{"ns": namespace}`` for no metadata, the JSON object with ``"ns"`` set for a JSON object.
+
+    Raises ``TypeError`` for a namespace that is not a non-empty string, ``ValueError`` for
+    metadata that is not a JSON object (opaque bytes have nowhere to record it) or that records
+    another namespace."""
+    if not isinstance(namespace, str) or not namespace:
+        raise TypeError(f"namespace must be a non-empty str, not {namespace!r}")
+    record: Any = {}
+    if meta:
+        try:
+            record = json.loads(meta)
+        except (UnicodeDecodeError, ValueError):
+            record = None
+        if not isinstance(record, dict):
+            raise ValueError("namespace= is recorded in the entry's metadata, which must then be "
+                             "None or a JSON object; these meta bytes are not one")
+        if record.get("ns", namespace) != namespace:
+            raise ValueError(f"meta records namespace {record['ns']!r}, not {namespace!r}")
+    record["ns"] = namespace
+    return json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
