@@ -17,16 +17,17 @@ from .sizes import parse_bytes
 if TYPE_CHECKING:
     from .cache import FeatureCache, Lease
     from .config import CacheConfig
-    from .keys import KeyHasher, image_key
+    from .keys import ImageKey, KeyHasher, image_key
 
 _LAZY = {"FeatureCache": ".cache", "Lease": ".cache", "CacheConfig": ".config",
-         "KeyHasher": ".keys", "image_key": ".keys"}
+         "ImageKey": ".keys", "KeyHasher": ".keys", "image_key": ".keys"}
 
 __all__ = [
     "CacheConfig",
     "CorruptEntryError",
     "FeatCacheError",
     "FeatureCache",
+    "ImageKey",
     "KeyHasher",
     "Lease",
     "StoreFormatError",

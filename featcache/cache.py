@@ -156,14 +156,16 @@ class FeatureCache:
         any, serves the last value *published* (in the background, after the put returns): a
         publish that is dropped or fails leaves the server's value as it was.
 
-        ``namespace``: the one given to ``image_key``, recorded in the metadata (``{"ns": ...}``,
-        or added to ``meta`` when that is a JSON object) so that ``featcache ls`` shows it and
-        ``purge --namespace`` finds the entry; keys are digests and cannot tell it.
+        ``namespace`` (default: the one a key from ``image_key`` carries) is recorded in the
+        metadata (``{"ns": ...}``, or added to ``meta`` when that is a JSON object) so that
+        ``featcache ls`` shows it and ``purge --namespace`` finds the entry: keys are digests and
+        cannot tell it. Given explicitly with ``meta`` that is not a JSON object, it raises
+        ``ValueError``; carried by the key, such ``meta`` is stored as it is.
         """
         self._check_open()
         _check_key(key)
         check_storable(features)
-        meta_bytes = check_meta(meta if namespace is None else with_namespace(meta, namespace))
+        meta_bytes = check_meta(_recorded(meta, key, namespace))
         tensor = self._owned(features)
         top = self._chain.top
         to_top = top.fits(tensor.nbytes, len(meta_bytes))
@@ -466,6 +468,19 @@ def _counter(counts: Counter[str], lock: threading.Lock) -> Callable[[str], None
             counts[name] += 1
 
     return count
+
+
+def _recorded(meta: bytes | None, key: bytes, namespace: str | None) -> bytes | None:
+    """The metadata a put stores: ``meta`` with the namespace recorded (``put``'s rules)."""
+    if namespace is not None:
+        return with_namespace(meta, namespace)
+    carried = getattr(key, "namespace", None)  # an ImageKey's; "" when made without one
+    if not carried or not isinstance(carried, str):
+        return meta
+    try:
+        return with_namespace(meta, carried)
+    except ValueError:  # opaque, or another namespace: the caller's metadata wins
+        return meta
 
 
 def _valid_key(key: object) -> bool:

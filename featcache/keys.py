@@ -77,6 +77,22 @@ class _Framer:
         return bytes(self._h.digest())
 
 
+class ImageKey(bytes):
+    """A key (the digest: compares, hashes and stores as those bytes) that remembers the
+    ``namespace`` it was made for, so that ``FeatureCache.put`` records it in the entry's metadata
+    for the store tools (a digest cannot tell its model). Any other bytes are keys too."""
+
+    namespace: str
+
+    def __new__(cls, digest: bytes, namespace: str) -> ImageKey:
+        key = super().__new__(cls, digest)
+        key.namespace = namespace
+        return key
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles with its namespace
+        return (ImageKey, (bytes(self), self.namespace))
+
+
 @dataclass(frozen=True)
 class KeyHasher:
     """How keys are computed: the digest algorithm and, for keyed mode, the secret.
@@ -111,7 +127,7 @@ class KeyHasher:
 
     def image_key(
         self, image: Any, *, namespace: str = "", params: Mapping[str, Any] | None = None
-    ) -> bytes:
+    ) -> ImageKey:
         """Key of ``image`` as processed by model ``namespace`` with preprocessing ``params``."""
         if not isinstance(namespace, str):
             raise TypeError(f"namespace must be a str, not {type(namespace).__name__}")
@@ -119,7 +135,7 @@ class KeyHasher:
         framer.field(b"n", namespace.encode("utf-8"))
         framer.mapping(params or {})
         _frame_image(framer, image)
-        return framer.digest()
+        return ImageKey(framer.digest(), namespace)
 
 
 def _frame_image(framer: _Framer, image: Any) -> None:
@@ -178,8 +194,9 @@ def image_key(
     params: Mapping[str, Any] | None = None,
     algorithm: str = "xxh3_128",
     secret: bytes | None = None,
-) -> bytes:
-    """Content key of an image for a model (``namespace``) and its preprocessing ``params``.
+) -> ImageKey:
+    """Content key of an image for a model (``namespace``) and its preprocessing ``params``: the
+    digest's bytes, carrying ``namespace`` for ``FeatureCache.put`` to record.
 
     ``image`` is a PIL image, a uint8 numpy array (HxW or HxWxC) or raw encoded bytes (hashed as
     given, not decoded). Equal inputs give equal keys in any process; any change of pixel, size,

@@ -54,7 +54,8 @@ def build_store(path: Path, n: int = 4, first: int = 0) -> dict[bytes, torch.Ten
     want: dict[bytes, torch.Tensor] = {}
     with FeatureCache(device="cpu", host_bytes=0, disk_path=path, disk_bytes="64MiB") as cache:
         for i in range(first, first + n):
-            key = image_key(b"image-%d" % i, namespace="test-model")
+            # the digest alone: entries without a recorded namespace (an ImageKey would record it)
+            key = bytes(image_key(b"image-%d" % i, namespace="test-model"))
             cache.put(key, tensor_for(i).clone(), meta=LMDEPLOY_META if i % 2 else None)
             want[key] = tensor_for(i)
             cache.flush()

@@ -30,7 +30,7 @@ def test_put_and_get_or_compute_record_the_namespace_for_ls_and_purge(cache, tmp
     b = image_key(b"image b", namespace="model-B")
     cache.put(a, torch.ones(4), namespace="model-A")
     cache.get_or_compute(b, lambda: torch.zeros(4), namespace="model-B")
-    cache.put(image_key(b"c", namespace="x"), torch.ones(2))  # no namespace: recorded as none
+    cache.put(b"c" * 16, torch.ones(2))  # plain bytes, no namespace=: none recorded
     lease = cache.acquire(a)
     assert lease is not None and json.loads(lease.meta) == {"ns": "model-A"}
     lease.release()
@@ -68,3 +68,20 @@ def test_what_cannot_record_a_namespace_is_refused_and_nothing_is_stored(cache, 
 def test_with_namespace_round_trips_through_the_tools_reader() -> None:
     assert namespace_of(with_namespace(None, "ns-1")) == "ns-1"
     assert namespace_of(with_namespace(b'{"ns": "ns-1", "a": 1}', "ns-1")) == "ns-1"
+
+
+def test_a_key_from_image_key_carries_its_namespace_into_the_entry(cache, tmp_path, capsys) -> None:
+    import pickle
+
+    key = image_key(b"photo", namespace="org/model@rev")
+    assert key == bytes(key) and hash(key) == hash(bytes(key)) and key.namespace == "org/model@rev"
+    assert pickle.loads(pickle.dumps(key)).namespace == "org/model@rev"
+    cache.put(key, torch.ones(3))  # no namespace= needed
+    opaque = image_key(b"other", namespace="org/model@rev")
+    cache.put(opaque, torch.ones(3), meta=b"\x00user bytes")  # the caller's metadata wins
+    lease = cache.acquire(opaque)
+    assert lease is not None and lease.meta == b"\x00user bytes"
+    lease.release()
+    cache.close()
+    found = {e["key"]: e["namespace"] for e in _ls(tmp_path / "s", capsys)}
+    assert found == {key.hex(): "org/model@rev", opaque.hex(): None}
