@@ -49,12 +49,13 @@ from typing import Any
 
 import torch
 
-from .chain import KINDS, MAX_KEY_BYTES, Chain, build_chain
+from . import forks
+from .chain import KINDS, MAX_KEY_BYTES, build_chain
 from .codec import check_meta, check_storable
 from .config import CacheConfig
 from .copier import make_copier
 from .demoter import Demoter
-from .entrymeta import with_namespace
+from .entrymeta import recorded
 from .errors import FeatCacheError
 from .lease import Lease, NoLease
 from .lookup import Lookup
@@ -62,38 +63,7 @@ from .singleflight import SingleFlight
 from .store.report import VerifyReport
 from .tiers.base import Entry
 
-_FORKS = [0]  # bumped in every forked child: a cache built before it rebuilds on first use
-_ADOPT_LOCK = threading.Lock()
 _COUNTERS = ("hits", "misses", "puts", "not_stored", "inflight_hits", "promotions", "stale_promotions")
-
-
-def _after_fork_in_child() -> None:
-    global _ADOPT_LOCK
-    _FORKS[0] += 1
-    _ADOPT_LOCK = threading.Lock()  # another thread of the parent may have held it
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _release(forks: int, chain: Chain, demoter: Demoter | None) -> None:
-    """Flush and close what one build of a cache made. Run once (``weakref.finalize``): by
-    ``close()``, when the cache is collected unclosed, or at interpreter exit. Left to die with
-    the interpreter, a background thread caught inside torch's C++ code is unwound by force and
-    the process aborts (SIGABRT, "terminate called without an active exception"), losing the
-    writes in flight. Holds no reference to the cache (the tiers' callbacks go to their writers)."""
-    if forks != _FORKS[0]:  # inherited by a forked child: its threads are the parent's
-        chain.close_inherited()  # e.g. the LMDB environment, so that the child may open the store
-        return
-    if demoter is not None and demoter.runs_current_thread():
-        # collected inside one of its own threads: that thread cannot wait for itself
-        threading.Thread(target=_release, args=(forks, chain, demoter),
-                         name="featcache-release", daemon=True).start()
-        return
-    if demoter is not None:
-        demoter.close()
-    chain.close()
 
 
 class FeatureCache:
@@ -126,7 +96,7 @@ class FeatureCache:
     def _build(self) -> None:
         """The chain of tiers, the background threads and the books (at construction, and again
         in a forked child)."""
-        self._forks = _FORKS[0]
+        self._forks = forks.generation()
         self._copier = make_copier(self.device)
         self._chain = build_chain(self.config, self._copier)
         below = self._chain.below
@@ -141,7 +111,7 @@ class FeatureCache:
         self._count = _counter(self._counts, self._counts_lock)  # no reference to the cache
         # puts, discards and promotions' installs take its lock (``order``), one at a time
         self._lookup = Lookup(self._chain, self._demoter, self._copier, self._count)
-        self._finalizer = weakref.finalize(self, _release, self._forks, self._chain, self._demoter)
+        self._finalizer = weakref.finalize(self, forks.release, self._forks, self._chain, self._demoter)
 
     # -- public API ----------------------------------------------------------------------------
     def put(self, key: bytes, features: torch.Tensor, meta: bytes | None = None, *,
@@ -165,7 +135,7 @@ class FeatureCache:
         self._check_open()
         _check_key(key)
         check_storable(features)
-        meta_bytes = check_meta(_recorded(meta, key, namespace))
+        meta_bytes = check_meta(recorded(meta, namespace, getattr(key, "namespace", None)))
         tensor = self._owned(features)
         top = self._chain.top
         to_top = top.fits(tensor.nbytes, len(meta_bytes))
@@ -425,18 +395,16 @@ class FeatureCache:
     def _check_open(self) -> None:
         if self._closed:
             raise FeatCacheError("this FeatureCache is closed")
-        if self._forks != _FORKS[0]:
+        if forks.inherited(self._forks):
             self._adopt()
 
     def _adopted(self) -> bool:
         """For the calls that never raise: whether the tiers are this process's, adopting them
         first in a forked child; False if that cannot be (closed there, or on CUDA)."""
-        if self._forks == _FORKS[0]:
+        if not forks.inherited(self._forks):
             return True
-        if self._closed:
-            return False
         try:
-            self._adopt()
+            self._check_open()  # raises if closed, else adopts
         except FeatCacheError:
             return False
         return True
@@ -445,16 +413,12 @@ class FeatureCache:
         """First use in a forked child: rebuild the tiers and threads (the parent's threads do
         not exist here and its locks may be held forever); the memory tiers start empty, the
         disk store is reopened. Runs in the child's first thread to use the cache."""
-        with _ADOPT_LOCK:
-            if self._forks == _FORKS[0]:
+        with forks.adoption_lock():
+            if not forks.inherited(self._forks):
                 return
             if self.device.type == "cuda":
                 self._closed = True
-                raise FeatCacheError(
-                    "this FeatureCache lives on CUDA and the process was forked since: CUDA cannot "
-                    "be used in a forked child; create the cache in the child, or start children "
-                    "with the 'spawn' method"
-                )
+                raise FeatCacheError(forks.CUDA_AFTER_FORK)
             self._finalizer()  # the parent's build: closes what the child must reopen, only
             self._build()
 
@@ -468,19 +432,6 @@ def _counter(counts: Counter[str], lock: threading.Lock) -> Callable[[str], None
             counts[name] += 1
 
     return count
-
-
-def _recorded(meta: bytes | None, key: bytes, namespace: str | None) -> bytes | None:
-    """The metadata a put stores: ``meta`` with the namespace recorded (``put``'s rules)."""
-    if namespace is not None:
-        return with_namespace(meta, namespace)
-    carried = getattr(key, "namespace", None)  # an ImageKey's; "" when made without one
-    if not carried or not isinstance(carried, str):
-        return meta
-    try:
-        return with_namespace(meta, carried)
-    except ValueError:  # opaque, or another namespace: the caller's metadata wins
-        return meta
 
 
 def _valid_key(key: object) -> bool:

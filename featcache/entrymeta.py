@@ -80,3 +80,18 @@ def with_namespace(meta: bytes | None, namespace: str) -> bytes:
             raise ValueError(f"meta records namespace {record['ns']!r}, not {namespace!r}")
     record["ns"] = namespace
     return json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+
+
+def recorded(meta: bytes | None, namespace: str | None, carried: object = None) -> bytes | None:
+    """The metadata ``FeatureCache.put`` stores: ``meta`` with the namespace recorded. An explicit
+    ``namespace`` must be recordable (``with_namespace``'s errors); one ``carried`` by the key (an
+    ``ImageKey``'s; "" when made without) is recorded where it can be, else the caller's ``meta``
+    is stored as it is."""
+    if namespace is not None:
+        return with_namespace(meta, namespace)
+    if not carried or not isinstance(carried, str):
+        return meta
+    try:
+        return with_namespace(meta, carried)
+    except ValueError:  # opaque, or another namespace: the caller's metadata wins
+        return meta

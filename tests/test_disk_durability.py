@@ -7,6 +7,7 @@ Caches here use ``device_bytes=0, host_bytes=0`` wherever reads must come from d
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -17,6 +18,7 @@ import struct
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import lmdb
@@ -26,6 +28,7 @@ import torch
 import featcache
 import featcache.codec
 from featcache import FeatureCache, StoreFormatError, StoreOpenError, image_key
+from featcache.tiers.base import Entry
 from featcache.tiers.disk import DiskOp, DiskTier
 
 try:
@@ -976,6 +979,26 @@ def test_puts_of_one_batch_are_evicted_in_put_order(tmp_path):
     check_books(tmp_path / "store")
 
 
+def test_a_dropped_disk_tier_is_freed_at_once_and_its_store_reopens(tmp_path):
+    """The tier's ``StoreHandle`` holds the tier's callbacks weakly: a tier dropped unclosed is
+    freed by its reference count, and its environment with it (LMDB allows one open environment
+    per store and process), not left to the cyclic collector."""
+    gc.disable()
+    try:
+        tier = DiskTier(tmp_path / "store", 1 << 20)
+        tier.put(b"k", Entry(torch.ones(3)))
+        dropped = weakref.ref(tier)
+        del tier
+        assert dropped() is None
+        again = DiskTier(tmp_path / "store", 1 << 20)
+    finally:
+        gc.enable()
+    try:
+        assert_same(again.get(b"k").tensor, torch.ones(3))
+    finally:
+        again.close()
+
+
 class _BrokenEnv:
     """An LMDB environment that fails every call, as one remapped by another process could."""
 
@@ -993,7 +1016,7 @@ def test_lmdb_errors_never_escape_the_public_api(tmp_path, caplog):
         cache.put(b"k", torch.ones(10))
         cache.flush()
         disk = _procs.tier_slot(cache, "disk").tier
-        env, disk._env = disk._env, _BrokenEnv()
+        env, disk._handle._env = disk._handle._env, _BrokenEnv()
         try:
             stats = cache.stats()["disk"]
             assert (stats["entries"], stats["bytes"]) == (0, 0)
@@ -1007,7 +1030,7 @@ def test_lmdb_errors_never_escape_the_public_api(tmp_path, caplog):
             assert stats["cache"]["worker_errors"] == 0 and stats["cache"]["workers_alive"] == 1
             assert sum("later LMDB errors" in r.message for r in caplog.records) == 1
         finally:
-            disk._env = env
+            disk._handle._env = env
         cache.put(b"after", torch.ones(3))  # the store works again once LMDB does
         flush_or_fail(cache)
         assert_same(cache.get(b"after"), torch.ones(3))

@@ -43,7 +43,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("LMDB store", ("featcache.store",)),
     ("tiers", ("featcache.tiers",)),
     ("cache", ("featcache.cache", "featcache.chain", "featcache.lookup", "featcache.writer",
-               "featcache.demoter", "featcache.metrics", "featcache.lease")),
+               "featcache.demoter", "featcache.metrics", "featcache.lease", "featcache.forks")),
     ("public API", ("featcache",)),
     ("store tools", ("featcache.storetools",)),
     ("lmdeploy integration", ("featcache.lmdeploy",)),

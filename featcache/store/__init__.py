@@ -4,7 +4,8 @@
 - ``books``: the records a write transaction changes together (data, meta, lru, ``used_bytes``);
 - ``files``: the checks of a store directory and its files, and who has them open;
 - ``lmdbcheck``: the walk of ``data.mdb``'s B-trees before LMDB reads a page;
-- ``env``: opening a store for the disk tier, and the gate around its environment.
+- ``env``: opening a store for the disk tier, and the gate around its environment;
+- ``handle``: the disk tier's environment across ``close`` and ``fork()`` (``StoreHandle``).
 
 The disk tier (``featcache.tiers.disk``) and the store tools (``featcache.storetools``) import
 these; nothing here imports a tier or a tool.

@@ -29,8 +29,10 @@ Writes happen only in the demoter's disk-writer thread (``write_batch``). Reads 
 thread, each in a short read transaction; bytes are copied out before it ends. A reopened store
 finds its entries through the tables, without a scan of payloads. Reader slots left by killed
 processes are cleared (``reader_check``) at open and before each write batch, so they cannot pin
-freed pages. Every use of the environment passes a ``Gate`` (``store.env``), so ``close`` and a
-``fork`` never find an operation in flight; a forked child reopens the store on first use.
+freed pages. The environment's lifetime across ``close`` and ``fork`` is the tier's
+``StoreHandle``'s (``store.handle``): every use of it passes a ``Gate`` (``store.env``), so
+``close`` and a ``fork`` never find an operation in flight; a forked child reopens the store on
+first use (and applies its budget again).
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Literal, NamedTuple
@@ -53,43 +54,13 @@ from ..config import DEFAULTS
 from ..errors import CorruptEntryError, FeatCacheError, StoreOpenError
 from ..store import scan
 from ..store.books import Books
-from ..store.env import Gate, Shut, open_store
-from ..store.layout import MAX_VALUE_BYTES, key_storable
+from ..store.env import Shut
+from ..store.handle import StoreHandle
+from ..store.layout import MAX_VALUE_BYTES, Tables, key_storable
 from ..store.report import VerifyReport
 from .base import Counters, Entry, Op, value_of
 
 log = logging.getLogger("featcache")
-
-# Every open DiskTier, for the fork hooks below.
-_OPEN: weakref.WeakSet[DiskTier] = weakref.WeakSet()
-
-
-def _before_fork() -> None:
-    for tier in list(_OPEN):
-        tier._gate.pause()
-
-
-def _after_fork_in_parent() -> None:
-    for tier in list(_OPEN):
-        tier._gate.resume()
-
-
-def _after_fork_in_child() -> None:
-    # The child's only thread is the one that forked: nothing of the parent's is inside, and the
-    # gate (whose lock the forking thread held) starts afresh. The inherited environment is
-    # closed and reopened on first use (``_use``).
-    for tier in list(_OPEN):
-        tier._gate = Gate()
-        tier._lock = threading.Lock()  # a parent thread may have held these at the fork
-        tier._reopen_lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(
-        before=_before_fork, after_in_parent=_after_fork_in_parent,
-        after_in_child=_after_fork_in_child,
-    )
-
 
 class DiskOp(NamedTuple):
     """One step of a write batch: a ``put`` of an encoded value, a ``touch``, a ``discard``, or a
@@ -117,77 +88,40 @@ class DiskTier:
         self.path = os.fspath(path)
         self.capacity_bytes = capacity_bytes
         self.readonly = readonly
-        self._sync = sync
         self._on_corrupt = on_corrupt
         self._counters = Counters()
         self._lock = threading.Lock()
         self._logged = False
         self._unclean: set[bytes] = set()  # keys whose older value a failed delete left behind
-        self._gate = Gate()
-        self._reopen_lock = threading.Lock()
-        self._open()
-        _OPEN.add(self)
+        # Opens the store (``store.env.open_store``: the checks, the tables, the format), then
+        # evicts down to this budget; raises ``StoreOpenError`` with the environment closed.
+        self._handle = StoreHandle(
+            self.path, capacity_bytes, readonly=readonly, sync=sync, failed=self._failed,
+            opened=None if readonly else self._apply_budget, forked=self._new_lock,
+        )
+        self._handle.open()
 
     # -- environment ---------------------------------------------------------------------------
-    def _open(self) -> None:
-        """Open the store (``store.env.open_store``: the checks, the tables, the format), then
-        evict down to this budget. Raises ``StoreOpenError`` with the environment closed."""
-        self._env, self._tables = open_store(
-            self.path, self.capacity_bytes, readonly=self.readonly, sync=self._sync,
-            reader_check=self._reader_check_of,
-        )
-        self._pid = os.getpid()
-        if not self.readonly:
-            try:
-                self._apply_budget()
-            except BaseException:
-                self._env.close()
-                raise
-
-    def _apply_budget(self) -> None:
+    def _apply_budget(self, env: lmdb.Environment) -> None:
         """Evict oldest first until the store fits this process's budget (it may have been
-        written with a larger one). A store whose books cannot be read is refused; an eviction
-        that fails (a full disk) is counted like any failed write, and the next batch retries."""
+        written with a larger one): after each open of the store, the one in a forked child too.
+        A store whose books cannot be read is refused; an eviction that fails (a full disk) is
+        counted like any failed write, and the next batch retries."""
         try:
-            with self._env.begin() as txn:
+            with env.begin() as txn:
                 used = self._books(txn).used()
         except lmdb.Error as e:
             raise StoreOpenError(f"cannot read the books of the store at {self.path!r}: {e}") from e
         if used > self.capacity_bytes:
             self.write_batch(())
 
-    def _reader_check_of(self, env: lmdb.Environment) -> None:
-        """Free the reader slots of dead processes: a slot left by a process killed inside a
-        read transaction would keep every page freed since from being reused."""
-        try:
-            env.reader_check()
-        except lmdb.Error as e:
-            self._failed("check of stale readers", e)
+    def _new_lock(self) -> None:
+        self._lock = threading.Lock()  # in a forked child: a parent thread may have held it
 
-    @contextmanager
-    def _use(self) -> Iterator[lmdb.Environment]:
-        """The environment, for one operation; raises ``Shut`` once the tier is closed.
-
-        Every use of ``self._env`` after open goes through here (one level deep, never nested),
-        so ``close`` and a fork never find an operation in flight.
-        """
-        if self._pid != os.getpid():
-            self._reopen_in_child()
-        with self._gate.enter():
-            yield self._env
-
-    def _reopen_in_child(self) -> None:
-        """An environment must never be used across fork(): the child closes the one it
-        inherited (safe: the fork hooks kept every operation out of it while forking) and opens
-        its own. py-lmdb refuses a second open of the same files while the first is open."""
-        with self._reopen_lock:
-            if self._pid == os.getpid():
-                return
-            try:
-                self._env.close()
-                self._open()
-            except (lmdb.Error, StoreOpenError) as e:
-                raise lmdb.Error(f"reopen after fork failed: {e}") from e
+    @property
+    def _tables(self) -> Tables:
+        """The tables of the environment open now (a forked child opens its own)."""
+        return self._handle.tables
 
     def _books(self, txn: lmdb.Transaction) -> Books:
         return Books(txn, self._tables, self._recounted)
@@ -196,7 +130,7 @@ class DiskTier:
     def used_bytes(self) -> int:
         """The bytes of all values stored, as the books say (0 if they cannot be read)."""
         try:
-            with self._use() as env, env.begin() as txn:
+            with self._handle.use() as env, env.begin() as txn:
                 return self._books(txn).used()
         except Shut:
             return 0
@@ -214,7 +148,7 @@ class DiskTier:
         if self._is_unclean(key):
             return False
         try:
-            with self._use() as env, env.begin(db=self._tables.data, buffers=True) as txn:
+            with self._handle.use() as env, env.begin(db=self._tables.data, buffers=True) as txn:
                 return txn.get(key) is not None
         except Shut:
             return False
@@ -233,7 +167,7 @@ class DiskTier:
             self._count("misses")
             return None
         try:
-            with self._use() as env, env.begin(db=self._tables.data, buffers=True) as txn:
+            with self._handle.use() as env, env.begin(db=self._tables.data, buffers=True) as txn:
                 value = txn.get(key)
                 if value is None:
                     self._count("misses")
@@ -295,7 +229,7 @@ class DiskTier:
             unclean = list(self._unclean)
         ops = [*(DiskOp("discard", k) for k in unclean), *ops]
         try:
-            with self._use() as env:
+            with self._handle.use() as env:
                 return self._write_or_clean(env, ops, unclean)
         except Shut:  # closed: nothing can land (the cache stops its writer before closing)
             self.count_drops(sum(op.kind == "put" for op in ops))
@@ -334,7 +268,7 @@ class DiskTier:
         evicted = 0
         skipped = 0  # puts LMDB could not hold (see write_batch): drops once the batch commits
         bad_deleted = 0  # discard_bad ops that found the entry still bad
-        self._reader_check_of(env)
+        self._handle.reader_check(env)
         with env.begin(write=True) as txn:
             books = self._books(txn)
             used = books.used()
@@ -388,7 +322,7 @@ class DiskTier:
         Returns whether a value was deleted (False also when the store could not be written).
         """
         try:
-            with self._use() as env, env.begin(write=True) as txn:
+            with self._handle.use() as env, env.begin(write=True) as txn:
                 books = self._books(txn)
                 freed = books.delete(key)
                 books.set_used(books.less(books.used(), freed))
@@ -440,7 +374,7 @@ class DiskTier:
     def entries(self) -> int:
         """How many values are stored (0 if the store cannot be read)."""
         try:
-            with self._use() as env, env.begin() as txn:
+            with self._handle.use() as env, env.begin() as txn:
                 return int(txn.stat(self._tables.data)["entries"])
         except Shut:
             return 0
@@ -449,12 +383,6 @@ class DiskTier:
             return 0
 
     # -- the whole store (PersistentTier) -----------------------------------------------------------
-    @contextmanager
-    def _read_txn(self) -> Iterator[lmdb.Transaction]:
-        """One short read transaction through the gate (``store.scan.Read``)."""
-        with self._use() as env, env.begin(buffers=True) as txn:
-            yield txn
-
     @contextmanager
     def _whole_store(self, what: str) -> Iterator[None]:
         """LMDB errors, and a closed tier, as ``FeatCacheError`` (counted, logged once)."""
@@ -473,14 +401,14 @@ class DiskTier:
         during the iteration may or may not be. Raises ``FeatCacheError`` if the store cannot
         be read."""
         with self._whole_store("listing of keys"):
-            for chunk in scan.key_chunks(self._read_txn, self._tables.data):
+            for chunk in scan.key_chunks(self._handle.read, self._tables.data):
                 yield from chunk
 
     def verify(self, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
         """Check every value's header and checksum and the books (``store.scan.verify``, what
         ``featcache verify`` runs); only reads. Raises ``FeatCacheError`` on an LMDB error."""
         with self._whole_store("check"):
-            return scan.verify(self._read_txn, self._tables, progress)
+            return scan.verify(self._handle.read, self._tables, progress)
 
     def delete_bad(self, keys: Sequence[bytes]) -> int:
         """Delete each of ``keys`` whose entry is still bad inside the write transaction (a put
@@ -494,8 +422,8 @@ class DiskTier:
     def clear(self) -> int:
         """Delete every entry in one write transaction (``Books.clear``); return how many there
         were. Raises ``FeatCacheError`` if the transaction failed (nothing was deleted)."""
-        with self._whole_store("clear"), self._use() as env:
-            self._reader_check_of(env)
+        with self._whole_store("clear"), self._handle.use() as env:
+            self._handle.reader_check(env)
             with env.begin(write=True) as txn:
                 return self._books(txn).clear()
 
@@ -512,10 +440,8 @@ class DiskTier:
     def close(self) -> None:
         """Wait for the reads and writes in flight, then close; later calls are misses (reads)
         and drops (writes). Idempotent. In a forked child that never used the tier, this closes
-        the inherited environment (safe: see ``_reopen_in_child``)."""
-        self._gate.shut()
-        _OPEN.discard(self)
-        self._env.close()
+        the inherited environment (safe: see ``StoreHandle._reopen_in_child``)."""
+        self._handle.close()
 
 
 def _fresh(nbytes: int) -> torch.Tensor:
