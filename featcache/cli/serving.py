@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 
@@ -90,12 +91,15 @@ def featcache_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from ..lmdeploy import default_cache  # lmdeploy and torch: only when serving
-    from ..serve import backend_of, lmdeploy_parser, refusal, run_server
-
     rest = args.rest  # lmdeploy's options, in order
     if not rest or "-h" in rest or "--help" in rest:
-        parser = lmdeploy_parser()  # (first: without lmdeploy, the error alone)
+        logging.disable(logging.WARNING)  # lmdeploy logs warnings as it imports (optional modules)
+        try:
+            from ..serve import lmdeploy_parser
+
+            parser = lmdeploy_parser()  # (first: without lmdeploy, the error alone)
+        finally:
+            logging.disable(logging.NOTSET)
         featcache_parser().print_help()
         print("\nlmdeploy serve api_server options:\n")
         parser.print_help()
@@ -104,6 +108,9 @@ def _serve(args: argparse.Namespace) -> int:
     if why:
         print(f"featcache serve: error: {why}", file=sys.stderr)
         return EXIT_ERROR
+    from ..lmdeploy import default_cache  # lmdeploy: only when serving
+    from ..serve import backend_of, lmdeploy_parser, refusal, run_server
+
     lmdeploy_args = lmdeploy_parser().parse_args(rest)
     why = refusal(lmdeploy_args)
     if why:
