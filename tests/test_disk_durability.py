@@ -173,7 +173,9 @@ def sample_tensors() -> dict[bytes, torch.Tensor]:
         "slice": base[10:20, 5:9],  # a view into a larger tensor
         "large-bf16": torch.randn(7, 1024, 1024, generator=g).to(torch.bfloat16),  # ~14.7 MB
     }
-    return {image_key(name.encode(), namespace="durability"): t for name, t in tensors.items()}
+    # the digests alone (bytes): an ImageKey would record its namespace in each entry's metadata,
+    # and the sizes these tests count are header + payload
+    return {bytes(image_key(name.encode(), namespace="durability")): t for name, t in tensors.items()}
 
 
 # -- 1. persistence -----------------------------------------------------------------------------
@@ -222,7 +224,7 @@ def test_entries_persist_across_reopen_without_reading_payloads(tmp_path, monkey
         stats = reopened.stats()
         assert stats["disk"]["hits"] == len(want) and stats["disk"]["misses"] == 0
         assert stats["cache"]["hits"] == len(want)
-        assert reopened.get(image_key(b"never-put", namespace="durability")) is None
+        assert reopened.get(bytes(image_key(b"never-put", namespace="durability"))) is None
     finally:
         reopened.close()
     print(f"\nreopen of {before['entries']} entries / {before['bytes']} bytes: {opened_in:.3f}s")
@@ -445,9 +447,9 @@ CORRUPTIONS = {
 @pytest.mark.parametrize("how", list(CORRUPTIONS))
 def test_corrupt_value_is_a_miss_then_dropped_and_replaceable(tmp_path, how):
     store = tmp_path / "store"
-    key = image_key(b"target", namespace="durability")
+    key = bytes(image_key(b"target", namespace="durability"))
     neighbours = {
-        image_key(b"n%d" % i, namespace="durability"): torch.randn(8, 8) for i in range(3)
+        bytes(image_key(b"n%d" % i, namespace="durability")): torch.randn(8, 8) for i in range(3)
     }
     with open_disk_cache(store) as cache:
         cache.put(key, TARGET.clone())
@@ -522,7 +524,7 @@ def test_every_single_bit_flip_in_a_header_is_caught(tmp_path):
 # -- 5. format version -----------------------------------------------------------------------
 def test_foreign_format_tag_is_refused_and_left_alone(tmp_path):
     store = tmp_path / "store"
-    key = image_key(b"kept", namespace="durability")
+    key = bytes(image_key(b"kept", namespace="durability"))
     with open_disk_cache(store) as cache:
         cache.put(key, torch.ones(3))
     env = raw_env(store)
