@@ -137,6 +137,27 @@ class KeyHasher:
         _frame_image(framer, image)
         return ImageKey(framer.digest(), namespace)
 
+    def client_key(
+        self, image_id: str, *, namespace: str = "", params: Mapping[str, Any] | None = None
+    ) -> ImageKey:
+        """Key of the image a client names ``image_id``: its own field, so it never equals a
+        content key; the namespace and params are hashed in as for ``image_key``, so the ids of
+        different models never meet. Raises ``ValueError`` for an id that is not 1 to
+        ``MAX_IMAGE_ID_CHARS`` characters of text."""
+        if not isinstance(image_id, str) or not 0 < len(image_id) <= MAX_IMAGE_ID_CHARS:
+            raise ValueError(f"an image id is a string of 1 to {MAX_IMAGE_ID_CHARS} characters, "
+                             f"not {image_id!r:.80}")
+        if not isinstance(namespace, str):
+            raise TypeError(f"namespace must be a str, not {type(namespace).__name__}")
+        framer = self._framer()
+        framer.field(b"n", namespace.encode("utf-8"))
+        framer.mapping(params or {})
+        framer.field(b"C", image_id.encode("utf-8"))  # a client's id: no content field follows
+        return ImageKey(framer.digest(), namespace)
+
+
+MAX_IMAGE_ID_CHARS = 256  # a client-supplied image id (featcache serve --trust-client-image-ids)
+
 
 def _frame_image(framer: _Framer, image: Any) -> None:
     if isinstance(image, (bytes, bytearray, memoryview)):
@@ -205,3 +226,10 @@ def image_key(
     """
     hasher = _DEFAULT if (algorithm, secret) == ("xxh3_128", None) else KeyHasher(algorithm, secret)
     return hasher.image_key(image, namespace=namespace, params=params)
+
+
+def client_image_key(image_id: str, *, namespace: str = "", params: Mapping[str, Any] | None = None,
+                     algorithm: str = "xxh3_128", secret: bytes | None = None) -> ImageKey:
+    """Key of the image a trusted client names ``image_id`` (``KeyHasher.client_key``)."""
+    hasher = _DEFAULT if (algorithm, secret) == ("xxh3_128", None) else KeyHasher(algorithm, secret)
+    return hasher.client_key(image_id, namespace=namespace, params=params)

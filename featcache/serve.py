@@ -58,7 +58,8 @@ def backend_of(args: argparse.Namespace) -> str:
     return backend
 
 
-def run_server(args: argparse.Namespace, cache: FeatureCache, namespace: str | None) -> None:
+def run_server(args: argparse.Namespace, cache: FeatureCache, namespace: str | None,
+               trust_image_ids: bool = False) -> None:
     """Run lmdeploy's ``api_server`` handler for ``args`` (parsed by ``lmdeploy_parser``) until it
     stops, with featcache on its engine and, unless ``--disable-metrics``, on its ``/metrics``.
     The caller owns ``cache`` (and closes it)."""
@@ -66,7 +67,7 @@ def run_server(args: argparse.Namespace, cache: FeatureCache, namespace: str | N
 
     collector = export_metrics(cache) if not args.disable_metrics else None
     try:
-        with featcache_engine(cache, namespace):
+        with featcache_engine(cache, namespace, trust_image_ids):
             SubCliServe.api_server(args)  # lmdeploy's handler: builds the server, runs uvicorn
     finally:
         if collector is not None:
@@ -91,7 +92,8 @@ def export_metrics(cache: FeatureCache) -> Any:
 
 
 @contextlib.contextmanager
-def featcache_engine(cache: FeatureCache, namespace: str | None) -> Iterator[None]:
+def featcache_engine(cache: FeatureCache, namespace: str | None,
+                     trust_image_ids: bool = False) -> Iterator[None]:
     """While active, the engine lmdeploy's api_server builds runs in process with featcache.
 
     The hook is ``get_task`` as imported by ``lmdeploy.serve.openai.api_server``: its second value
@@ -117,7 +119,8 @@ def featcache_engine(cache: FeatureCache, namespace: str | None) -> Iterator[Non
                 wanted = bool(config.enable_prefix_caching)
             with keep_prefix_caching(wanted, supported=set(SPECS)):
                 engine = engine_class(**kwargs)
-            wrap(types.SimpleNamespace(async_engine=engine), cache, namespace=namespace)
+            wrap(types.SimpleNamespace(async_engine=engine), cache, namespace=namespace,
+                 trust_image_ids=trust_image_ids)
             engine.featcache = cache
             return engine
 

@@ -168,3 +168,102 @@ def test_sources_featcache_leaves_to_lmdeploy():
         "u", {"max_dynamic_patch": 2})
     assert source_of({"type": "image_data", "image_data": {"data": "x"}}) is None
     assert source_of({"type": "text", "text": "hi"}) is None
+
+
+# -- client image ids (featcache serve --trust-client-image-ids) -------------------------------------
+def id_item(image_id: str, url: str | None = None, **params) -> dict:
+    item: dict = {"type": "image_url", "uuid": image_id}
+    if url is not None or params:
+        item["image_url"] = {**({"url": url} if url is not None else {}), **params}
+    return item
+
+
+@pytest.fixture
+def trusted(rig):
+    from featcache.lmdeploy.sources import trust_image_ids
+
+    trust_image_ids(rig.cached.processor, True)
+    return rig
+
+
+def test_a_trusted_id_is_sent_once_with_its_image_then_alone(trusted, decodes):
+    from featcache.keys import client_image_key
+
+    rig = trusted
+    raw = png(tiny.noise_image(100, 80, seed=11))
+    with_image = tiny.messages(id_item("sku-1234", data_url(raw)))
+    first = rig.cached.prompt(with_image)
+    ref = first["multimodal"][0][REF_KEY]
+    assert not ref.hit and ref.key == client_image_key("sku-1234", namespace=rig.namespace)
+    assert ref.key != image_key(raw, namespace=rig.namespace, params={})  # keyed by the id
+    plain = rig.plain.prompt(tiny.messages(url_item(data_url(raw))))
+    assert_same_prompt(first, plain)
+    rig.store(first)
+    decodes.clear()
+
+    alone = rig.cached.prompt(tiny.messages(id_item("sku-1234")))  # no image bytes at all
+    hit = alone["multimodal"][0]
+    assert hit[REF_KEY].hit and hit[REF_KEY].key == ref.key
+    assert decodes == [] and len(rig.cached.calls) == 1  # neither decoded nor preprocessed
+    assert_same_prompt(alone, plain)
+    assert rig.counters()["image_id_keyed"] == 2
+
+
+def test_an_id_the_cache_does_not_hold_asks_for_the_image_again(trusted):
+    from featcache.lmdeploy.sources import ImageIdError
+
+    with pytest.raises(ImageIdError, match="not in the cache .* send the image again with this uuid"):
+        trusted.cached.prompt(tiny.messages(id_item("never-sent")))
+    assert trusted.counters()["image_id_refused"] == 1
+
+
+def test_ids_are_refused_where_they_cannot_be_honoured(trusted):
+    from featcache.lmdeploy.sources import ImageIdError
+
+    rig = trusted
+    with pytest.raises(ImageIdError, match="data URL or a file"):  # lmdeploy fetches http URLs
+        rig.cached.prompt(tiny.messages(id_item("x", "http://example.invalid/a.png")))
+    with pytest.raises(ImageIdError, match="bad image uuid"):
+        rig.cached.prompt(tiny.messages(id_item("y" * 300)))
+    with pytest.raises(ImageIdError, match="bad image uuid"):
+        rig.cached.prompt(tiny.messages({"type": "image_url", "uuid": 7}))
+
+
+def test_without_trust_an_id_alone_is_refused_and_an_id_beside_the_image_is_ignored(rig):
+    from featcache.lmdeploy.sources import ImageIdError
+
+    raw = png(tiny.noise_image(64, 48, seed=12))
+    out = rig.cached.prompt(tiny.messages(id_item("sku-1", data_url(raw))))
+    assert out["multimodal"][0][REF_KEY].key == image_key(raw, namespace=rig.namespace, params={})
+    rig.store(out)
+    with pytest.raises(ImageIdError, match="does not take image ids .*--trust-client-image-ids"):
+        rig.cached.prompt(tiny.messages(id_item("sku-1")))
+
+
+def test_ids_of_different_models_and_contents_never_meet():
+    from featcache.keys import client_image_key
+
+    a = client_image_key("sku-1", namespace="model-A")
+    assert a != client_image_key("sku-1", namespace="model-B")
+    assert a != client_image_key("sku-1", namespace="model-A", params={"max_dynamic_patch": 6})
+    assert a != image_key(b"sku-1", namespace="model-A")  # an id is never an image's bytes
+    assert a.namespace == "model-A"
+
+
+def test_an_id_only_hit_that_cannot_be_served_fails_with_a_message_not_a_crash(trusted, monkeypatch):
+    """The frontend failing after an id-only hit cannot fall back to decoding (no bytes were
+    sent): the request gets the message, and the entry is unpinned at once."""
+    from featcache.keys import client_image_key
+    from featcache.lmdeploy.sources import ImageIdError
+
+    rig = trusted
+    raw = png(tiny.noise_image(90, 70, seed=13))
+    rig.store(rig.cached.prompt(tiny.messages(id_item("sku-9", data_url(raw)))))
+
+    def broken(self, messages):
+        raise RuntimeError("frontend on fire")
+
+    monkeypatch.setattr(Frontend, "_preprocess", broken)
+    with pytest.raises(ImageIdError, match="could not be served and the image was not sent"):
+        rig.cached.prompt(tiny.messages(id_item("sku-9")))
+    assert not rig.cache._chain.top._books.pinned(client_image_key("sku-9", namespace=rig.namespace))

@@ -81,6 +81,10 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    "redis-cluster://node:port (default: none; docs/tuning.md)")
     g.add_argument("--namespace", metavar="NS",
                    help="key namespace (default: derived from the model, its dtype and version)")
+    g.add_argument("--trust-client-image-ids", action="store_true",
+                   help="honour the ids clients give their images (\"uuid\" beside image_url), so a "
+                   "later request may send the id without the image. Only when every client may "
+                   "read every other client's images: an id is all it takes (docs/cli.md)")
 
 
 def featcache_parser() -> argparse.ArgumentParser:
@@ -130,7 +134,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"featcache serve: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     try:
-        run_server(lmdeploy_args, cache, args.namespace)
+        run_server(lmdeploy_args, cache, args.namespace, args.trust_client_image_ids)
     finally:
         cache.close()
     return EXIT_OK

@@ -27,6 +27,7 @@ from .identity import model_identity
 from .models import SPECS, patch_model_class
 from .prefix import install_prefix_hook
 from .refs import FeatRef
+from .sources import trust_image_ids as trust_image_ids_on
 from .turbomind import install_turbomind
 
 __all__ = ["DEFAULT_DIR", "SECTION", "SPECS", "FeatRef", "default_cache", "pipeline", "wrap"]
@@ -66,13 +67,14 @@ def default_cache(*, path: str | None = None, device_bytes: int | None = None,
 
 
 def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: str | None = None,
-             turbomind: str = "native", **pipeline_kwargs: Any) -> Any:
+             turbomind: str = "native", trust_image_ids: bool = False,
+             **pipeline_kwargs: Any) -> Any:
     """``lmdeploy.pipeline(model_path, **pipeline_kwargs)`` with featcache wrapped in.
 
     Same arguments and return type. ``cache=None`` builds ``default_cache()`` (closed with the
     pipeline; ``host_only`` when the backend is TurboMind). ``enable_prefix_caching=True`` in a
     ``PytorchEngineConfig`` stays on for the supported models (lmdeploy alone turns it off for
-    them). ``turbomind``: "native" or "features", see ``wrap``.
+    them). ``turbomind`` ("native" or "features") and ``trust_image_ids``: see ``wrap``.
     """
     import lmdeploy
 
@@ -89,7 +91,7 @@ def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: s
         except BaseException:
             pipe.close()
             raise
-    wrap(pipe, cache, namespace=namespace, turbomind=turbomind)
+    wrap(pipe, cache, namespace=namespace, turbomind=turbomind, trust_image_ids=trust_image_ids)
     if owned:
         close = pipe.close
 
@@ -102,13 +104,15 @@ def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: s
 
 
 def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
-         turbomind: str = "native") -> Any:
+         turbomind: str = "native", trust_image_ids: bool = False) -> Any:
     """Install featcache on a pipeline built by ``lmdeploy.pipeline``; returns ``pipe``.
 
     A pipeline built without featcache has had prefix caching switched off by lmdeploy for these
     models; build it with ``featcache.lmdeploy.pipeline`` to keep it on. On TurboMind (a cache
     whose device is "cpu"), ``turbomind="native"`` caches engine-ready pixels and
     ``"features"`` (InternVL-HF) vision features: see ``featcache.lmdeploy.turbomind``.
+    ``trust_image_ids``: honour the ids clients give their images (``"uuid"``, see
+    ``featcache.lmdeploy.sources``); only where every client may read every image.
     """
     from lmdeploy import PytorchEngineConfig
 
@@ -121,7 +125,9 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
     arch = hf_config.architectures[0]
     spec = SPECS.get(arch)
     if not isinstance(engine.backend_config, PytorchEngineConfig):  # TurboMind: turbomind.py
-        return install_turbomind(pipe, cache, arch, namespace, turbomind)
+        install_turbomind(pipe, cache, arch, namespace, turbomind)
+        trust_image_ids_on(engine.prompt_processor, trust_image_ids)
+        return pipe
     if spec is None or getattr(hf_config, "flash_mode", None):
         log.warning("featcache: architecture %s is not cached; it passes through untouched", arch)
         return pipe
@@ -137,6 +143,7 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
         encoder.model.model_path, arch, encoder.mm_feature_dtype, extra={})
     patch_model_class(spec)
     install_frontend(encoder.model, cache, namespace, engine.prompt_processor)
+    trust_image_ids_on(engine.prompt_processor, trust_image_ids)
     engine.engine.input_processor = KeyedInputProcessor(inner)
     if engine.backend_config.enable_prefix_caching:  # matches may end inside held images
         remove_prefix_hook = install_prefix_hook()

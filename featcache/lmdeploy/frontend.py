@@ -25,10 +25,19 @@ from collections.abc import Callable
 from typing import Any
 
 from ..cache import FeatureCache
-from ..keys import image_key
+from ..keys import client_image_key, image_key
 from .entry_meta import decode_item, encode_item
 from .refs import REF_KEY, FeatRef
-from .sources import KEY_INFO, CachedImage, encoded_bytes, install_sources, source_of
+from .sources import (
+    KEY_INFO,
+    CachedImage,
+    ImageIdError,
+    encoded_bytes,
+    image_id_of,
+    install_sources,
+    item_params,
+    source_of,
+)
 
 log = logging.getLogger("featcache")
 SECTION = "lmdeploy"
@@ -61,6 +70,7 @@ class Frontend:
         self.cache = cache
         self.original = original
         self.namespace = namespace
+        self.trust_image_ids = False  # client image ids ("uuid"): featcache serve --trust-client-image-ids
         self._logged = False
 
     def __call__(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -85,6 +95,9 @@ class Frontend:
         are left as they are); on any failure, the original messages (lmdeploy decodes them)."""
         try:
             return [self._resolve_message(m, media_io_kwargs.get("image", {})) for m in messages]
+        except ImageIdError:
+            self.cache.count(SECTION, "image_id_refused")
+            raise  # the client's to fix: lmdeploy answers it with a 400 and this message
         except Exception:
             self._failed("resolving encoded image sources failed; lmdeploy decodes them")
             return messages
@@ -96,6 +109,9 @@ class Frontend:
         return dict(message, content=[self._resolve_item(x, io_kwargs) for x in content])
 
     def _resolve_item(self, item: Any, io_kwargs: dict[str, Any]) -> Any:
+        image_id = image_id_of(item)
+        if image_id is not None and (self.trust_image_ids or source_of(item) is None):
+            return self._resolve_id(item, image_id, io_kwargs)
         found = source_of(item) if isinstance(item, dict) else None
         raw = encoded_bytes(found[0]) if found is not None else None
         if found is None or raw is None:
@@ -106,6 +122,37 @@ class Frontend:
         except (TypeError, ValueError):
             return item  # not keyable here: lmdeploy decodes it, the frontend decides
         self.cache.count(SECTION, "source_keyed")
+        return self._served(key, raw, params, io_kwargs)
+
+    def _resolve_id(self, item: dict[str, Any], image_id: Any, io_kwargs: dict[str, Any]) -> Any:
+        """An item naming its image by a client id: keyed by the id (the server trusts its
+        clients), served from the cache, else decoded from the bytes sent with it; refused with
+        a message saying what to send otherwise."""
+        found = source_of(item)
+        if not self.trust_image_ids:
+            raise ImageIdError("this server does not take image ids (uuid) without the image: send "
+                               "the image itself (its operator can allow ids with featcache serve "
+                               "--trust-client-image-ids)")
+        params = found[1] if found is not None else item_params(item)
+        try:
+            key = client_image_key(image_id, namespace=self.namespace, params=params)
+        except (TypeError, ValueError) as e:
+            raise ImageIdError(f"bad image uuid: {e}") from None
+        raw = encoded_bytes(found[0]) if found is not None else None
+        if found is not None and raw is None:
+            raise ImageIdError(f"image uuid {image_id!r}: send the image as a data URL or a file "
+                               "path with its uuid (an http URL is fetched by lmdeploy, not keyed)")
+        self.cache.count(SECTION, "image_id_keyed")
+        served = self._served(key, raw, params, io_kwargs, image_id)
+        if served is None:
+            raise ImageIdError(f"image uuid {image_id!r} is not in the cache (never sent with its "
+                               "image, or evicted since): send the image again with this uuid")
+        return served
+
+    def _served(self, key: bytes, raw: bytes | None, params: dict[str, Any],
+                io_kwargs: dict[str, Any], image_id: str | None = None) -> Any:
+        """The ``image_data`` item for ``key``: a ``CachedImage`` on a hit, else ``raw`` decoded
+        and carrying its key; None for a miss with nothing to decode."""
         lease = self.cache.acquire(key)
         if lease is not None:
             try:
@@ -115,8 +162,10 @@ class Frontend:
                 self.cache.count(SECTION, "unreadable_meta")
             else:
                 ref = FeatRef(self.cache, key, lease.meta, lease)
-                data: Any = CachedImage(ref, raw, io_kwargs)
+                data: Any = CachedImage(ref, raw, io_kwargs, image_id)
                 return {"type": "image_data", "image_data": {"data": data, **params}}
+        if raw is None:
+            return None
         from lmdeploy.vl.media.image import ImageMediaIO
 
         data = ImageMediaIO(**io_kwargs).load_bytes(raw)  # as lmdeploy's parser would

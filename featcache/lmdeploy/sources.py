@@ -16,6 +16,15 @@ up *before* lmdeploy's parser runs (on the event loop's default executor, as lmd
 http(s) URLs are left to lmdeploy (fetching them is lmdeploy's business, with its own security
 checks). The same picture sent as a PIL image and as encoded bytes gets two keys (two entries),
 never a wrong answer.
+
+Client image ids (a server started with ``--trust-client-image-ids``; vLLM's request shape): an
+image item may carry ``"uuid": ID`` beside its ``image_url``. The image is then keyed by
+``client_image_key(ID, namespace, params)`` instead of its bytes, and a later request may send the
+item without the image (``{"type": "image_url", "uuid": ID}``). An id the cache does not hold, an
+id without an image on a server that does not trust ids, or an id first sent with an http URL is
+refused with ``ImageIdError`` (a ``ValueError``: lmdeploy answers it as a 400 with the message).
+Anyone who can guess an id could read that image's features into their answer: ids are honoured
+only when the operator trusts the clients.
 """
 
 from __future__ import annotations
@@ -31,23 +40,36 @@ from urllib.request import url2pathname
 from .refs import FeatRef
 
 KEY_INFO = "featcache_key"  # image.info entry carrying the bytes' key of a decoded miss
+ID_FIELD = "uuid"  # an image item's client-supplied id (vLLM's name for it)
 _IMAGE_TYPES = ("image_url", "image")
+
+
+class ImageIdError(ValueError):
+    """A request's image id cannot be served; the message tells the client what to send."""
 
 
 class CachedImage:
     """An image whose features are cached: stands in for the decoded image until preprocessing."""
 
-    __slots__ = ("media_io_kwargs", "raw", "ref")
+    __slots__ = ("image_id", "media_io_kwargs", "raw", "ref")
 
-    def __init__(self, ref: FeatRef, raw: bytes, media_io_kwargs: dict[str, Any]) -> None:
+    def __init__(self, ref: FeatRef, raw: bytes | None, media_io_kwargs: dict[str, Any],
+                 image_id: str | None = None) -> None:
         self.ref = ref
-        self.raw = raw
+        self.raw = raw  # None: named by a client id, sent without the image
         self.media_io_kwargs = media_io_kwargs
+        self.image_id = image_id
 
     def decode(self) -> Any:
-        """The PIL image lmdeploy would have decoded (for a fallback to plain preprocessing)."""
+        """The PIL image lmdeploy would have decoded (for a fallback to plain preprocessing);
+        ``ImageIdError`` when the client sent only the image's id."""
         from lmdeploy.vl.media.image import ImageMediaIO
 
+        if self.raw is None:
+            if self.ref.lease is not None:  # the request is refused: it needs the features no more
+                self.ref.lease.release()  # (the error's traceback may keep this ref a while)
+            raise ImageIdError(f"the features of image id {self.image_id!r} could not be served "
+                               "and the image was not sent: send it again with this uuid")
         return ImageMediaIO(**self.media_io_kwargs).load_bytes(self.raw)
 
 
@@ -77,6 +99,22 @@ def encoded_bytes(source: str) -> bytes | None:
     return None
 
 
+def image_id_of(item: Any) -> Any:
+    """The client-supplied id of an image item (``"uuid"``), or None (any value: checked later)."""
+    if isinstance(item, dict) and item.get("type") in _IMAGE_TYPES:
+        return item.get(ID_FIELD)
+    return None
+
+
+def item_params(item: dict[str, Any]) -> dict[str, Any]:
+    """The per-image parameters of an image item that may have no source (an id alone)."""
+    kind = item.get("type")
+    value = item.get(kind) if isinstance(kind, str) else None
+    if isinstance(value, dict):
+        return {k: v for k, v in value.items() if k not in ("url", "data")}
+    return {k: v for k, v in item.items() if k not in ("type", kind, ID_FIELD)}
+
+
 def source_of(item: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
     """(source string, per-image params) of an ``image_url``/``image`` item, as lmdeploy's parser
     reads them, or None if the item carries no string source."""
@@ -88,7 +126,7 @@ def source_of(item: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
         params = dict(value)
         source = params.pop("url", None) or params.pop("data", None)
     else:
-        params = {k: v for k, v in item.items() if k not in ("type", kind)}
+        params = {k: v for k, v in item.items() if k not in ("type", kind, ID_FIELD)}
         source = value
     return (source, params) if isinstance(source, str) else None
 
@@ -106,4 +144,13 @@ def install_sources(prompt_processor: Any, frontend: Any) -> None:
                 None, frontend.resolve_sources, messages, media_io_kwargs or {})
         return await original(messages, media_io_kwargs, allowed_media_domains)
 
+    async_parse_multimodal_item.frontend = frontend  # type: ignore[attr-defined]
     prompt_processor.async_parse_multimodal_item = async_parse_multimodal_item
+
+
+def trust_image_ids(prompt_processor: Any, trusted: bool) -> None:
+    """Honour (or not) client image ids on the prompt path ``install_sources`` wrapped."""
+    frontend = getattr(prompt_processor.async_parse_multimodal_item, "frontend", None)
+    if frontend is None:
+        raise ValueError("featcache is not installed on this prompt processor")
+    frontend.trust_image_ids = trusted
