@@ -117,6 +117,15 @@ def test_serve_builds_lmdeploys_server_with_featcache_in_process(served, tmp_pat
         cache.put(b"k" * 16, torch.zeros(1))
 
 
+@pytest.mark.parametrize("flag, trusted", [((), False), (("--trust-client-image-ids",), True)])
+def test_serve_honours_client_image_ids_only_when_told(served, flag, trusted):
+    seen = served("--enable-prefix-caching", *flag)
+    assert seen["rc"] == 0
+    [engine] = StandInEngine.built
+    frontend = engine.prompt_processor.async_parse_multimodal_item.frontend
+    assert frontend.trust_image_ids is trusted
+
+
 def test_serve_turbomind_installs_the_native_path_on_a_host_cache(served, monkeypatch):
     """`featcache serve MODEL --backend turbomind`: lmdeploy's handler builds a TurbomindEngineConfig
     (TurboMind itself needs CUDA: the backend choice is answered "turbomind", the engine is the
