@@ -1,7 +1,7 @@
 """`featcache serve` end to end on a GPU: the OpenAI client, multi-turn, against plain lmdeploy.
 
     python bench/serve_chat.py --model DIR [--model DIR ...] [--backend pytorch|turbomind]
-                               [--out DIR] [--eager] [--skip-warm] [--dry-run]
+                               [--out DIR] [--eager] [--skip-warm] [--image-ids] [--dry-run]
 
 Per model, one server at a time, the same requests in the same order:
 
@@ -12,7 +12,11 @@ Per model, one server at a time, the same requests in the same order:
    the PyTorch engine's: a TurboMind server has its own namespace, so warm is skipped there);
 3. `featcache serve MODEL --cache-dir STORE` with the same flags and the same chats; featcache's
    counters are read from the server's /metrics after every turn, `featcache stats` at the end.
-   STORE is --store-root/<model name>, emptied first, outside --out.
+   STORE is --store-root/<model name>, emptied first, outside --out;
+4. (--image-ids) `featcache serve MODEL --trust-client-image-ids --cache-dir STORE-ids`: the same
+   chats, each image named by an id (`"uuid"` beside `image_url`); its bytes go out the first time
+   it appears, later turns and chats send the id alone. Reported against plain (tokens) and
+   against step 3 per turn (`ids_vs_bytes`: time to first token and the messages' size).
 
 Every turn is one streamed request through the `openai` client, greedy (temperature 0), with
 lmdeploy's `return_token_ids` (so a chunk comes with the first token even when the random model's
@@ -51,7 +55,7 @@ QUESTIONS = ["What is in this picture?", "Describe the colours.", "What stands o
 # with another first question: an image hit in featcache, not a prefix hit), B once
 CHATS = [("image_a", "a", 4, 0), ("image_b", "b", 4, 0), ("image_a_again", "a", 3, 4)]
 IMAGE_SEEDS = {"a": 1, "b": 2, "warmup": 3}
-PORTS = {"plain": 23400, "featcache": 23401}
+PORTS = {"plain": 23400, "featcache": 23401, "featcache_ids": 23402}
 
 
 # -- servers ---------------------------------------------------------------------------------------
@@ -68,15 +72,20 @@ def server_flags(backend: str, eager: bool, extra: list[str]) -> list[str]:
 
 
 def commands(model: str, backend: str, store: str, eager: bool = False,
-             extra: list[str] | None = None) -> dict[str, list[str]]:
+             extra: list[str] | None = None, image_ids: bool = False) -> dict[str, list[str]]:
     common = server_flags(backend, eager, extra or [])
     py = sys.executable
-    return {
+    cmds = {
         "plain": [py, "-m", "lmdeploy", "serve", "api_server", model, "--server-port",
                   str(PORTS["plain"]), *common],
         "featcache": [py, "-m", "featcache", "serve", model, "--cache-dir", store, "--server-port",
                       str(PORTS["featcache"]), *common],
     }
+    if image_ids:  # the clients name their images: bytes on a chat's first turn only
+        cmds["featcache_ids"] = [py, "-m", "featcache", "serve", model, "--cache-dir", store + "-ids",
+                                 "--trust-client-image-ids", "--server-port",
+                                 str(PORTS["featcache_ids"]), *common]
+    return cmds
 
 
 def check_commands(cmds: dict[str, list[str]]) -> dict[str, Any]:
@@ -93,6 +102,11 @@ def check_commands(cmds: dict[str, list[str]]) -> dict[str, Any]:
                      "enable_prefix_caching": a.enable_prefix_caching, "session_len": a.session_len,
                      "cache_max_entry_count": a.cache_max_entry_count}
     out["featcache"]["cache_dir"] = ours.cache_dir
+    if "featcache_ids" in cmds:
+        ids, rest = featcache_parser().parse_known_args(cmds["featcache_ids"][4:])
+        out["featcache_ids"] = {"trust_client_image_ids": ids.trust_client_image_ids,
+                                "cache_dir": ids.cache_dir,
+                                "server_port": lmdeploy_parser().parse_args(rest).server_port}
     return out
 
 
@@ -170,9 +184,12 @@ def _extra(obj: Any, name: str) -> Any:
 
 
 def run_chat(base_url: str, image_url: str, turns: int, first_question: int = 0,
-             max_tokens: int = 8, metrics: bool = False, model: str | None = None) -> list[dict]:
+             max_tokens: int = 8, metrics: bool = False, model: str | None = None,
+             image_id: str | None = None, id_known: bool = False) -> list[dict]:
     """One chat through the openai client: the image in the first user message, resent with the
-    history every turn. One dict per turn."""
+    history every turn (``image_id``: named by that id, its bytes sent on the first turn only, as
+    a ``--trust-client-image-ids`` server allows; ``id_known``: sent in an earlier chat, so not
+    even the first turn carries the bytes). One dict per turn."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=120)
@@ -183,9 +200,14 @@ def run_chat(base_url: str, image_url: str, turns: int, first_question: int = 0,
         question = QUESTIONS[(first_question + turn) % len(QUESTIONS)]
         content: list[dict] | str = question
         if turn == 0:
-            content = [{"type": "text", "text": question},
-                       {"type": "image_url", "image_url": {"url": image_url}}]
+            image: dict[str, Any] = {"type": "image_url", "image_url": {"url": image_url}}
+            if image_id is not None:
+                image = {"type": "image_url", "uuid": image_id} if id_known else {**image, "uuid": image_id}
+            content = [{"type": "text", "text": question}, image]
+        elif image_id is not None:  # the history names the image: no bytes after the first turn
+            history[0]["content"][1] = {"type": "image_url", "uuid": image_id}
         history.append({"role": "user", "content": content})
+        body_bytes = len(json.dumps(history))
         before = counters(base_url) if metrics else {}
         start = time.perf_counter()
         ttft, parts, ids, usage = None, [], [], None
@@ -209,6 +231,7 @@ def run_chat(base_url: str, image_url: str, turns: int, first_question: int = 0,
                "prompt_tokens": getattr(usage, "prompt_tokens", None),
                "cached_tokens": getattr(details, "cached_tokens", None),
                "completion_tokens": getattr(usage, "completion_tokens", None),
+               "messages_bytes": body_bytes,
                "output_ids": ids, "text": "".join(parts)}
         if metrics:
             row["featcache"] = delta(before, counters(base_url))
@@ -229,16 +252,22 @@ def _short(counts: dict[str, float]) -> str:
 
 def serve_and_chat(name: str, cmd: list[str], port: int, images: dict[str, str], out: str,
                    max_tokens: int, ready_timeout: float) -> dict[str, Any]:
+    ids = name == "featcache_ids"  # the client names each image; bytes only the first time
+    known: set[str] = set()
     base = f"http://127.0.0.1:{port}"
     proc, took = start(cmd, port, os.path.join(out, f"{name}.log"), ready_timeout)
     res: dict[str, Any] = {"command": shlex.join(cmd), "ready_s": round(took, 1), "chats": {}}
-    metrics = name == "featcache"
+    metrics = name.startswith("featcache")
     try:
         print(f"[{name}] warm-up", flush=True)
-        res["warmup"] = run_chat(base, images["warmup"], 1, max_tokens=max_tokens, metrics=metrics)
+        res["warmup"] = run_chat(base, images["warmup"], 1, max_tokens=max_tokens, metrics=metrics,
+                                 image_id="warmup" if ids else None)
         for chat, image, turns, first in CHATS:
             print(f"[{name}] {chat}", flush=True)
-            res["chats"][chat] = run_chat(base, images[image], turns, first, max_tokens, metrics)
+            image_id = f"image-{image}" if ids else None
+            res["chats"][chat] = run_chat(base, images[image], turns, first, max_tokens, metrics,
+                                          image_id=image_id, id_known=image_id in known)
+            known.add(image_id or "")
         if metrics:
             text = urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
             res["metrics_featcache_lines"] = [line for line in text.splitlines()
@@ -269,6 +298,18 @@ def compare(plain: dict, fc: dict) -> dict[str, Any]:
     turns = len(rows)
     return {"turns_compared": turns, "tokens_identical": turns > 0 and not mismatches,
             "mismatches": mismatches, "per_turn": rows}
+
+
+def ids_vs_bytes(fc: dict, ids: dict) -> list[dict[str, Any]]:
+    """Per turn: time to first token and the messages' size, the image sent as bytes every turn
+    (featcache) against named by its id (featcache_ids)."""
+    rows = []
+    for chat, turns in ids.get("chats", {}).items():
+        for b, i in zip(fc.get("chats", {}).get(chat, []), turns, strict=False):
+            rows.append({"chat": chat, "turn": i["turn"], "ttft_ms_bytes": b["ttft_ms"],
+                         "ttft_ms_id": i["ttft_ms"], "messages_bytes": b.get("messages_bytes"),
+                         "messages_bytes_id": i.get("messages_bytes")})
+    return rows
 
 
 def print_table(model: str, cmp: dict) -> None:
@@ -303,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
                    "e.g. --server-arg=--trust-remote-code")
     p.add_argument("--budget", type=float, default=480,
                    help="seconds for the whole run: no server starts with less than 60 s left")
+    p.add_argument("--image-ids", action="store_true",
+                   help="a third server (featcache serve --trust-client-image-ids, its own store): "
+                   "the same chats with each image named by an id, its bytes sent once")
     p.add_argument("--dry-run", action="store_true", help="print the commands and the plan; exit")
     args = p.parse_args(argv)
     t0 = time.monotonic()
@@ -312,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         name = os.path.basename(model.rstrip("/"))
         out = os.path.join(out_root, name) if len(args.model) > 1 else out_root
         store = os.path.join(os.path.abspath(args.store_root), name)
-        plans.append((model, out, store, commands(model, args.backend, store, args.eager, args.server_arg)))
+        plans.append((model, out, store, commands(model, args.backend, store, args.eager, args.server_arg,
+                                                   args.image_ids)))
     warm = args.backend == "pytorch" and not args.skip_warm
     if args.dry_run:
         for model, out, store, cmds in plans:
@@ -345,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(base64.b64decode(images["a"].split(",", 1)[1]))
         res: dict[str, Any] = {}
         result["models"][model] = res
-        for name in ["plain", "featcache"]:
+        for name in [n for n in ("plain", "featcache", "featcache_ids") if n in cmds]:
             left = args.budget - (time.monotonic() - t0)
             if left < 60:
                 result["skipped"].append(f"{model} {name}: {left:.0f} s left")
@@ -373,7 +418,14 @@ def main(argv: list[str] | None = None) -> int:
             res["compare"] = compare(res["plain"], res["featcache"])
             print_table(model, res["compare"])
             rc |= 0 if res["compare"]["tokens_identical"] else 1
-        if any("error" in res.get(k, {}) for k in ("plain", "featcache")):
+        if "plain" in res and "featcache_ids" in res:  # the same chats, images named by id
+            res["compare_ids"] = compare(res["plain"], res["featcache_ids"])
+            print_table(model + " (image ids)", res["compare_ids"])
+            rc |= 0 if res["compare_ids"]["tokens_identical"] else 1
+            if "featcache" in res:
+                res["ids_vs_bytes"] = ids_vs_bytes(res["featcache"], res["featcache_ids"])
+                print(f"[serve] image ids vs bytes: {json.dumps(res['ids_vs_bytes'])}", flush=True)
+        if any("error" in res.get(k, {}) for k in ("plain", "featcache", "featcache_ids")):
             rc |= 2
         with open(os.path.join(out_root, "serve_chat.json"), "w") as f:
             json.dump(result, f, indent=1)

@@ -110,3 +110,33 @@ def test_client_reads_token_ids_cached_tokens_and_counters():
     cmp = sc.compare({"chats": {"a": rows}}, {"chats": {"a": other}})
     assert cmp["turns_compared"] == 3 and not cmp["tokens_identical"] and cmp["mismatches"] == ["a#2"]
     assert sc.compare({"chats": {"a": rows}}, {"chats": {"a": rows}})["tokens_identical"]
+
+
+def test_image_ids_send_the_bytes_once_then_the_id(tmp_path):
+    """--image-ids: a third server trusting ids; each image's bytes go out with its id on the
+    first turn it appears in, afterwards (later turns, later chats) the id alone."""
+    pytest.importorskip("openai")
+    sc = load()
+    cmds = sc.commands("/m/x", "pytorch", str(tmp_path / "store"), image_ids=True)
+    ids = cmds["featcache_ids"]
+    assert "--trust-client-image-ids" in ids and ids[ids.index("--cache-dir") + 1].endswith("store-ids")
+    assert "featcache_ids" not in sc.commands("/m/x", "pytorch", str(tmp_path / "store"))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Fake)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        Fake.requests.clear()
+        first = sc.run_chat(base, "data:image/png;base64," + "A" * 4000, turns=2, max_tokens=2,
+                            image_id="image-a")
+        again = sc.run_chat(base, "data:image/png;base64," + "A" * 4000, turns=1, max_tokens=2,
+                            image_id="image-a", id_known=True)
+    finally:
+        server.shutdown()
+    sent = [r["messages"][0]["content"][1] for r in Fake.requests]
+    assert sent[0] == {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 4000},
+                       "uuid": "image-a"}
+    assert sent[1] == sent[2] == {"type": "image_url", "uuid": "image-a"}
+    assert first[0]["messages_bytes"] > 4000 > first[1]["messages_bytes"]
+    assert again[0]["messages_bytes"] < 4000
+    rows = sc.ids_vs_bytes({"chats": {"a": first}}, {"chats": {"a": first}})
+    assert [r["turn"] for r in rows] == [1, 2] and rows[0]["ttft_ms_id"] == first[0]["ttft_ms"]
