@@ -38,7 +38,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 NEW_TOKENS = 8
-FEATURES_ARCHS = ("InternVLForConditionalGeneration",)
+FEATURES_ARCHS = ("InternVLForConditionalGeneration", "InternVLChatModel")
 
 
 def image(seed: int, size: tuple[int, int]) -> Any:

@@ -305,3 +305,76 @@ def test_turbomind_native_path(models, key, torchvision, monkeypatch):
             cached.close()
             gc.collect()
             cache.close()
+
+
+# -- the TurboMind features path's tower for legacy InternVLChatModel checkpoints ---------------------
+
+def _legacy_features_by_hand(path: str, pixels: torch.Tensor) -> torch.Tensor:
+    """InternVL's legacy vision computation written out from its published modelling code
+    (InternViT: patch conv + CLS + positions; per layer x += ls1 * attn(norm1 x), x += ls2 *
+    mlp(norm2 x), q/k RMS-normalised over the whole width; last layer, CLS dropped, 2x2 pixel
+    shuffle, mlp1), in float32, straight from the checkpoint's tensors."""
+    from safetensors.torch import load_file
+
+    w = load_file(os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    v = cfg["vision_config"]
+    eps, heads, width = v["layer_norm_eps"], v["num_attention_heads"], v["hidden_size"]
+    F = torch.nn.functional  # noqa: N806
+
+    def norm(x, prefix):
+        if v["norm_type"] == "rms_norm":
+            return w[prefix + ".weight"] * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+        return F.layer_norm(x, (x.shape[-1],), w[prefix + ".weight"], w[prefix + ".bias"], eps)
+
+    e = "vision_model.embeddings."
+    x = F.conv2d(pixels, w[e + "patch_embedding.weight"], w[e + "patch_embedding.bias"],
+                 stride=v["patch_size"])
+    x = x.flatten(2).transpose(1, 2)
+    x = torch.cat([w[e + "class_embedding"].expand(x.shape[0], 1, -1), x], 1) + w[e + "position_embedding"]
+    for i in range(v["num_hidden_layers"]):
+        p = f"vision_model.encoder.layers.{i}."
+        h = norm(x, p + "norm1")
+        qkv = F.linear(h, w[p + "attn.qkv.weight"], w.get(p + "attn.qkv.bias"))
+        q, k, val = qkv.chunk(3, dim=-1)
+        if v["qk_normalization"]:
+            q, k = norm(q, p + "attn.q_norm"), norm(k, p + "attn.k_norm")
+        b, n, _ = q.shape
+        q, k, val = (t.view(b, n, heads, width // heads).transpose(1, 2) for t in (q, k, val))
+        a = F.scaled_dot_product_attention(q, k, val).transpose(1, 2).reshape(b, n, width)
+        x = x + w[p + "ls1"] * F.linear(a, w[p + "attn.proj.weight"], w[p + "attn.proj.bias"])
+        h = norm(x, p + "norm2")
+        h = F.linear(F.gelu(F.linear(h, w[p + "mlp.fc1.weight"], w[p + "mlp.fc1.bias"])),
+                     w[p + "mlp.fc2.weight"], w[p + "mlp.fc2.bias"])
+        x = x + w[p + "ls2"] * h
+    x = x[:, 1:, :]
+    side = int(x.shape[1] ** 0.5)
+    x = x.reshape(x.shape[0], side, side, -1)  # pixel shuffle 0.5 (InternVL's, as published)
+    n, ww, hh, c = x.shape
+    x = x.view(n, ww, hh // 2, c * 2).permute(0, 2, 1, 3).contiguous()
+    x = x.view(n, hh // 2, ww // 2, c * 4).permute(0, 2, 1, 3).contiguous()
+    x = x.reshape(n, -1, c * 4)
+    x = F.layer_norm(x, (x.shape[-1],), w["mlp1.0.weight"], w["mlp1.0.bias"], 1e-5)
+    x = F.linear(F.gelu(F.linear(x, w["mlp1.1.weight"], w["mlp1.1.bias"])), w["mlp1.3.weight"],
+                 w["mlp1.3.bias"])
+    return x
+
+
+@pytest.mark.parametrize("key", TINY)
+def test_legacy_tower_computes_the_published_internvit(models, key):
+    """The features path's tower for InternVLChatModel (lmdeploy's PyTorch-engine InternViT and
+    mlp1 with the checkpoint's weights, no LLM) gives the published computation's features."""
+    from featcache.lmdeploy.tm_features import LegacyInternVLTower, check_features_arch
+
+    check_features_arch("InternVLChatModel")  # served by the features path now
+    if seed.SPECS[key].vit["norm_type"] == "rms_norm":  # lmdeploy's RMSNorm is a Triton kernel
+        pytest.importorskip("triton", reason="lmdeploy's RMSNorm needs Triton (the GPU run has it)")
+    path = models[key]["path"]
+    tower = LegacyInternVLTower.from_pretrained(path, torch.float32, "cpu")
+    pixels = torch.randn(TILES, 3, 56, 56, generator=torch.Generator().manual_seed(3))
+    got = tower(pixels)
+    want = _legacy_features_by_hand(path, pixels)
+    assert got.shape == want.shape == (TILES, 4, tower.config.llm_config.hidden_size)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(got[0], got[1])  # tiles differ: the weights reach the output

@@ -45,7 +45,8 @@ from .tm_common import check_host_cache, engine_vision_dtype
 log = logging.getLogger("featcache")
 
 GRID_POSITION_ARCHS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
-FEATURE_ARCHS = ("InternVLForConditionalGeneration",)
+FEATURE_ARCHS = ("InternVLForConditionalGeneration", "InternVLChatModel")
+LEGACY_ARCH = "InternVLChatModel"  # InternVL 1.5 / 2 / 2.5 checkpoints (trust_remote_code)
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
              "multi_modal_projector.")
@@ -61,7 +62,7 @@ def check_features_arch(arch: str) -> None:
     if arch not in FEATURE_ARCHS:
         raise ValueError(
             f"featcache: the TurboMind features path supports {', '.join(FEATURE_ARCHS)} "
-            f"(InternVL-HF checkpoints), not {arch}. Use turbomind='native'.")
+            f"(InternVL checkpoints), not {arch}. Use turbomind='native'.")
 
 
 def engine_dtype(backend_config: Any, fallback: torch.dtype | None) -> torch.dtype:
@@ -90,10 +91,16 @@ def install_features(pipe: Any, cache: FeatureCache, arch: str, namespace: str |
     tower_dtype = engine_vision_dtype(getattr(engine, "engine", None)) or dtype
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
-    tower = InternVLTower.from_pretrained(encoder.model.model_path, tower_dtype, device)
-    for line in turbomind_vit_differences(tower.config):
+    if arch == LEGACY_ARCH:
+        tower: Any = LegacyInternVLTower.from_pretrained(encoder.model.model_path, tower_dtype, device)
+        differences = legacy_vit_differences(tower.config)
+        extra = {"turbomind": "features", "tower": "lmdeploy-pytorch"}
+    else:
+        tower = InternVLTower.from_pretrained(encoder.model.model_path, tower_dtype, device)
+        differences = turbomind_vit_differences(tower.config)
+        extra = {"turbomind": "features", "tower": "transformers"}
+    for line in differences:
         log.warning("featcache: features path on %s: %s", arch, line)
-    extra = {"turbomind": "features", "tower": "transformers"}
     if tower_dtype != dtype:  # (equal dtypes keep the namespace features were cached under)
         extra["tower_dtype"] = str(tower_dtype).removeprefix("torch.")
     namespace = namespace or model_identity(encoder.model.model_path, arch, dtype, extra=extra)
@@ -127,6 +134,76 @@ def turbomind_vit_differences(config: Any) -> list[str]:
         if act != "gelu":
             out.append(f"{name}={act!r}: TurboMind's ViT uses the erf GELU")
     return out
+
+
+def legacy_vit_differences(config: Any) -> list[str]:
+    """``turbomind_vit_differences`` for a legacy ``InternVLChatModel`` config."""
+    out = []
+    if config.select_layer != -1:
+        out.append(f"select_layer={config.select_layer}: TurboMind's ViT always uses the last layer")
+    if float(config.downsample_ratio) != 0.5:
+        out.append(f"downsample_ratio={config.downsample_ratio}: TurboMind's pixel shuffle is 2x2")
+    return out
+
+
+class _NoLanguageModel(torch.nn.Module):
+    def load_weights(self, weights: Any) -> None:  # lmdeploy's loader hands over the LLM's: none
+        return None
+
+
+class LegacyInternVLTower:
+    """A legacy ``InternVLChatModel`` checkpoint's InternViT and projector (``mlp1``) as lmdeploy's
+    PyTorch engine computes them: its ``InternVisionModel``, its ``extract_feature`` (last layer,
+    CLS dropped, pixel shuffle, ``mlp1``) and its weight loader; the language model is never
+    built. Pixel tiles -> [tiles, tokens, LLM hidden]."""
+
+    def __init__(self, module: Any, config: Any) -> None:
+        self.module = module
+        self.config = config
+        self.device = next(module.vision_model.parameters()).device
+        self.dtype = next(module.vision_model.parameters()).dtype
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype,
+                        device: torch.device | str) -> LegacyInternVLTower:
+        from lmdeploy.pytorch.models import internvl as lm
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+        if config.select_layer != -1:
+            raise ValueError(f"featcache: {path}: select_layer={config.select_layer}; lmdeploy's "
+                             "InternVL computes the last layer's features only")
+        vit, llm = config.vision_config.hidden_size, config.llm_config.hidden_size
+        wide = vit * int(1 / config.downsample_ratio) ** 2
+        module = torch.nn.Module()
+        module.config = config
+        module.select_layer = config.select_layer
+        module.downsample_ratio = config.downsample_ratio
+        module.vision_model = lm.InternVisionModel(config.vision_config, dtype=dtype, device=device)
+        module.mlp1 = torch.nn.Sequential(
+            torch.nn.LayerNorm(wide, dtype=dtype, device=device),
+            torch.nn.Linear(wide, llm, bias=True, dtype=dtype, device=device), torch.nn.GELU(),
+            torch.nn.Linear(llm, llm, bias=True, dtype=dtype, device=device))
+        module.language_model = _NoLanguageModel()
+        state = _vision_state_dict(path, ("vision_model.", "mlp1."))
+        expected = {name for name, _ in module.named_parameters()}
+        if not expected <= set(state):
+            raise ValueError(f"featcache: {path} lacks vision weights {sorted(expected - set(state))[:4]}")
+        lm.InternVLChatModel.load_weights(module, ((k, v.to(dtype)) for k, v in state.items()))
+        object.__setattr__(module, "pixel_shuffle",  # (a plain attribute, not a submodule)
+                           lambda x, scale_factor=0.5: lm.InternVLChatModel.pixel_shuffle(
+                               module, x, scale_factor))
+        module.eval().requires_grad_(False)
+        return cls(module, config)
+
+    @torch.inference_mode(False)
+    @torch.no_grad()
+    def __call__(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        from lmdeploy.pytorch.models.internvl import InternVLChatModel
+
+        out: torch.Tensor = InternVLChatModel.extract_feature(
+            self.module, pixel_values.to(self.device, self.dtype))
+        return out
 
 
 class InternVLTower:
@@ -170,9 +247,10 @@ class InternVLTower:
         return out if isinstance(out, torch.Tensor) else out.pooler_output  # transformers 4 / 5
 
 
-def _vision_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """The vision tower and projector tensors of a safetensors checkpoint, keyed as in
-    ``InternVLModel`` (``vision_tower.*``, ``multi_modal_projector.*``)."""
+def _vision_state_dict(path: str, prefixes: tuple[str, ...] = _PREFIXES) -> dict[str, torch.Tensor]:
+    """The vision tower and projector tensors of a safetensors checkpoint (those whose names start
+    with ``prefixes``; by default keyed as in ``InternVLModel``: ``vision_tower.*``,
+    ``multi_modal_projector.*``)."""
     from safetensors import safe_open
 
     index = os.path.join(path, "model.safetensors.index.json")
@@ -185,7 +263,7 @@ def _vision_state_dict(path: str) -> dict[str, torch.Tensor]:
     for name in files:
         with safe_open(os.path.join(path, name), "pt") as f:
             for key in f.keys():
-                if key.startswith(_PREFIXES):
+                if key.startswith(prefixes):
                     state[key.removeprefix("model.")] = f.get_tensor(key)
     return state
 
@@ -193,7 +271,8 @@ def _vision_state_dict(path: str) -> dict[str, torch.Tensor]:
 class FeatureServer:
     """lmdeploy's ``VisionModel.forward`` / ``to_turbomind`` for the features path."""
 
-    def __init__(self, cache: FeatureCache, tower: InternVLTower, dtype: torch.dtype) -> None:
+    def __init__(self, cache: FeatureCache, tower: InternVLTower | LegacyInternVLTower,
+                 dtype: torch.dtype) -> None:
         self.cache = cache
         self.tower = tower
         self.dtype = dtype
