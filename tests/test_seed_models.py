@@ -378,3 +378,42 @@ def test_legacy_tower_computes_the_published_internvit(models, key):
     assert got.shape == want.shape == (TILES, 4, tower.config.llm_config.hidden_size)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(got[0], got[1])  # tiles differ: the weights reach the output
+
+
+def test_turbomind_features_path_serves_the_legacy_models_features(models, torchvision, monkeypatch):
+    """The features path on a legacy checkpoint (the layer-norm InternViT-300M shape), on lmdeploy's
+    real TurboMind prompt path: a miss runs the tower once, a hit hands TurboMind the cached host
+    tensor itself, with no preprocessing and no tower."""
+    from lmdeploy.messages import TurbomindEngineConfig
+
+    from featcache.lmdeploy import wrap
+    from featcache.lmdeploy.tm_features import LegacyInternVLTower
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (0, 0))
+    path = models["tiny2b"]["path"]
+    with turbomind_binding.installed():
+        prompt = tiny.PromptPath(path, "float16", backend="turbomind", trust_remote_code=True)
+        plain = tiny.PromptPath(path, "float16", backend="turbomind", trust_remote_code=True)
+        engine = types.SimpleNamespace(vl_encoder=prompt.encoder, prompt_processor=prompt.processor,
+                                       backend_config=TurbomindEngineConfig(dtype="float16"))
+        cache = FeatureCache(device="cpu", device_bytes="64MiB", host_bytes=0)
+        try:
+            wrap(types.SimpleNamespace(async_engine=engine), cache, turbomind="features")
+            msgs = tiny.messages(tiny.image_item(IMAGE()))
+            pixels = plain.prompt(msgs)["multimodal"][0]["pixel_values"]
+            first = prompt.prompt(msgs)
+            (feats,) = first["input_embeddings"]
+            tower = LegacyInternVLTower.from_pretrained(path, torch.float16, "cpu")
+            assert torch.equal(feats, tower(pixels).reshape(-1, feats.shape[-1]))
+            assert feats.shape[0] == TILES * 4 and feats.dtype == torch.float16
+            second = prompt.prompt(msgs)
+            assert len(prompt.calls) == 1  # the hit: no preprocessing
+            assert second["input_embeddings"][0].data_ptr() == feats.data_ptr()
+            assert second["input_ids"] == first["input_ids"]
+            stats = cache.stats()[SECTION]
+            assert stats["vision_images"] == 1 and stats["tm_features_served"] == 1
+        finally:
+            prompt.close()
+            plain.close()
+            gc.collect()
+            cache.close()
