@@ -243,20 +243,19 @@ def test_warm_collects_files_and_refuses_bad_input(tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
 
 
-def test_warm_runs_batches_keeps_going_past_a_bad_file_and_reports(tmp_path, monkeypatch, capsys):
-    """`featcache warm` over a stand-in pipeline (lmdeploy's engine needs CUDA): batches of
-    --batch, a failing batch retried image by image, progress per batch, the store flushed and
-    closed, the summary on stdout and each failed file on stderr (exit code 1)."""
+@pytest.fixture
+def stand_in_warm(tmp_path, monkeypatch):
+    """`featcache warm` over a stand-in pipeline (lmdeploy's engine needs CUDA) and a CPU store,
+    five files of which "bad" fails to decode; what the run did is recorded in the result."""
     import featcache.cli.serving as serving
     import featcache.lmdeploy as fc_lmdeploy  # warm imports pipeline and default_cache when it runs
     from featcache import FeatureCache, image_key
     from featcache.lmdeploy import SECTION
 
-    files = []
+    run = types.SimpleNamespace(files=[], calls=[], caches=[], drawn=[])
     for name in ["a", "b", "bad", "c", "d"]:
-        files.append(tmp_path / f"{name}.png")
-        files[-1].write_bytes(name.encode() * 10)
-    calls, caches = [], []
+        run.files.append(tmp_path / f"{name}.png")
+        run.files[-1].write_bytes(name.encode() * 10)
 
     class StandInPipe:
         def __init__(self, cache):
@@ -265,7 +264,7 @@ def test_warm_runs_batches_keeps_going_past_a_bad_file_and_reports(tmp_path, mon
 
         def __call__(self, requests, gen_config):
             paths = [r[0]["content"][1]["image_url"]["url"] for r in requests]
-            calls.append([os.path.basename(p) for p in paths])
+            run.calls.append([os.path.basename(p) for p in paths])
             if any("bad" in p for p in paths):
                 raise ValueError("cannot decode")
             for p in paths:
@@ -276,79 +275,45 @@ def test_warm_runs_batches_keeps_going_past_a_bad_file_and_reports(tmp_path, mon
             self.closed = True
 
     def default_cache(path, disk_bytes):
-        caches.append(FeatureCache(device="cpu", host_bytes=0, disk_path=path, disk_bytes="64MiB"))
-        return caches[-1]
+        run.caches.append(FeatureCache(device="cpu", host_bytes=0, disk_path=path, disk_bytes="64MiB"))
+        return run.caches[-1]
 
     monkeypatch.setattr(fc_lmdeploy, "pipeline", lambda model, cache, **kw: StandInPipe(cache))
     monkeypatch.setattr(fc_lmdeploy, "default_cache", default_cache)
     monkeypatch.setattr(serving, "cuda_problem", lambda: None)  # the pipeline is a stand-in
     monkeypatch.setattr(serving, "model_problem", lambda model: None)
-    drawn = []
     monkeypatch.setattr(serving.ProgressBar, "update", lambda self, done, n, force=False:
-                        drawn.append(done))
+                        run.drawn.append(done))
+    run.argv = ["warm", "m", *map(str, run.files), "--cache-dir", str(tmp_path / "s"), "--batch", "2"]
+    return run
 
-    assert cli(["warm", "m", *map(str, files), "--cache-dir", str(tmp_path / "s"), "--batch", "2"]) == 1
+
+def test_warm_runs_batches_keeps_going_past_a_bad_file_and_reports(stand_in_warm, capsys):
+    """Batches of --batch, a failing batch retried image by image, progress per batch, the store
+    flushed and closed, the summary on stdout and each failed file on stderr (exit code 1)."""
+    run = stand_in_warm
+    assert cli(run.argv) == 1
     out, err = capsys.readouterr()
-    assert calls == [["a.png", "b.png"], ["bad.png", "c.png"], ["bad.png"], ["c.png"], ["d.png"]]
-    assert drawn == [2, 4, 5]
+    assert run.calls == [["a.png", "b.png"], ["bad.png", "c.png"], ["bad.png"], ["c.png"], ["d.png"]]
+    assert run.drawn == [2, 4, 5]
     assert out.startswith("warmed 4 of 5 images in ")
     assert "4 computed, 0 already cached; store: 4 entries" in out
-    assert err.strip() == f"featcache warm: failed: {files[2]}: ValueError: cannot decode"
+    assert err.strip() == f"featcache warm: failed: {run.files[2]}: ValueError: cannot decode"
     with pytest.raises(FeatCacheError, match="closed"):  # closed when warm returned
-        caches[0].put(b"k" * 16, torch.zeros(1))
+        run.caches[0].put(b"k" * 16, torch.zeros(1))
 
 
-
-def test_warm_json_reports_the_same_in_one_object(tmp_path, monkeypatch, capsys):
+def test_warm_json_reports_the_same_in_one_object(stand_in_warm, capsys):
     """`featcache warm --json`: the report as one JSON object on stdout, no progress bar, the
     failures in it; exit code 1 when some failed."""
-    import featcache.cli.serving as serving
-    import featcache.lmdeploy as fc_lmdeploy  # warm imports pipeline and default_cache when it runs
-    from featcache import FeatureCache, image_key
-    from featcache.lmdeploy import SECTION
-
-    files = []
-    for name in ["a", "b", "bad", "c", "d"]:
-        files.append(tmp_path / f"{name}.png")
-        files[-1].write_bytes(name.encode() * 10)
-    calls, caches = [], []
-
-    class StandInPipe:
-        def __init__(self, cache):
-            self.cache = cache
-            self.closed = False
-
-        def __call__(self, requests, gen_config):
-            paths = [r[0]["content"][1]["image_url"]["url"] for r in requests]
-            calls.append([os.path.basename(p) for p in paths])
-            if any("bad" in p for p in paths):
-                raise ValueError("cannot decode")
-            for p in paths:
-                self.cache.count(SECTION, "misses")
-                self.cache.put(image_key(p.encode()), torch.zeros(4))
-
-        def close(self):
-            self.closed = True
-
-    def default_cache(path, disk_bytes):
-        caches.append(FeatureCache(device="cpu", host_bytes=0, disk_path=path, disk_bytes="64MiB"))
-        return caches[-1]
-
-    monkeypatch.setattr(fc_lmdeploy, "pipeline", lambda model, cache, **kw: StandInPipe(cache))
-    monkeypatch.setattr(fc_lmdeploy, "default_cache", default_cache)
-    monkeypatch.setattr(serving, "cuda_problem", lambda: None)  # the pipeline is a stand-in
-    monkeypatch.setattr(serving, "model_problem", lambda model: None)
-    drawn = []
-    monkeypatch.setattr(serving.ProgressBar, "update", lambda self, done, n, force=False:
-                        drawn.append(done))
-
-    assert cli(["warm", "m", *map(str, files), "--cache-dir", str(tmp_path / "s"), "--batch", "2",
-                "--json"]) == 1
+    run = stand_in_warm
+    assert cli([*run.argv, "--json"]) == 1
     out, err = capsys.readouterr()
     report = json.loads(out)
-    assert drawn == [] and err == ""
+    assert run.drawn == [] and err == ""
     assert (report["images"], report["computed"], report["cached"], report["entries"]) == (5, 4, 0, 4)
-    assert report["failed"] == [f"{files[2]}: ValueError: cannot decode"]
+    assert report["failed"] == [f"{run.files[2]}: ValueError: cannot decode"]
+
 
 def test_warm_keys_files_as_a_server_keys_the_same_bytes(model, tmp_path):
     """What `warm` stores is what a server looks up for the same file sent as a data URL: both go
