@@ -45,14 +45,15 @@ def _stub_xgrammar() -> None:
 _stub_xgrammar()
 
 import lmdeploy_tiny as tiny  # noqa: E402
+import test_lmdeploy_engine  # noqa: E402
 from lmdeploy.pytorch.config import CacheConfig, SchedulerConfig  # noqa: E402
 from lmdeploy.pytorch.messages import SchedulerSequence, SequenceMeta, UpdateTokenMode  # noqa: E402
 from lmdeploy.pytorch.multimodal.data_type import ensure_multimodal_content_hashes  # noqa: E402
 from lmdeploy.pytorch.paging.scheduler import Scheduler  # noqa: E402
 from lmdeploy.pytorch.strategies.ar.sequence import ARSequenceStrategy  # noqa: E402
-from test_lmdeploy_engine import CLASSES, Rig  # noqa: E402
+from test_lmdeploy_engine import CLASSES  # noqa: E402
 
-from featcache.lmdeploy import models, prefix  # noqa: E402
+from featcache.lmdeploy import prefix  # noqa: E402
 from featcache.lmdeploy.refs import REF_KEY  # noqa: E402
 
 TAIL = [11, 12]  # text after the prompt's template (stands in for the next turn's first words)
@@ -72,20 +73,9 @@ def block_for(rig, image, tail: list[int] = TAIL, before_end: int = 1) -> int:
     return min(fits, key=lambda block: (fits[block], block))
 
 
-@pytest.fixture(params=[tiny.INTERNVL, tiny.QWEN2VL], ids=["internvl_hf", "qwen2vl"])
-def rig(request, tmp_path_factory):
-    r = Rig(request.param, tiny.checkpoint(request.param, tmp_path_factory))
-    yield r
-    r.close()
-
-
-@pytest.fixture
-def patched(rig, monkeypatch):
-    """The rig's model class with featcache's ``prepare`` (lmdeploy's own restored afterwards)."""
-    cls = CLASSES[rig.arch]
-    monkeypatch.setattr(cls, "prepare_inputs_for_generation", cls.prepare_inputs_for_generation)
-    assert models.patch_model_class(models.SPECS[rig.arch]) is cls
-    return cls
+# the engine tests' rig (tiny InternVL-HF and Qwen2-VL) and their patched model class
+rig = test_lmdeploy_engine.rig
+patched = test_lmdeploy_engine.patched
 
 
 @pytest.fixture(autouse=True)
