@@ -29,14 +29,13 @@ from ..keys import client_image_key, image_key
 from .entry_meta import decode_item, encode_item
 from .refs import REF_KEY, FeatRef
 from .sources import (
+    ID_FIELD,
     KEY_INFO,
     CachedImage,
     ImageIdError,
     encoded_bytes,
-    image_id_of,
+    image_parts,
     install_sources,
-    item_params,
-    source_of,
 )
 
 log = logging.getLogger("featcache")
@@ -109,14 +108,16 @@ class Frontend:
         return dict(message, content=[self._resolve_item(x, io_kwargs) for x in content])
 
     def _resolve_item(self, item: Any, io_kwargs: dict[str, Any]) -> Any:
-        image_id = image_id_of(item)
-        if image_id is not None and (self.trust_image_ids or source_of(item) is None):
-            return self._resolve_id(item, image_id, io_kwargs)
-        found = source_of(item) if isinstance(item, dict) else None
-        raw = encoded_bytes(found[0]) if found is not None else None
-        if found is None or raw is None:
+        parts = image_parts(item) if isinstance(item, dict) else None
+        if parts is None:
             return item
-        params = found[1]
+        source, params = parts
+        image_id = item.get(ID_FIELD)
+        if image_id is not None and (self.trust_image_ids or not isinstance(source, str)):
+            return self._resolve_id(image_id, source, params, io_kwargs)
+        raw = encoded_bytes(source) if isinstance(source, str) else None
+        if raw is None:
+            return item
         try:
             key = image_key(raw, namespace=self.namespace, params=params)
         except (TypeError, ValueError):
@@ -124,22 +125,21 @@ class Frontend:
         self.cache.count(SECTION, "source_keyed")
         return self._served(key, raw, params, io_kwargs)
 
-    def _resolve_id(self, item: dict[str, Any], image_id: Any, io_kwargs: dict[str, Any]) -> Any:
+    def _resolve_id(self, image_id: Any, source: Any, params: dict[str, Any],
+                    io_kwargs: dict[str, Any]) -> Any:
         """An item naming its image by a client id: keyed by the id (the server trusts its
-        clients), served from the cache, else decoded from the bytes sent with it; refused with
-        a message saying what to send otherwise."""
-        found = source_of(item)
+        clients), served from the cache, else decoded from the bytes sent with it (``source``);
+        refused with a message saying what to send otherwise."""
         if not self.trust_image_ids:
             raise ImageIdError("this server does not take image ids (uuid) without the image: send "
                                "the image itself (its operator can allow ids with featcache serve "
                                "--trust-client-image-ids)")
-        params = found[1] if found is not None else item_params(item)
         try:
             key = client_image_key(image_id, namespace=self.namespace, params=params)
         except (TypeError, ValueError) as e:
             raise ImageIdError(f"bad image uuid: {e}") from None
-        raw = encoded_bytes(found[0]) if found is not None else None
-        if found is not None and raw is None:
+        raw = encoded_bytes(source) if isinstance(source, str) else None
+        if isinstance(source, str) and raw is None:
             raise ImageIdError(f"image uuid {image_id!r}: send the image as a data URL or a file "
                                "path with its uuid (an http URL is fetched by lmdeploy, not keyed)")
         self.cache.count(SECTION, "image_id_keyed")

@@ -99,25 +99,9 @@ def encoded_bytes(source: str) -> bytes | None:
     return None
 
 
-def image_id_of(item: Any) -> Any:
-    """The client-supplied id of an image item (``"uuid"``), or None (any value: checked later)."""
-    if isinstance(item, dict) and item.get("type") in _IMAGE_TYPES:
-        return item.get(ID_FIELD)
-    return None
-
-
-def item_params(item: dict[str, Any]) -> dict[str, Any]:
-    """The per-image parameters of an image item that may have no source (an id alone)."""
-    kind = item.get("type")
-    value = item.get(kind) if isinstance(kind, str) else None
-    if isinstance(value, dict):
-        return {k: v for k, v in value.items() if k not in ("url", "data")}
-    return {k: v for k, v in item.items() if k not in ("type", kind, ID_FIELD)}
-
-
-def source_of(item: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
-    """(source string, per-image params) of an ``image_url``/``image`` item, as lmdeploy's parser
-    reads them, or None if the item carries no string source."""
+def image_parts(item: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
+    """(source, per-image params) of an ``image_url``/``image`` item, as lmdeploy's parser reads
+    them (the source None when the item carries none: an id alone), or None for other items."""
     kind = item.get("type")
     if kind not in _IMAGE_TYPES:
         return None
@@ -128,7 +112,14 @@ def source_of(item: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
     else:
         params = {k: v for k, v in item.items() if k not in ("type", kind, ID_FIELD)}
         source = value
-    return (source, params) if isinstance(source, str) else None
+    return source, params
+
+
+def source_of(item: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """(source string, per-image params) of an image item, or None if it carries no string
+    source."""
+    parts = image_parts(item)
+    return parts if parts is not None and isinstance(parts[0], str) else None
 
 
 def install_sources(prompt_processor: Any, frontend: Any) -> None:
