@@ -37,14 +37,12 @@ def _get(d: dict[str, Any], path: str) -> dict[str, Any]:
 
 def _summary(ms: list[float]) -> dict[str, Any]:
     """turbomind_bench.py's own median and p90 (its ``stats``), plus the p10 it does not keep."""
-    xs = sorted(ms)
+    from turbomind_bench import pct  # (bench/, beside this script: stdlib imports only)
 
-    def q(f: float) -> float:
-        return xs[min(len(xs) - 1, int(round(f * (len(xs) - 1))))]
-
-    med = round(statistics.median(xs), 2)
-    return dict(n=len(xs), median_ms=med, p10_ms=round(q(0.1), 2), p90_ms=round(q(0.9), 2),
-                noisy=q(0.9) > 2 * med)
+    med = round(statistics.median(ms), 2)
+    p90 = pct(ms, 0.9)
+    return dict(n=len(ms), median_ms=med, p10_ms=round(pct(ms, 0.1), 2), p90_ms=round(p90, 2),
+                noisy=p90 > 2 * med)
 
 
 def from_turbomind(result: dict[str, Any]) -> dict[str, Any]:
