@@ -1311,10 +1311,10 @@ def profile(model: str, size: tuple[int, int], n: int) -> dict[str, Any]:
                                **{f"a_{k}": round(statistics.median(v), 2) for k, v in spent.items()}}
         for v in spent.values():
             v.clear()
-        turns, turn_cached, _, o, *_ = chats(pipe, gen, size, 3)
-        res["b_wall_median_by_turn"] = [round(statistics.median(w), 2) for w in turns]
-        res["b_cached_tokens_by_turn"] = turn_cached
-        res["b_input_tokens_last"] = o.input_token_len
+        b = chats(pipe, gen, size, 3)
+        res["b_wall_median_by_turn"] = [round(statistics.median(w), 2) for w in b.walls]
+        res["b_cached_tokens_by_turn"] = b.cached
+        res["b_input_tokens_last"] = b.out.input_token_len
         res.update({f"b_{k}": round(statistics.median(v), 2) for k, v in spent.items() if v})
         if cache is not None:
             res["lmdeploy_stats"] = cache.stats().get("lmdeploy")
