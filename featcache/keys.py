@@ -125,15 +125,20 @@ class KeyHasher:
         framer.field(b"A", (self.algorithm + ("+keyed" if self.secret else "")).encode())
         return framer
 
-    def image_key(
-        self, image: Any, *, namespace: str = "", params: Mapping[str, Any] | None = None
-    ) -> ImageKey:
-        """Key of ``image`` as processed by model ``namespace`` with preprocessing ``params``."""
+    def _framed(self, namespace: str, params: Mapping[str, Any] | None) -> _Framer:
+        """A framer past the fields every key starts with: settings, namespace, parameters."""
         if not isinstance(namespace, str):
             raise TypeError(f"namespace must be a str, not {type(namespace).__name__}")
         framer = self._framer()
         framer.field(b"n", namespace.encode("utf-8"))
         framer.mapping(params or {})
+        return framer
+
+    def image_key(
+        self, image: Any, *, namespace: str = "", params: Mapping[str, Any] | None = None
+    ) -> ImageKey:
+        """Key of ``image`` as processed by model ``namespace`` with preprocessing ``params``."""
+        framer = self._framed(namespace, params)
         _frame_image(framer, image)
         return ImageKey(framer.digest(), namespace)
 
@@ -147,11 +152,7 @@ class KeyHasher:
         if not isinstance(image_id, str) or not 0 < len(image_id) <= MAX_IMAGE_ID_CHARS:
             raise ValueError(f"an image id is a string of 1 to {MAX_IMAGE_ID_CHARS} characters, "
                              f"not {image_id!r:.80}")
-        if not isinstance(namespace, str):
-            raise TypeError(f"namespace must be a str, not {type(namespace).__name__}")
-        framer = self._framer()
-        framer.field(b"n", namespace.encode("utf-8"))
-        framer.mapping(params or {})
+        framer = self._framed(namespace, params)
         framer.field(b"C", image_id.encode("utf-8"))  # a client's id: no content field follows
         return ImageKey(framer.digest(), namespace)
 
