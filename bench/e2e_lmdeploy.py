@@ -495,7 +495,7 @@ def twin_first_message(pipe: Any, chat: int, tokens: int) -> dict[str, Any]:
 
 
 def chats(pipe: Any, gen: Any, size: tuple[int, int], count: int, seed: int = 100,
-          twins: bool = False) -> ChatSeries:
+          twins: bool = False, observe: Any = None) -> ChatSeries:
     """``count`` 4-turn chats, each resending its image (in its first user message) every turn:
     time to first token (ms), cached and input prompt tokens per turn. With one new token the
     time is the request's wall time; with more, the first token's, by streaming.
@@ -503,7 +503,10 @@ def chats(pipe: Any, gen: Any, size: tuple[int, int], count: int, seed: int = 10
     ``twins``: after each chat, its text-only twin through the same engine: a first message as
     many tokens long as the image turn's prompt (no image), then the same user turns and the same
     answers, so that every turn has the chat's cached and new token counts (both recorded): what
-    lmdeploy itself spends on such a prompt (issue 15's reference)."""
+    lmdeploy itself spends on such a prompt (issue 15's reference).
+
+    ``observe(kind, turn, ms, response)``, kind "chat" or "twin": called after every request
+    (``breakdown`` reads its stage timers there)."""
     walls: list[list[float]] = [[] for _ in range(4)]
     cached: list[list[int]] = [[] for _ in range(4)]
     lens: list[list[int]] = [[] for _ in range(4)]
@@ -518,6 +521,8 @@ def chats(pipe: Any, gen: Any, size: tuple[int, int], count: int, seed: int = 10
         for turn in range(4):
             hist.append(chat_turn(seed + c, turn, im))
             ms, out = _ask(pipe, hist, gen)
+            if observe is not None:
+                observe("chat", turn, ms, out)
             walls[turn].append(ms)
             cached[turn].append(out.cached_tokens)
             lens[turn].append(out.input_token_len)
@@ -530,6 +535,8 @@ def chats(pipe: Any, gen: Any, size: tuple[int, int], count: int, seed: int = 10
             if turn:
                 hist.append(chat_turn(seed + c, turn, None))
             ms, t_out = _ask(pipe, hist, gen)
+            if observe is not None:
+                observe("twin", turn, ms, t_out)
             t_walls[turn].append(ms)
             t_cached[turn].append(t_out.cached_tokens)
             t_lens[turn].append(t_out.input_token_len)
@@ -1166,12 +1173,42 @@ def breakdown_engine(pipe: Any, args: argparse.Namespace, size: tuple[int, int],
             SPANS.take()
             d2h[name] = counter.take()
     res["d2h"] = d2h
+    res["chat"] = chat_stages(pipe, gen, size, args.chats)
     res["medians"] = {series: {k: round(statistics.median(r[k] for r in res[series]), 3) for k in STAGES}
                       for series in ("miss", "repeat")}
     res["spread"] = {series: {k: [round(percentile([r[k] for r in res[series]], q), 3) for q in (0.1, 0.9)]
                               for k in ("wall", "vision", "prefill", "engine_overhead")}
                      for series in ("miss", "repeat")}
     return res
+
+
+def chat_stages(pipe: Any, gen: Any, size: tuple[int, int], count: int) -> dict[str, Any]:
+    """The stages of each turn of ``count`` 4-turn chats resending their image, and of each chat's
+    text-only twin (same cached and new tokens): where a chat turn spends what its twin does not.
+    Per kind ("chat", "twin") and turn: the rows, and each stage's median."""
+    rows: dict[str, list[list[dict[str, Any]]]] = {k: [[] for _ in range(4)] for k in ("chat", "twin")}
+
+    def observe(kind: str, turn: int, ms: float, out: Any) -> None:
+        row = derive(SPANS.take(), ms)
+        row["input_tokens"] = out.input_token_len
+        row["cached_tokens"] = out.cached_tokens
+        rows[kind][turn].append(row)
+
+    SPANS.take()
+    chats(pipe, gen, size, count, seed=300, twins=True, observe=observe)
+    medians = {kind: [{k: round(statistics.median(r[k] for r in turn), 3)
+                       for k in (*STAGES, "input_tokens", "cached_tokens")} for turn in by_turn]
+               for kind, by_turn in rows.items()}
+    return dict(rows=rows, medians=medians)
+
+
+def chat_stages_table(label: str, engine: str, chat: dict[str, Any]) -> None:
+    m = chat["medians"]
+    print(f"[e2e] CHAT STAGES {label} {engine}: per-turn medians, ms, chat / text-only twin")
+    print("  " + f"{'stage':22s}" + "".join(f"{'turn ' + str(t + 1):>20s}" for t in range(4)))
+    for k in (*STAGES, "input_tokens", "cached_tokens"):
+        print("  " + f"{k:22s}" + "".join(f"{m['chat'][t][k]:>9.2f} /{m['twin'][t][k]:>9.2f}"
+                                          for t in range(4)))
 
 
 # What shared/notes/gpu.md measured on the H200 for the features of one 13-tile image (bf16):
@@ -1194,6 +1231,7 @@ def breakdown(args: argparse.Namespace, builder: Any, on_device: Any = None,
         res = breakdown_engine(pipe, args, (w, h), on_device)
         print(f"[e2e] BREAKDOWN {engine}: {json.dumps(res['medians'])} d2h {json.dumps(res['d2h'])}",
               flush=True)
+        chat_stages_table(args.label or _label(args.model), engine, res["chat"])
         return res
 
     results = run_engines(args, builder, "breakdown", per_engine)
@@ -1645,6 +1683,11 @@ def dry_run(args: argparse.Namespace) -> int:
     fd = r["featcache"]["d2h"]["repeat"]
     assert fd["large_calls"] == 0 and fd["calls"] >= 1, fd
     assert r["answer"]["featcache_hit_vision_calls"] == 0
+    for e in ("plain", "featcache"):
+        cm = r[e]["chat"]["medians"]
+        assert all(len(r[e]["chat"]["rows"][k][t]) == args.chats for k in ("chat", "twin") for t in range(4))
+        assert cm["chat"][0]["vision_calls"] == 1 and all(t["vision_calls"] == 0 for t in cm["twin"]), cm
+        assert all(t["input_tokens"] > 0 and t["wall"] > 0 for k in cm for t in cm[k]), cm
     # the real targets resolve (lmdeploy imports here; nothing of them runs)
     real = install_stage_timers(None)
     assert "InternVLChatModel.extract_feature" in real and "InternVLChatModel.forward" in real, real
