@@ -294,9 +294,16 @@ def logits_verdict(plain: list[dict[str, Any]], other: list[dict[str, Any]]) -> 
     return dict(identical=len(same), differ=differ, not_compared=skipped)
 
 
-def check(model: str, tier_bytes: int = 12 << 10) -> dict[str, Any]:
+CHECK_CONFIGS = ("plain", "plain_prefix", "featcache", "featcache_prefix", "featcache_restart")
+
+
+def check(model: str, tier_bytes: int = 12 << 10, configs: tuple[str, ...] = CHECK_CONFIGS) -> dict[str, Any]:
     """``tier_bytes``: device and host tier sizes, about one image's features (the default fits the
-    tiny models; a real-shape model needs its own: 256 tokens x LLM hidden x 2 bytes a tile)."""
+    tiny models; a real-shape model needs its own: 256 tokens x LLM hidden x 2 bytes a tile).
+    ``configs``: which of ``CHECK_CONFIGS`` run (plain and, for the prefix passes, plain_prefix and
+    featcache_prefix always: the references and the store featcache_restart reopens)."""
+    wanted = set(configs) | {"plain", "plain_prefix", "featcache_prefix"}
+    configs = tuple(c for c in CHECK_CONFIGS if c in wanted)
     from featcache import FeatureCache
 
     counter = VisionCounter()
@@ -312,6 +319,8 @@ def check(model: str, tier_bytes: int = 12 << 10) -> dict[str, Any]:
                                       ("featcache", "fc", False, 0),
                                       ("featcache_prefix", "fc", True, 1),
                                       ("featcache_restart", "fc", True, 1)]:
+        if name not in configs:
+            continue
         # memory tiers of about one image each, so requests are served from host and disk too; a
         # disk of 32 such (every image of the check: the restart must find them all)
         disk_bytes = max(64 << 20, 32 * tier_bytes)
@@ -335,7 +344,8 @@ def check(model: str, tier_bytes: int = 12 << 10) -> dict[str, Any]:
     plain_rows = {r["label"]: r for r in results["plain"]["rows"]}
     base = {label: r["token_ids"] for label, r in plain_rows.items()}
     verdict = {}
-    for name in ("featcache", "featcache_prefix", "featcache_restart"):
+    fc_names = [n for n in ("featcache", "featcache_prefix", "featcache_restart") if n in results]
+    for name in fc_names:
         mismatched = [r["label"] for r in results[name]["rows"] if r["token_ids"] != base[r["label"]]]
         verdict[name] = dict(token_identical=not mismatched, mismatched=mismatched,
                              vision_images=results[name]["stats"]["lmdeploy"].get("vision_images", 0),
@@ -379,11 +389,11 @@ def check(model: str, tier_bytes: int = 12 << 10) -> dict[str, Any]:
     # How far a prefix-cache prefill moves the logits, against how far another image moves them
     verdict["last_logits_max_abs_diff"] = {
         name: {k: v for k, v in last_logits_diff(results["plain"]["rows"], results[name]["rows"]).items()
-               if v} for name in ("featcache", "featcache_prefix", "featcache_restart")}
+               if v} for name in fc_names}
     verdict["last_logits_max_abs_diff"]["plain: long D vs long E (another image)"] = last_logits_diff(
         [plain_rows["long D"]], [dict(plain_rows["long E (same text)"], label="long D")])["long D"]
     verdict["partial_image_rows"] = {name: verdict[name]["vs_plain_prefix"]["cached_tokens"]
-                                     for name in ("featcache_prefix", "featcache_restart")}
+                                     for name in fc_names if name != "featcache"}
     text = [r for r in results["featcache_prefix"]["rows"] if r["label"] == "long text again"][0]
     verdict["text_only_control"] = dict(
         cached_tokens=text["cached_tokens"][0],
@@ -1729,6 +1739,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rep-reserve-s", type=float, default=60, help="bench: s a further rep needs")
     parser.add_argument("--size", default=None,
                         help="image size, WxH (default 1344x1008: 12 tiles + thumbnail)")
+    parser.add_argument("--configs", default=",".join(CHECK_CONFIGS),
+                        help="check: the configurations to run (plain, plain_prefix and "
+                             "featcache_prefix always run)")
     parser.add_argument("--tier-bytes", type=int, default=12 << 10,
                         help="check: device and host tier bytes, about one image's features")
     parser.add_argument("--text-twins", action="store_true",
@@ -1752,17 +1765,18 @@ def main(argv: list[str] | None = None) -> int:
     if not args.model:
         parser.error(f"{args.mode} needs --model")
     if args.mode == "check":
-        results = check(args.model, args.tier_bytes)
+        results = check(args.model, args.tier_bytes, tuple(args.configs.split(",")))
         v = results["verdict"]
         # prefix off: identical to plain lmdeploy; prefix on: identical to lmdeploy with the same
         # prefix caching (against plain, a prefill over cached KV may move near-ties: reported)
-        on = ("featcache_prefix", "featcache_restart")
-        ok = (v["featcache"]["token_identical"] and not v["featcache"]["prompt_logits"]["differ"]
+        on = [k for k in ("featcache_prefix", "featcache_restart") if k in v]
+        off = v.get("featcache", dict(token_identical=True, prompt_logits=dict(differ=[])))
+        ok = (off["token_identical"] and not off["prompt_logits"]["differ"]
               and all(v[k]["vs_plain_prefix"]["token_identical"] for k in on)
               and all(v[k]["vs_plain_prefix"]["more_cached_tokens_vs_plain"]["token_identical"] for k in on)
               and not any(v[k]["vs_plain_prefix"]["prompt_logits"]["differ"] for k in on)
               and not any(v[k]["prompt_logits"]["differ"] for k in on)
-              and v["featcache_restart"]["vision_images"] in (None, 0)
+              and v.get("featcache_restart", {}).get("vision_images") in (None, 0)
               and v["prefix"]["safe"] and v["prefix"]["reused"])
     elif args.mode in ("bench", "breakdown"):
         run = bench if args.mode == "bench" else breakdown
