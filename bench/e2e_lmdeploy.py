@@ -394,6 +394,18 @@ def check(model: str, tier_bytes: int = 12 << 10, configs: tuple[str, ...] = CHE
         [plain_rows["long D"]], [dict(plain_rows["long E (same text)"], label="long D")])["long D"]
     verdict["partial_image_rows"] = {name: verdict[name]["vs_plain_prefix"]["cached_tokens"]
                                      for name in fc_names if name != "featcache"}
+    # Where featcache reused more than lmdeploy can (a match inside an image it holds) there is no
+    # prefill of the same split without featcache: its last-position logits against plain's (prefix
+    # off) are held to the noise lmdeploy's own prefix caching makes on text alone (the control), far
+    # under another image's difference (a wrong or misplaced image row would show as one)
+    diffs = last_logits_diff(results["plain"]["rows"], results["featcache_prefix"]["rows"])
+    partial = list(verdict["featcache_prefix"]["vs_plain_prefix"]["cached_tokens_differ"])
+    noise = max([diffs.get("long text again", 0.0), diffs.get("long text", 0.0)])
+    another = verdict["last_logits_max_abs_diff"]["plain: long D vs long E (another image)"]
+    worst = max([diffs.get(label, 0.0) for label in partial], default=0.0)
+    verdict["partial_rows_logits"] = dict(rows=partial, max_abs_diff_vs_plain=worst,
+                                          text_prefix_noise=noise, another_image=another,
+                                          within_noise=worst <= max(2 * noise, 1e-4) and worst < another / 4)
     text = [r for r in results["featcache_prefix"]["rows"] if r["label"] == "long text again"][0]
     verdict["text_only_control"] = dict(
         cached_tokens=text["cached_tokens"][0],
