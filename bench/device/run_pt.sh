@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device side of the PyTorch-engine runs (docs/benchmarks.md): runs in the repo root on the GPU
-# machine, carrying .devbundle (bench/device/make_bundle.sh). Installs the bundle's wheels into
+# machine, carrying .devbundle (bench/device/make_bundle.sh) and, for the servers, .srv
+# (bench/device/make_server_wheels.sh: installed into /tmp/srvsite, first on PYTHONPATH). Installs the bundle's wheels into
 # /tmp/site (once per machine), puts lmdeploy's pure-Python copy and this checkout on PYTHONPATH,
 # then runs each argument as one shell step, in order, each under `timeout` of what is left of
 # PT_BUDGET (s, default 570) so that a slow step cannot lose the call's results.
@@ -16,7 +17,13 @@ if [ ! -f /tmp/site/.done ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .devbundle/whl/*.whl \
     && touch /tmp/site/.done
 fi
-export PYTHONPATH=/tmp/site:$R/.devbundle/src:$R PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+SRV=  # the server's wheels (bench/device/make_server_wheels.sh), when .srv is carried too
+if [ -d .srv ]; then
+  [ -f /tmp/srvsite/.done ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --target /tmp/srvsite .srv/*.whl && touch /tmp/srvsite/.done; }
+  SRV=/tmp/srvsite:
+fi
+export PYTHONPATH=$SRV/tmp/site:$R/.devbundle/src:$R PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 { nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader; df -h / /tmp | tail -n +2
   python3 -c "import torch, lmdeploy; print('torch', torch.__version__, 'lmdeploy', lmdeploy.__version__)"
   git -C $R log -1 --format='commit %h %s' 2>/dev/null; } > $O/env.txt 2>&1
