@@ -58,7 +58,8 @@ def test_dry_run_prints_the_plan_and_a_table(capsys):
     sl = load()
     assert sl.main(["--model", "/m/x", "--dry-run", "--out", "/tmp/never"]) == 0
     out = capsys.readouterr().out
-    assert "serve_stages.py --stages-out" in out and "--allow-loopback-media -- lmdeploy serve api_server" in out
+    assert "serve_stages.py --stages-out" in out
+    assert "--allow-loopback-media -- lmdeploy serve api_server" in out
     assert "--trust-client-image-ids" in out and "--eager-mode" not in out  # CUDA graphs on
     assert "hit turn vs text-only turn" in out and "load: concurrent chat clients" in out
     assert not os.path.exists("/tmp/never")

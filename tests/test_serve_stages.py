@@ -122,7 +122,8 @@ def test_timers_charge_executor_work_to_its_request(tmp_path_factory):
         cache = FeatureCache(device="cpu", device_bytes="64MiB", host_bytes=0)
         install_frontend(prompt_path.model, cache, "test:stages", prompt_path.processor)
         buf = io.BytesIO()
-        Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 80, 3), dtype=np.uint8)).save(buf, "PNG")
+        pixels = np.random.default_rng(0).integers(0, 256, (64, 80, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(buf, "PNG")
         url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
         msgs = [{"role": "user", "content": [{"type": "text", "text": "hi"},
                                              {"type": "image_url", "image_url": {"url": url}}]}]
