@@ -236,10 +236,14 @@ def timed_generate(fn: Callable[..., Any]) -> Callable[..., Any]:
             rec.mark("generate_start")
             session = getattr(request, "session", None)
             rec.session_id = getattr(session, "session_id", None)
-        async for out in fn(self, request, *a, **k):
-            if rec is not None and getattr(out, "token_ids", None):
-                rec.mark("first_output")
-            yield out
+        inner = fn(self, request, *a, **k)
+        try:
+            async for out in inner:
+                if rec is not None and getattr(out, "token_ids", None):
+                    rec.mark("first_output")
+                yield out
+        finally:  # closed when the caller closes this one (lmdeploy's cleanup), not at GC
+            await inner.aclose()
     return generate
 
 

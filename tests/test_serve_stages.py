@@ -156,3 +156,33 @@ def test_timers_charge_executor_work_to_its_request(tmp_path_factory):
     assert any(p.endswith("parse_items>fc_resolve>fc_key") or p.endswith("fc_resolve>fc_key")
                for p in hit.spans)  # nested under its caller: the executor carried the context
     json.dumps(hit.as_json(None))
+
+
+def test_the_generate_wrapper_closes_the_engine_generator_with_it():
+    """lmdeploy's cleanup closes the result generator; the engine's must close then, not at GC."""
+    st = load("serve_stages")
+    closed = []
+
+    class Out:
+        token_ids = [1]
+
+    async def generate(self, request):
+        try:
+            for _ in range(3):
+                yield Out()
+        finally:
+            closed.append(True)
+
+    async def run():
+        rec = st.Record()
+        token = st.REC.set(rec)
+        try:
+            gen = st.timed_generate(generate)(None, None)
+            await gen.__anext__()
+            await gen.aclose()
+        finally:
+            st.REC.reset(token)
+        return rec
+
+    rec = asyncio.run(run())
+    assert closed == [True] and "first_output" in rec.marks and "generate_start" in rec.marks
