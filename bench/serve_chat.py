@@ -183,6 +183,37 @@ def _extra(obj: Any, name: str) -> Any:
     return value
 
 
+def stream_turn(client: Any, model: str, messages: list[dict], max_tokens: int) -> dict[str, Any]:
+    """One streamed, greedy chat request through the openai ``client``: time to first token
+    (the first chunk with a choice: return_token_ids puts the first token's id in it even when it
+    decodes to no text), whole request, usage (prompt, cached, completion tokens), the messages'
+    size, the answer's token ids and text."""
+    body_bytes = len(json.dumps(messages))
+    start = time.perf_counter()
+    ttft, parts, ids, usage = None, [], [], None
+    stream = client.chat.completions.create(
+        model=model, messages=messages, stream=True, max_tokens=max_tokens, temperature=0,
+        stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True, "ignore_eos": True, "top_k": 1})
+    for chunk in stream:
+        usage = chunk.usage or usage
+        if not chunk.choices:
+            continue
+        if ttft is None:
+            ttft = time.perf_counter() - start
+        choice = chunk.choices[0]
+        parts.append(choice.delta.content or "")
+        ids.extend(_extra(choice, "output_ids") or [])
+    total = time.perf_counter() - start
+    details = getattr(usage, "prompt_tokens_details", None)
+    return {"ttft_ms": round(ttft * 1e3, 2) if ttft is not None else None,
+            "total_ms": round(total * 1e3, 2),
+            "prompt_tokens": getattr(usage, "prompt_tokens", None),
+            "cached_tokens": getattr(details, "cached_tokens", None),
+            "completion_tokens": getattr(usage, "completion_tokens", None),
+            "messages_bytes": body_bytes, "output_ids": ids, "text": "".join(parts)}
+
+
 def run_chat(base_url: str, image_url: str, turns: int, first_question: int = 0,
              max_tokens: int = 8, metrics: bool = False, model: str | None = None,
              image_id: str | None = None, id_known: bool = False) -> list[dict]:
@@ -207,32 +238,9 @@ def run_chat(base_url: str, image_url: str, turns: int, first_question: int = 0,
         elif image_id is not None:  # the history names the image: no bytes after the first turn
             history[0]["content"][1] = {"type": "image_url", "uuid": image_id}
         history.append({"role": "user", "content": content})
-        body_bytes = len(json.dumps(history))
         before = counters(base_url) if metrics else {}
-        start = time.perf_counter()
-        ttft, parts, ids, usage = None, [], [], None
-        stream = client.chat.completions.create(
-            model=model, messages=history, stream=True, max_tokens=max_tokens, temperature=0,
-            stream_options={"include_usage": True},
-            extra_body={"return_token_ids": True, "ignore_eos": True, "top_k": 1})
-        for chunk in stream:
-            usage = chunk.usage or usage
-            if not chunk.choices:
-                continue
-            if ttft is None:  # the first token's chunk (return_token_ids: even with no text)
-                ttft = time.perf_counter() - start
-            choice = chunk.choices[0]
-            parts.append(choice.delta.content or "")
-            ids.extend(_extra(choice, "output_ids") or [])
-        total = time.perf_counter() - start
-        details = getattr(usage, "prompt_tokens_details", None)
-        row = {"turn": turn + 1, "ttft_ms": round(ttft * 1e3, 2) if ttft is not None else None,
-               "total_ms": round(total * 1e3, 2),
-               "prompt_tokens": getattr(usage, "prompt_tokens", None),
-               "cached_tokens": getattr(details, "cached_tokens", None),
-               "completion_tokens": getattr(usage, "completion_tokens", None),
-               "messages_bytes": body_bytes,
-               "output_ids": ids, "text": "".join(parts)}
+        row = {"turn": turn + 1, **stream_turn(client, model, history, max_tokens)}
+        ids = row["output_ids"]
         if metrics:
             row["featcache"] = delta(before, counters(base_url))
         out.append(row)

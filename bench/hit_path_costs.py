@@ -1,0 +1,149 @@
+"""What each step of a hit request's image handling costs on the CPU (no GPU, no server).
+
+    PYTHONPATH=$PWD python bench/hit_path_costs.py [--repeats N] [--json FILE]
+
+One 1344x1008 noise PNG (examples/chat.py's, ~4 MB encoded, ~5.4 MB as a data URL), sent as a
+data URL inside an OpenAI chat body. Per step, the median over --repeats of a fresh input (a new
+string object each time, so no per-object cache, ``urlsplit``'s LRU included, answers for it):
+
+- lmdeploy's server path: the body's ``json.loads``; ``ChatCompletionRequest`` validation;
+  ``urlparse`` of the data URL (what ``load_from_url`` and, before issue 16, featcache did);
+  base64 decoding (``pybase64``, as lmdeploy); PNG decoding; ``convert("RGB")`` (a copy when the
+  image is RGB already: lmdeploy's ``ImageMediaIO.load_bytes`` always calls it); keying the decoded
+  pixels (what a hit costs featcache when lmdeploy decoded the image: http URLs);
+- featcache's: keying the encoded bytes (xxh3_128, framed); ``encoded_bytes`` of the data URL
+  (base64 decoding and the parsing around it); ``Frontend.resolve_sources`` on a hit, with a
+  real ``FeatureCache`` (CPU device tier) holding the image: the whole of featcache's share of a
+  hit before the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlparse
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+
+
+def timed(fn: Callable[..., Any], repeats: int, make: Callable[[], Any] | None = None) -> float:
+    """Median wall time in ms of ``fn()``, or of ``fn(make())`` with each ``make()`` made before
+    the clock starts."""
+    out = []
+    for _ in range(repeats):
+        args = () if make is None else (make(),)
+        t = time.perf_counter()
+        fn(*args)
+        out.append((time.perf_counter() - t) * 1e3)
+    return round(statistics.median(out), 3)
+
+
+def fresh(s: str) -> Callable[[], str]:
+    """Makes equal strings that are new objects (hash not computed, no cache holds them)."""
+    return lambda: (s + " ")[:-1]
+
+
+def measure(repeats: int) -> dict[str, Any]:
+    import pybase64
+    import xxhash
+    from chat import data_url
+    from PIL import Image
+
+    from featcache import FeatureCache, image_key
+
+    url = data_url(None, 1)
+    raw = base64.b64decode(url.split(",", 1)[1])
+    body = json.dumps({"model": "m", "stream": True, "max_tokens": 8, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
+                                     {"type": "image_url", "image_url": {"url": url}}]},
+        {"role": "assistant", "content": "a picture"},
+        {"role": "user", "content": "Describe the colours."}]}).encode()
+    decoded = Image.open(io.BytesIO(raw)).convert("RGB")
+    ns = "bench:hit-path"
+    rows: dict[str, float] = {
+        "body_json_loads": timed(lambda: json.loads(body), repeats),
+        "urlparse_data_url": timed(urlparse, repeats, fresh(url)),
+        "b64decode_pybase64": timed(lambda u: pybase64.b64decode(u.split(",", 1)[1]), repeats, fresh(url)),
+        "b64decode_stdlib": timed(lambda: base64.b64decode(url.split(",", 1)[1]), repeats),
+        "xxh3_128_of_bytes": timed(lambda: xxhash.xxh3_128_digest(raw), repeats),
+        "image_key_of_bytes": timed(lambda: image_key(raw, namespace=ns, params={}), repeats),
+        "png_decode": timed(lambda: Image.open(io.BytesIO(raw)).load(), repeats),
+        "convert_rgb_copy": timed(lambda: decoded.convert("RGB"), repeats),
+        "image_key_of_pixels": timed(lambda: image_key(decoded, namespace=ns, params={}), repeats),
+    }
+    try:
+        from lmdeploy.serve.openai.protocol import ChatCompletionRequest
+
+        parsed = json.loads(body)
+        rows["chat_request_validate"] = timed(lambda: ChatCompletionRequest.model_validate(parsed),
+                                              repeats)
+    except ImportError:
+        pass
+    try:
+        rows.update(featcache_rows(url, raw, repeats, FeatureCache))
+    except ImportError:
+        pass
+    return {"image_bytes": len(raw), "data_url_chars": len(url), "body_bytes": len(body),
+            "repeats": repeats, "median_ms": rows}
+
+
+def featcache_rows(url: str, raw: bytes, repeats: int, cache_class: Any) -> dict[str, float]:
+    """featcache's share of a hit: ``encoded_bytes`` and the whole ``resolve_sources`` (needs
+    lmdeploy for the frontend's imports)."""
+    import torch
+
+    from featcache import image_key
+    from featcache.lmdeploy.entry_meta import encode_item
+    from featcache.lmdeploy.frontend import Frontend
+    from featcache.lmdeploy.sources import CachedImage, encoded_bytes
+
+    ns = "bench:hit-path"
+    cache = cache_class(device="cpu", device_bytes="64MiB", host_bytes=0)
+    try:
+        meta = encode_item({"pixel_values": torch.zeros(1, 3, 448, 448), "image_tokens": 256,
+                            "image_token_id": 1, "offset": 0}, ns)
+        cache.put(image_key(raw, namespace=ns, params={}), torch.zeros(256, 64), meta=meta)
+        frontend = Frontend(cache, lambda m: m, ns)
+
+        def resolve(source: str) -> None:
+            msgs = [{"role": "user", "content": [
+                {"type": "text", "text": "What is in this picture?"},
+                {"type": "image_url", "image_url": {"url": source}}]}]
+            out = frontend.resolve_sources(msgs, {})
+            data = out[0]["content"][1]["image_data"]["data"]
+            assert isinstance(data, CachedImage), "not a hit"
+            data.ref.lease.release()
+
+        return {"fc_encoded_bytes": timed(encoded_bytes, repeats, fresh(url)),
+                "fc_resolve_sources_hit": timed(resolve, repeats, fresh(url))}
+    finally:
+        cache.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--json", metavar="FILE", help="also write the numbers here")
+    args = p.parse_args(argv)
+    res = measure(args.repeats)
+    print(f"image {res['image_bytes']} bytes, data URL {res['data_url_chars']} chars, body "
+          f"{res['body_bytes']} bytes; median of {res['repeats']}:")
+    for name, ms in res["median_ms"].items():
+        print(f"  {name:<26} {ms:>9.3f} ms")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
