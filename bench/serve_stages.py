@@ -391,6 +391,9 @@ def install(sink: Sink, allow_loopback_media: bool = False) -> list[str]:
            "featcache Frontend.__call__")
     _patch(frontend, "encoded_bytes", lambda f: timed(f, "fc_source_bytes"), done,
            "featcache encoded_bytes")
+    if hasattr(frontend, "fetched_bytes"):  # http(s) images fetched by featcache (lmdeploy's fetcher inside)
+        _patch(frontend, "fetched_bytes", lambda f: timed(f, "fc_source_bytes"), done,
+               "featcache fetched_bytes")
     _patch(frontend, "image_key", lambda f: timed(f, "fc_key"), done, "featcache image_key")
     _patch(frontend, "client_image_key", lambda f: timed(f, "fc_key"), done, "featcache client_image_key")
     _patch(FeatureCache, "acquire", lambda f: timed(f, "fc_acquire"), done, "FeatureCache.acquire")
@@ -418,7 +421,7 @@ LABELS = [
     ("load_file", "file read + decode (lmdeploy)"),
     ("image_decode", "PNG decode + convert"),
     ("fc_resolve", "featcache resolve (rest)"),
-    ("fc_source_bytes", "featcache source bytes (base64/file)"),
+    ("fc_source_bytes", "featcache source bytes (base64/file/http)"),
     ("fc_key", "featcache keying"),
     ("fc_acquire", "featcache lookup"),
     ("vl_preprocess", "preprocess queue + hops"),

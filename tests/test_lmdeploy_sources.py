@@ -155,6 +155,66 @@ def test_a_failure_after_resolving_still_serves_the_request(rig, monkeypatch):
     assert not rig.cache._chain.top._books.pinned(image_key(raw, namespace=rig.namespace, params={}))
 
 
+@pytest.fixture
+def http_images(tmp_path, monkeypatch):
+    """A directory served over http on 127.0.0.1 (its GETs counted), which lmdeploy's fetcher may
+    reach in this test (it refuses loopback addresses otherwise; localhost stays refused)."""
+    import functools
+    import http.server
+    import threading
+
+    from lmdeploy.vl.media import connection
+
+    gets: list[str] = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def do_GET(self):
+            gets.append(self.path)
+            super().do_GET()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                             functools.partial(Handler, directory=str(tmp_path)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    safe = connection._is_safe_url
+    monkeypatch.setattr(connection, "_is_safe_url",
+                        lambda url: (True, "test") if "//127.0.0.1:" in url else safe(url))
+    yield server.server_address[1], tmp_path, gets
+    server.shutdown()
+    server.server_close()
+
+
+def test_an_http_image_is_fetched_once_keyed_by_its_bytes_and_a_hit_never_decoded(rig, decodes,
+                                                                                   http_images):
+    port, root, gets = http_images
+    raw = png(tiny.noise_image(96, 72, seed=21))
+    (root / "a.png").write_bytes(raw)
+    msgs = tiny.messages(url_item(f"http://127.0.0.1:{port}/a.png"))
+
+    first = rig.cached.prompt(msgs)
+    assert gets == ["/a.png"] and decodes == ["bytes"]  # fetched once, decoded once (by featcache)
+    ref = first["multimodal"][0][REF_KEY]
+    assert ref.key == image_key(raw, namespace=rig.namespace, params={})
+    rig.store(first)
+    decodes.clear()
+
+    second = rig.cached.prompt(msgs)
+    assert gets == ["/a.png"] * 2 and decodes == []  # the bytes keyed again; no decode
+    assert second["multimodal"][0][REF_KEY].hit and len(rig.cached.calls) == 1
+    assert_same_prompt(second, rig.plain.prompt(msgs))
+    assert rig.counters()["decode_skipped"] == 1
+
+
+def test_an_http_url_featcache_may_not_fetch_is_left_to_lmdeploy(rig, http_images):
+    port, root, gets = http_images
+    (root / "b.png").write_bytes(png(tiny.noise_image(64, 64, seed=22)))
+    with pytest.raises(ValueError, match="blocked"):  # lmdeploy's own refusal reaches the client
+        rig.cached.prompt(tiny.messages(url_item(f"http://localhost:{port}/b.png")))
+    assert gets == [] and rig.counters()["fetch_failed"] == 1
+
+
 def test_sources_featcache_leaves_to_lmdeploy():
     assert encoded_bytes("http://example.com/a.png") is None
     assert encoded_bytes("https://example.com/a.png") is None
@@ -246,7 +306,7 @@ def test_ids_are_refused_where_they_cannot_be_honoured(trusted):
     from featcache.lmdeploy.sources import ImageIdError
 
     rig = trusted
-    with pytest.raises(ImageIdError, match="data URL or a file"):  # lmdeploy fetches http URLs
+    with pytest.raises(ImageIdError, match="could not be read"):  # lmdeploy's fetcher refuses it
         rig.cached.prompt(tiny.messages(id_item("x", "http://example.invalid/a.png")))
     with pytest.raises(ImageIdError, match="bad image uuid"):
         rig.cached.prompt(tiny.messages(id_item("y" * 300)))

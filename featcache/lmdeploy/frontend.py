@@ -34,8 +34,10 @@ from .sources import (
     CachedImage,
     ImageIdError,
     encoded_bytes,
+    fetched_bytes,
     image_parts,
     install_sources,
+    is_http,
 )
 
 log = logging.getLogger("featcache")
@@ -87,13 +89,15 @@ class Frontend:
             # with them the request's leases, alive for as long as a handler keeps the record
             log.error("featcache: %s (logged once)\n%s", what, traceback.format_exc())
 
-    def resolve_sources(self, messages: list[dict[str, Any]],
-                        media_io_kwargs: dict[str, Any]) -> list[dict[str, Any]]:
-        """Key data-URL and file images by their bytes; hits become ``CachedImage`` items (no
-        decode), misses are decoded here and carry their key. Returns new messages (the caller's
-        are left as they are); on any failure, the original messages (lmdeploy decodes them)."""
+    def resolve_sources(self, messages: list[dict[str, Any]], media_io_kwargs: dict[str, Any],
+                        allowed_media_domains: list[str] | None = None) -> list[dict[str, Any]]:
+        """Key data-URL, file and http(s) images by their encoded bytes; hits become
+        ``CachedImage`` items (no decode), misses are decoded here and carry their key. Returns new
+        messages (the caller's are left as they are); on any failure, the original messages
+        (lmdeploy decodes them). ``allowed_media_domains``: lmdeploy's, for the http fetches."""
+        io_kwargs = media_io_kwargs.get("image", {})
         try:
-            return [self._resolve_message(m, media_io_kwargs.get("image", {})) for m in messages]
+            return [self._resolve_message(m, io_kwargs, allowed_media_domains) for m in messages]
         except ImageIdError:
             self.cache.count(SECTION, "image_id_refused")
             raise  # the client's to fix: lmdeploy answers it with a 400 and this message
@@ -101,21 +105,34 @@ class Frontend:
             self._failed("resolving encoded image sources failed; lmdeploy decodes them")
             return messages
 
-    def _resolve_message(self, message: Any, io_kwargs: dict[str, Any]) -> Any:
+    def _resolve_message(self, message: Any, io_kwargs: dict[str, Any], domains: Any) -> Any:
         content = message.get("content") if isinstance(message, dict) else None
         if message.get("role") not in ("user", "tool") or not isinstance(content, list):
             return message
-        return dict(message, content=[self._resolve_item(x, io_kwargs) for x in content])
+        return dict(message, content=[self._resolve_item(x, io_kwargs, domains) for x in content])
 
-    def _resolve_item(self, item: Any, io_kwargs: dict[str, Any]) -> Any:
+    def _source_bytes(self, source: str, domains: Any) -> bytes | None:
+        """The encoded image behind ``source`` (data URL, file, http(s) URL), or None where
+        featcache cannot read it: lmdeploy then reads it, and reports what is wrong with it. An
+        http(s) URL is fetched once, here, by lmdeploy's own fetcher (its address, domain and
+        redirect checks) and never again by lmdeploy."""
+        if not is_http(source):
+            return encoded_bytes(source)
+        try:
+            return fetched_bytes(source, domains)
+        except Exception:  # blocked, unreachable, ...: lmdeploy's fetch raises its own error
+            self.cache.count(SECTION, "fetch_failed")
+            return None
+
+    def _resolve_item(self, item: Any, io_kwargs: dict[str, Any], domains: Any = None) -> Any:
         parts = image_parts(item) if isinstance(item, dict) else None
         if parts is None:
             return item
         source, params = parts
         image_id = item.get(ID_FIELD)
         if image_id is not None and (self.trust_image_ids or not isinstance(source, str)):
-            return self._resolve_id(image_id, source, params, io_kwargs)
-        raw = encoded_bytes(source) if isinstance(source, str) else None
+            return self._resolve_id(image_id, source, params, io_kwargs, domains)
+        raw = self._source_bytes(source, domains) if isinstance(source, str) else None
         if raw is None:
             return item
         try:
@@ -126,7 +143,7 @@ class Frontend:
         return self._served(key, raw, params, io_kwargs)
 
     def _resolve_id(self, image_id: Any, source: Any, params: dict[str, Any],
-                    io_kwargs: dict[str, Any]) -> Any:
+                    io_kwargs: dict[str, Any], domains: Any = None) -> Any:
         """An item naming its image by a client id: keyed by the id (the server trusts its
         clients), served from the cache, else decoded from the bytes sent with it (``source``);
         refused with a message saying what to send otherwise."""
@@ -138,10 +155,11 @@ class Frontend:
             key = client_image_key(image_id, namespace=self.namespace, params=params)
         except (TypeError, ValueError) as e:
             raise ImageIdError(f"bad image uuid: {e}") from None
-        raw = encoded_bytes(source) if isinstance(source, str) else None
+        raw = self._source_bytes(source, domains) if isinstance(source, str) else None
         if isinstance(source, str) and raw is None:
-            raise ImageIdError(f"image uuid {image_id!r}: send the image as a data URL or a file "
-                               "path with its uuid (an http URL is fetched by lmdeploy, not keyed)")
+            raise ImageIdError(f"image uuid {image_id!r}: its image could not be read: send it "
+                               "with its uuid as a data URL, a file path or an http(s) URL this "
+                               "server may fetch")
         self.cache.count(SECTION, "image_id_keyed")
         served = self._served(key, raw, params, io_kwargs, image_id)
         if served is None:

@@ -13,9 +13,12 @@ up *before* lmdeploy's parser runs (on the event loop's default executor, as lmd
   as an ``image_data`` PIL image that carries its key in ``image.info``, so its features are
   stored under the bytes' key.
 
-http(s) URLs are left to lmdeploy (fetching them is lmdeploy's business, with its own security
-checks). The same picture sent as a PIL image and as encoded bytes gets two keys (two entries),
-never a wrong answer.
+http(s) URLs are fetched here, once, by lmdeploy's own fetcher (``load_from_url``: public
+addresses only, ``allowed_media_domains``, at most 3 redirects, its timeout) with a reader that
+keeps the bytes instead of decoding them; a hit is then never decoded, a miss is decoded from those
+bytes (lmdeploy does not fetch it again). A URL featcache cannot fetch is left to lmdeploy, which
+fetches it and raises its own error. The same picture sent as a PIL image and as encoded bytes gets
+two keys (two entries), never a wrong answer.
 
 Client image ids (a server started with ``--trust-client-image-ids``; vLLM's request shape): an
 image item may carry ``"uuid": ID`` beside its ``image_url``. The image is then keyed by
@@ -96,6 +99,33 @@ def encoded_bytes(source: str) -> bytes | None:
     return None
 
 
+def is_http(source: str) -> bool:
+    return source[:7].lower() == "http://" or source[:8].lower() == "https://"
+
+
+_RAW_IO: list[Any] = []  # the raw-bytes reader's class, made on first use (lmdeploy imported then)
+
+
+def fetched_bytes(url: str, allowed_media_domains: list[str] | None = None) -> bytes:
+    """The bytes behind an http(s) image URL, fetched by lmdeploy's ``load_from_url`` exactly as
+    lmdeploy would fetch them (same checks, headers and image timeout) but not decoded. Raises
+    what lmdeploy's fetch raises (a blocked address: ``ValueError``)."""
+    from lmdeploy.vl.media.connection import load_from_url
+
+    if not _RAW_IO:
+        from lmdeploy.vl.media.image import ImageMediaIO
+
+        class RawImageIO(ImageMediaIO):  # an ImageMediaIO: lmdeploy picks its image fetch timeout
+            def load_bytes(self, data: bytes) -> Any:
+                return bytes(data)
+
+        _RAW_IO.append(RawImageIO)
+    raw = load_from_url(url, _RAW_IO[0](), allowed_media_domains)
+    if not isinstance(raw, bytes):
+        raise TypeError(f"lmdeploy's fetcher gave {type(raw).__name__}, not bytes")
+    return raw
+
+
 def _data_url_bytes(rest: str) -> bytes | None:
     """The bytes of a data URL's part after ``data:`` (``MEDIA;base64,DATA``), or None when it is
     not base64 (lmdeploy reports that). The same bytes lmdeploy's non-validating decoder gives:
@@ -150,7 +180,7 @@ def install_sources(prompt_processor: Any, frontend: Any) -> None:
         if isinstance(messages, list):
             loop = asyncio.get_running_loop()
             messages = await loop.run_in_executor(
-                None, frontend.resolve_sources, messages, media_io_kwargs or {})
+                None, frontend.resolve_sources, messages, media_io_kwargs or {}, allowed_media_domains)
         return await original(messages, media_io_kwargs, allowed_media_domains)
 
     async_parse_multimodal_item.frontend = frontend  # type: ignore[attr-defined]
