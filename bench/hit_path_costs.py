@@ -14,7 +14,9 @@ string object each time, so no per-object cache, ``urlsplit``'s LRU included, an
 - featcache's: keying the encoded bytes (xxh3_128, framed); ``encoded_bytes`` of the data URL
   (base64 decoding and the parsing around it); ``Frontend.resolve_sources`` on a hit, with a
   real ``FeatureCache`` (CPU device tier) holding the image: the whole of featcache's share of a
-  hit before the engine.
+  hit before the engine;
+- the client's: the ``openai`` client sending the image request (and a one-line text request) to
+  a loopback socket server that answers at once: what a data URL costs before the server starts.
 """
 
 from __future__ import annotations
@@ -92,6 +94,10 @@ def measure(repeats: int) -> dict[str, Any]:
         rows.update(featcache_rows(url, raw, repeats, FeatureCache))
     except ImportError:
         pass
+    try:
+        rows.update(client_rows(json.loads(body)["messages"], repeats))
+    except ImportError:
+        pass
     return {"image_bytes": len(raw), "data_url_chars": len(url), "body_bytes": len(body),
             "repeats": repeats, "median_ms": rows}
 
@@ -127,6 +133,55 @@ def featcache_rows(url: str, raw: bytes, repeats: int, cache_class: Any) -> dict
                 "fc_resolve_sources_hit": timed(resolve, repeats, fresh(url))}
     finally:
         cache.close()
+
+
+_SSE = (b'data: {"id":"x","object":"chat.completion.chunk","created":0,"model":"m","choices":'
+        b'[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}\n\ndata: [DONE]\n\n')
+
+
+def client_rows(messages: list[Any], repeats: int) -> dict[str, float]:
+    """What sending the request costs the client before any server work: the ``openai`` client's
+    time to its first streamed chunk from a loopback socket server that reads the whole body and
+    answers at once, for the image request and for a one-line text request."""
+    import socket
+    import threading
+
+    import openai
+
+    def serve(sock: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            with conn, conn.makefile("rb") as f:
+                length = 0
+                while (line := f.readline()) not in (b"\r\n", b""):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                f.read(length)
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(_SSE), _SSE))
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    threading.Thread(target=serve, args=(sock,), daemon=True).start()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="x",
+                           max_retries=0)
+
+    def first_chunk(msgs: list[Any]) -> None:
+        stream = client.chat.completions.create(model="m", messages=msgs, stream=True, max_tokens=8)
+        next(iter(stream))
+        stream.close()
+
+    text = [{"role": "user", "content": "Describe the colours."}]
+    try:
+        return {"client_send_image_request": timed(lambda: first_chunk(messages), repeats),
+                "client_send_text_request": timed(lambda: first_chunk(text), repeats),
+                "client_json_dumps_body": timed(lambda: json.dumps({"messages": messages}), repeats)}
+    finally:
+        sock.close()
 
 
 def main(argv: list[str] | None = None) -> int:
