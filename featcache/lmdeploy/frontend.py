@@ -37,8 +37,10 @@ from .sources import (
     fetched_bytes,
     image_parts,
     install_sources,
+    is_data_url,
     is_http,
 )
+from .urlkeys import DataUrlKeys
 
 log = logging.getLogger("featcache")
 SECTION = "lmdeploy"
@@ -72,6 +74,7 @@ class Frontend:
         self.original = original
         self.namespace = namespace
         self.trust_image_ids = False  # client image ids ("uuid"): featcache serve --trust-client-image-ids
+        self.data_urls = DataUrlKeys()  # data URLs keyed before: a repeat is not base64-decoded
         self._logged = False
 
     def __call__(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -132,13 +135,24 @@ class Frontend:
         image_id = item.get(ID_FIELD)
         if image_id is not None and (self.trust_image_ids or not isinstance(source, str)):
             return self._resolve_id(image_id, source, params, io_kwargs, domains)
-        raw = self._source_bytes(source, domains) if isinstance(source, str) else None
+        if not isinstance(source, str):
+            return item
+        ident = DataUrlKeys.ident(source, params) if is_data_url(source) else None
+        if ident is not None and (known := self.data_urls.get(ident)) is not None:
+            served = self._served(known, None, params, io_kwargs, source=source)
+            if served is not None:  # a hit, keyed without decoding the base64 again
+                self.cache.count(SECTION, "source_keyed")
+                self.cache.count(SECTION, "data_url_remembered")
+                return served
+        raw = self._source_bytes(source, domains)
         if raw is None:
             return item
         try:
             key = image_key(raw, namespace=self.namespace, params=params)
         except (TypeError, ValueError):
             return item  # not keyable here: lmdeploy decodes it, the frontend decides
+        if ident is not None:
+            self.data_urls.put(ident, key)
         self.cache.count(SECTION, "source_keyed")
         return self._served(key, raw, params, io_kwargs)
 
@@ -168,9 +182,11 @@ class Frontend:
         return served
 
     def _served(self, key: bytes, raw: bytes | None, params: dict[str, Any],
-                io_kwargs: dict[str, Any], image_id: str | None = None) -> Any:
+                io_kwargs: dict[str, Any], image_id: str | None = None,
+                source: str | None = None) -> Any:
         """The ``image_data`` item for ``key``: a ``CachedImage`` on a hit, else ``raw`` decoded
-        and carrying its key; None for a miss with nothing to decode."""
+        and carrying its key; None for a miss with nothing to decode. ``source``: the encoded
+        source a hit can still be decoded from when ``raw`` was not read."""
         lease = self.cache.acquire(key)
         if lease is not None:
             try:
@@ -180,7 +196,7 @@ class Frontend:
                 self.cache.count(SECTION, "unreadable_meta")
             else:
                 ref = FeatRef(self.cache, key, lease.meta, lease)
-                data: Any = CachedImage(ref, raw, io_kwargs, image_id)
+                data: Any = CachedImage(ref, raw, io_kwargs, image_id, source)
                 return {"type": "image_data", "image_data": {"data": data, **params}}
         if raw is None:
             return None

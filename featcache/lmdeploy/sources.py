@@ -54,20 +54,23 @@ class ImageIdError(ValueError):
 class CachedImage:
     """An image whose features are cached: stands in for the decoded image until preprocessing."""
 
-    __slots__ = ("image_id", "media_io_kwargs", "raw", "ref")
+    __slots__ = ("image_id", "media_io_kwargs", "raw", "ref", "source")
 
     def __init__(self, ref: FeatRef, raw: bytes | None, media_io_kwargs: dict[str, Any],
-                 image_id: str | None = None) -> None:
+                 image_id: str | None = None, source: str | None = None) -> None:
         self.ref = ref
-        self.raw = raw  # None: named by a client id, sent without the image
+        self.raw = raw  # None: not read (a remembered data URL: ``source``) or not sent (an id)
         self.media_io_kwargs = media_io_kwargs
         self.image_id = image_id
+        self.source = source
 
     def decode(self) -> Any:
         """The PIL image lmdeploy would have decoded (for a fallback to plain preprocessing);
         ``ImageIdError`` when the client sent only the image's id."""
         from lmdeploy.vl.media.image import ImageMediaIO
 
+        if self.raw is None and self.source is not None:
+            self.raw = encoded_bytes(self.source)
         if self.raw is None:
             if self.ref.lease is not None:  # the request is refused: it needs the features no more
                 self.ref.lease.release()  # (the error's traceback may keep this ref a while)
@@ -97,6 +100,10 @@ def encoded_bytes(source: str) -> bytes | None:
         except OSError:
             return None  # lmdeploy will raise its own error for it
     return None
+
+
+def is_data_url(source: str) -> bool:
+    return source[:5].lower() == "data:"
 
 
 def is_http(source: str) -> bool:

@@ -1,0 +1,56 @@
+"""Data URLs seen before: their bytes' key without base64-decoding them again.
+
+A chat client resends the same data URL every turn. Keying it means base64-decoding ~5 MB and
+hashing the bytes (1.5 ms on the CPU machine, 5 ms on the H200 host under a running engine; issue
+16). ``DataUrlKeys`` remembers, per data URL text (its xxh3_128 digest, with the item's per-image
+parameters), the ``ImageKey`` its bytes gave: a repeat is keyed by hashing the text alone.
+
+Invariant: an entry maps a data URL's exact text to the key of the bytes that text decodes to;
+decoding is deterministic, so the entry never goes stale (an evicted image's key simply misses in
+the cache, and the caller decodes). The digest is xxh3_128, as the keys themselves are by default:
+not collision-resistant against an adversary (docs/design.md, "Keys"). Bounded (LRU), thread-safe
+(lmdeploy resolves requests on its executor's threads).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import xxhash
+
+from ..keys import ImageKey
+
+
+class DataUrlKeys:
+    def __init__(self, capacity: int = 4096) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._keys: OrderedDict[tuple[bytes, str], ImageKey] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def ident(url: str, params: dict[str, Any]) -> tuple[bytes, str]:
+        """What identifies a data URL item: its text's digest and its per-image parameters."""
+        text = url.encode("utf-8", "surrogatepass")  # (a JSON string may hold lone surrogates)
+        return xxhash.xxh3_128_digest(text), json.dumps(params, sort_keys=True, default=str)
+
+    def get(self, ident: tuple[bytes, str]) -> ImageKey | None:
+        with self._lock:
+            key = self._keys.get(ident)
+            if key is not None:
+                self._keys.move_to_end(ident)
+            return key
+
+    def put(self, ident: tuple[bytes, str], key: ImageKey) -> None:
+        with self._lock:
+            self._keys[ident] = key
+            self._keys.move_to_end(ident)
+            while len(self._keys) > self.capacity:
+                self._keys.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._keys)
