@@ -118,10 +118,11 @@ except Exception:  # an engine without featcache: every image computed
 
 def install_in_rank(settings_json: str) -> None:
     """Run by the rank hook file in each model process."""
-    ranks.install_rank(settings_json)
     from lmdeploy.pytorch.engine.executor.base_worker import WorkerWrapperBase
 
+    # first: the driver may ask any rank for it once the engine is built (``engine_stats``)
     WorkerWrapperBase.featcache_stats = _rank_stats  # type: ignore[attr-defined]
+    ranks.install_rank(settings_json)
 
 
 def _rank_stats(self: Any) -> dict[str, Any]:

@@ -64,12 +64,18 @@ def install_rank(settings_json: str | None) -> None:
     """
     from .models import SPECS, patch_model_class
 
-    with _lock:
-        _state["settings"] = json.loads(settings_json) if settings_json else None
-        _state["installed"] = True
+    configure(settings_json)
     for spec in SPECS.values():
         patch_model_class(spec)
     log.info("featcache: serving cached image features in this model process (pid %d)", os.getpid())
+
+
+def configure(settings_json: str | None) -> None:
+    """Give this process its cache settings (``install_rank`` without patching the model
+    classes); the cache is built on first use."""
+    with _lock:
+        _state["settings"] = json.loads(settings_json) if settings_json else None
+        _state["installed"] = True
 
 
 def installed() -> bool:
