@@ -98,7 +98,8 @@ def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: s
     if multi_process(backend_config):
         from .processes import FeatcacheEngineConfig, cache_settings
 
-        settings = cache_settings(cache) if cache is not None else None
+        settings = (cache_settings(cache) if cache is not None  # else the config's own, if any
+                    else getattr(backend_config, "featcache_cache", None))
         backend_config = FeatcacheEngineConfig.of(backend_config, settings)
         pipeline_kwargs["backend_config"] = backend_config
         if cache is None:
