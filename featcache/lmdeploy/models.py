@@ -16,7 +16,12 @@ embeddings in image order. For each supported class we wrap, at class level:
   head is already in the KV cache (a prefix match ending inside it, see ``prefix``) contributes
   only its tail rows, a view of the leased features.
 
-Classes whose instances never see a ``FeatRef`` behave exactly as before. Invariant: the vision
+In the multi-process mode the meta slot holds a ``FeatTag`` instead (key and metadata, pixels
+present): ``prepare`` resolves the step's tags against this process's own cache, with the ranks'
+agreement (``ranks.resolve``), into step-local ``FeatRef``s, and the rest is the same; a miss that
+a prefix match ends inside (``skip`` > 0) is computed whole and sliced.
+
+Classes whose instances never see a ``FeatRef`` or ``FeatTag`` behave exactly as before. Invariant: the vision
 model runs only on images that missed; the returned features have exactly one row per image token.
 """
 
