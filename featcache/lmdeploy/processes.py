@@ -12,7 +12,7 @@ pipeline's process are not there. Two channels carry featcache (docs/multi-gpu.m
   ``models/patch.py`` ``update_custom_module_map``). Nothing in lmdeploy 0.18 sets it (the
   engine config's ``custom_module_map`` goes to ``MiscConfig`` only), so while an ``Engine`` is
   built with a ``FeatcacheEngineConfig`` the driver's ``ModelConfig.from_pretrained`` gets it set
-  to a small generated file that calls ``ranks.install_rank`` with the cache settings. The model
+  to a small generated file that calls ``install_in_rank`` with the cache settings. The model
   config is pickled to every rank (uni, mp and ray executors alike).
 
 Hooks installed on import (class level; they act only for an ``Engine`` built with a
@@ -43,6 +43,7 @@ from lmdeploy.messages import PytorchEngineConfig
 
 from . import ranks
 from .engine import KeyedInputProcessor
+from .models import SPECS, patch_model_class
 from .prefix import install_prefix_hook
 
 log = logging.getLogger("featcache")
@@ -122,7 +123,10 @@ def install_in_rank(settings_json: str) -> None:
 
     # first: the driver may ask any rank for it once the engine is built (``engine_stats``)
     WorkerWrapperBase.featcache_stats = _rank_stats  # type: ignore[attr-defined]
-    ranks.install_rank(settings_json)
+    ranks.configure(settings_json)
+    for spec in SPECS.values():
+        patch_model_class(spec)
+    log.info("featcache: serving cached image features in this model process (pid %d)", os.getpid())
 
 
 def _rank_stats(self: Any) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from ..cache import FeatureCache
+from .budgets import default_cache
 from .frontend import SECTION
 from .refs import FeatRef
 from .tags import FeatTag
@@ -54,25 +55,13 @@ _state: dict[str, Any] = {"installed": False, "settings": None, "cache": None, "
                           "group": None, "group_set": False}
 
 
-def install_rank(settings_json: str | None) -> None:
-    """Make this process serve tagged images (the rank hook file calls it; idempotent).
-
-    ``settings_json``: the JSON of this process's cache settings (``processes.FeatcacheEngineConfig``:
-    ``{"feature_cache": FeatureCache kwargs}``, ``{"default_cache": default_cache() kwargs}``, or
-    null for ``default_cache()``); the device is this process's current GPU.
-    Patches lmdeploy's model classes (``models.patch_model_class``) in this process.
-    """
-    from .models import SPECS, patch_model_class
-
-    configure(settings_json)
-    for spec in SPECS.values():
-        patch_model_class(spec)
-    log.info("featcache: serving cached image features in this model process (pid %d)", os.getpid())
-
-
 def configure(settings_json: str | None) -> None:
-    """Give this process its cache settings (``install_rank`` without patching the model
-    classes); the cache is built on first use."""
+    """Make this process serve tagged images with a cache of these settings, built on first use
+    (``processes.install_in_rank`` calls it, then patches the model classes; idempotent).
+
+    ``settings_json``: the JSON of ``processes.FeatcacheEngineConfig.featcache_cache``:
+    ``{"feature_cache": FeatureCache kwargs}``, ``{"default_cache": default_cache() kwargs}``, or
+    null for ``default_cache()``; the device is this process's current GPU."""
     with _lock:
         _state["settings"] = json.loads(settings_json) if settings_json else None
         _state["installed"] = True
@@ -103,8 +92,6 @@ def local_cache() -> FeatureCache | None:
 def _build(settings: dict[str, Any] | None) -> FeatureCache:
     if settings is not None and "feature_cache" in settings:
         return FeatureCache(**settings["feature_cache"])
-    from . import default_cache
-
     return default_cache(**(settings or {}).get("default_cache", {}))
 
 
