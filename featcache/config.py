@@ -46,6 +46,10 @@ DEFAULTS: dict[str, int | str | bool | None] = {
 # URL schemes of the remote tier: one server (redis-py's own forms) or a Redis Cluster (any node).
 REMOTE_SCHEMES = ("redis", "rediss", "unix", "redis-cluster", "rediss-cluster")
 
+# Where `featcache serve` runs the PyTorch engine (--engine-process); the first is the default:
+# "in" the server's process (a hit skips preprocessing), "mp" lmdeploy's own engine process.
+ENGINE_PROCESSES = ("in", "mp")
+
 # Where a store lives when none is named (the CLI, featcache.lmdeploy.default_cache()).
 ENV_DIR = "FEATCACHE_DIR"
 DEFAULT_DIR_SHOWN = "~/.cache/featcache"

@@ -1,16 +1,22 @@
 """lmdeploy's OpenAI-compatible api_server, run with featcache wrapped in (``featcache serve``).
 
 lmdeploy's own argument parser and server code run (same flags, endpoints and behaviour), with
-featcache installed on the engine the server builds. Two differences, both logged at start:
+featcache installed on the engine the server builds. Differences, logged at start:
 
-- the PyTorch engine runs in the server's process: ``lmdeploy serve api_server`` puts it in a
-  second process (``enable_mp_engine``), but featcache's model hooks and its device tier must live
-  in the process that runs the model, next to the frontend that looks images up;
+- where the PyTorch engine runs (``engine_process``): ``"in"`` (the default) runs it in the
+  server's process, so the frontend that looks images up sits next to the model and a hit skips
+  preprocessing; ``"mp"`` keeps lmdeploy's own process model (``enable_mp_engine``: the engine in a
+  second process), where every image is preprocessed and the engine process serves the features
+  (featcache's multi-process mode, ``featcache.lmdeploy.processes``). ``--tp`` > 1 always runs in
+  the multi-process mode (the ranks are processes of their own), in either engine process;
 - ``--enable-prefix-caching`` stays on for the supported VLMs (lmdeploy alone turns it off).
 
 featcache's counters are exported on the server's ``/metrics`` (``featcache_*``, beside lmdeploy's)
-unless ``--disable-metrics`` is given. ``--dp`` > 1 and ``--tp`` > 1 are refused (one tp=1 server per
-GPU over a shared cache directory instead). The command line is ``featcache.cli.serving``'s.
+unless ``--disable-metrics`` is given; in the multi-process mode those are the frontend's (the
+model processes count in their own caches: ``featcache.lmdeploy.model_stats``). ``--dp`` > 1 is
+refused (one server per GPU over a shared cache directory instead), and so is ``--tp`` > 1 on
+TurboMind (featcache's TurboMind path is verified at tp=1 only). The command line is
+``featcache.cli.serving``'s.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from .cache import FeatureCache
-from .lmdeploy import SPECS, keep_prefix_caching, wrap
+from .config import ENGINE_PROCESSES
+from .lmdeploy import SPECS, keep_prefix_caching, multi_process, wrap
 
 log = logging.getLogger("featcache")
 
@@ -38,14 +45,21 @@ def lmdeploy_parser() -> argparse.ArgumentParser:
     return parsers["api_server"]
 
 
-def refusal(args: argparse.Namespace) -> str | None:
-    """Why lmdeploy's parsed ``args`` cannot be served with featcache, or None."""
+def refusal(args: argparse.Namespace, backend: str | None = None) -> str | None:
+    """Why lmdeploy's parsed ``args`` cannot be served with featcache, or None (``backend``:
+    ``backend_of(args)`` once known)."""
     if args.dp > 1:
         return "--dp > 1 starts one engine per process; run one `featcache serve` per GPU instead"
-    if args.tp > 1:
-        return ("featcache supports tp=1 (one GPU per engine, run in process); run one "
-                "`featcache serve` per GPU over a shared --cache-dir")
+    if args.tp > 1 and backend == "turbomind":
+        return ("featcache's TurboMind path is verified with --tp 1 only; run one `featcache "
+                "serve` per GPU over a shared --cache-dir, or use --backend pytorch for --tp > 1")
     return None
+
+
+def multi_process_args(args: argparse.Namespace, backend: str, engine_process: str) -> bool:
+    """Whether ``args`` run the model outside the server's process (featcache's multi-process
+    mode): the PyTorch engine with ``engine_process`` "mp" or ``--tp`` > 1."""
+    return backend == "pytorch" and (engine_process == "mp" or args.tp > 1)
 
 
 def backend_of(args: argparse.Namespace) -> str:
@@ -59,15 +73,17 @@ def backend_of(args: argparse.Namespace) -> str:
 
 
 def run_server(args: argparse.Namespace, cache: FeatureCache, namespace: str | None,
-               trust_image_ids: bool = False) -> None:
+               trust_image_ids: bool = False, engine_process: str = ENGINE_PROCESSES[0],
+               model_cache: dict[str, Any] | None = None) -> None:
     """Run lmdeploy's ``api_server`` handler for ``args`` (parsed by ``lmdeploy_parser``) until it
     stops, with featcache on its engine and, unless ``--disable-metrics``, on its ``/metrics``.
-    The caller owns ``cache`` (and closes it)."""
+    The caller owns ``cache`` (and closes it). ``engine_process`` and ``model_cache`` (the
+    multi-process mode's model-side cache settings): see ``featcache_engine``."""
     from lmdeploy.cli.serve import SubCliServe
 
     collector = export_metrics(cache) if not args.disable_metrics else None
     try:
-        with featcache_engine(cache, namespace, trust_image_ids):
+        with featcache_engine(cache, namespace, trust_image_ids, engine_process, model_cache):
             SubCliServe.api_server(args)  # lmdeploy's handler: builds the server, runs uvicorn
     finally:
         if collector is not None:
@@ -93,13 +109,19 @@ def export_metrics(cache: FeatureCache) -> Any:
 
 @contextlib.contextmanager
 def featcache_engine(cache: FeatureCache, namespace: str | None,
-                     trust_image_ids: bool = False) -> Iterator[None]:
-    """While active, the engine lmdeploy's api_server builds runs in process with featcache.
+                     trust_image_ids: bool = False, engine_process: str = ENGINE_PROCESSES[0],
+                     model_cache: dict[str, Any] | None = None) -> Iterator[None]:
+    """While active, the engine lmdeploy's api_server builds has featcache.
 
     The hook is ``get_task`` as imported by ``lmdeploy.serve.openai.api_server``: its second value
-    is the class the server instantiates; featcache hands back a factory that builds it with
-    ``enable_mp_engine`` off (prefix caching kept as asked) and installs featcache on it.
+    is the class the server instantiates; featcache hands back a factory that builds it (prefix
+    caching kept as asked) and installs featcache on it. ``engine_process`` "in": the PyTorch
+    engine runs in this process (``enable_mp_engine`` off); "mp": where lmdeploy puts it. In the
+    multi-process mode (``multi_process``) the engine config becomes a ``FeatcacheEngineConfig``
+    with ``model_cache`` as its model processes' cache settings.
     """
+    if engine_process not in ENGINE_PROCESSES:
+        raise ValueError(f"engine_process is one of {ENGINE_PROCESSES}, not {engine_process!r}")
     from lmdeploy import PytorchEngineConfig
     from lmdeploy.serve.openai import api_server
 
@@ -112,11 +134,16 @@ def featcache_engine(cache: FeatureCache, namespace: str | None,
             config = kwargs.get("backend_config")
             wanted = False
             if isinstance(config, PytorchEngineConfig):
-                if config.enable_mp_engine:
-                    log.warning("featcache serve: the PyTorch engine runs in the server's process "
-                                "(featcache's hooks live with the model), not in a second one")
-                config.enable_mp_engine = False
+                if engine_process == "in":
+                    if config.enable_mp_engine:
+                        log.warning("featcache serve: the PyTorch engine runs in the server's "
+                                    "process (--engine-process in), not in a second one")
+                    config.enable_mp_engine = False
                 wanted = bool(config.enable_prefix_caching)
+                if multi_process(config):
+                    from .lmdeploy.processes import FeatcacheEngineConfig
+
+                    kwargs["backend_config"] = FeatcacheEngineConfig.of(config, model_cache)
             with keep_prefix_caching(wanted, supported=set(SPECS)):
                 engine = engine_class(**kwargs)
             wrap(types.SimpleNamespace(async_engine=engine), cache, namespace=namespace,

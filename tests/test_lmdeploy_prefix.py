@@ -15,7 +15,6 @@ lmdeploy's ``strategies.ar.sequence`` imports the engine's guided decoding, whic
 
 from __future__ import annotations
 
-import sys
 import types
 
 import numpy as np
@@ -28,21 +27,9 @@ pytest.importorskip("lmdeploy", minversion="0.18", reason=_SKIP)
 pytest.importorskip("lmdeploy.vl.engine", reason=_SKIP)
 
 
-def _stub_xgrammar() -> None:
-    try:
-        import xgrammar  # noqa: F401
-    except ImportError:
-        def attr(name: str) -> type:
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return type(name, (), {})
+from _ranks import stub_xgrammar  # noqa: E402
 
-        stub = types.ModuleType("xgrammar")
-        stub.__getattr__ = attr  # type: ignore[method-assign]
-        sys.modules["xgrammar"] = stub
-
-
-_stub_xgrammar()
+stub_xgrammar()
 
 import lmdeploy_tiny as tiny  # noqa: E402
 import test_lmdeploy_engine  # noqa: E402

@@ -45,7 +45,9 @@ class StandInEngine:
         self.vl_encoder = self.path.encoder
         self.prompt_processor = self.path.processor
         self.inner = object()
-        self.engine = types.SimpleNamespace(input_processor=self.inner)
+        # lmdeploy's mp engine (a ZMQ client here) has no input processor in this process
+        mp = bool(getattr(backend_config, "enable_mp_engine", False))
+        self.engine = types.SimpleNamespace() if mp else types.SimpleNamespace(input_processor=self.inner)
         from lmdeploy.tokenizer import Tokenizer
 
         self.arch = tiny.INTERNVL
@@ -189,11 +191,44 @@ def test_serve_metrics_off_and_refusals(served, capsys):
     seen = served("--disable-metrics")
     assert seen["rc"] == 0 and "featcache_" not in seen["metrics"]
 
-    for flags, words in [(["--tp", "2"], "tp=1"), (["--dp", "2"], "one `featcache serve` per GPU")]:
+    for flags, words in [(["--dp", "2"], "one `featcache serve` per GPU")]:
         StandInEngine.built.clear()
         assert served(*flags)["rc"] == 2
         assert words in capsys.readouterr().err
         assert StandInEngine.built == []
+
+
+@pytest.mark.parametrize("flags, mp", [(("--engine-process", "mp"), True),
+                                       (("--tp", "2"), False),
+                                       (("--engine-process", "mp", "--tp", "2"), True)])
+def test_serve_multi_process_mode_tags_images_for_the_model_processes(served, tmp_path, flags, mp):
+    """`featcache serve --engine-process mp` keeps lmdeploy's engine process; --tp 2 puts the
+    model in rank processes: the engine config carries the model processes' cache settings, and
+    the server's frontend tags every image (no lookup, no cache of its own)."""
+    from featcache.lmdeploy.frontend import SECTION
+    from featcache.lmdeploy.processes import FeatcacheEngineConfig
+    from featcache.lmdeploy.refs import REF_KEY
+    from featcache.lmdeploy.tags import FeatTag
+
+    seen = served("--enable-prefix-caching", *flags)
+
+    assert seen["rc"] == 0
+    [engine] = StandInEngine.built
+    config = engine.backend_config
+    assert isinstance(config, FeatcacheEngineConfig)
+    assert config.enable_mp_engine is mp and config.enable_prefix_caching is True
+    assert config.featcache_cache == {"default_cache": dict(
+        path=str(tmp_path / "store"), device_bytes=None, host_bytes=32 << 20,
+        disk_bytes=64 << 20, remote_url=None)}
+    assert engine.engine.__dict__.get("input_processor") in (None, engine.inner)  # untouched here
+    cache = engine.featcache  # this process only counts
+    assert cache.config.device == "cpu" and cache.config.disk_path is None
+    msgs = tiny.messages(tiny.image_item(tiny.noise_image(120, 90, seed=5)))
+    for _ in range(2):
+        out = engine.path.prompt(msgs)
+        assert isinstance(out["multimodal"][0][REF_KEY], FeatTag)
+    assert len(engine.path.calls) == 2  # preprocessed every time: the model process needs pixels
+    assert cache.stats()[SECTION]["tagged"] == 2
 
 
 def test_lmdeploys_flags_are_not_taken_for_prefixes_of_featcaches():

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from ..config import SERVING_BUDGETS, STORE_DIR_HELP
+from ..config import ENGINE_PROCESSES, SERVING_BUDGETS, STORE_DIR_HELP
 from ..errors import FeatCacheError
 from ..sizes import parse_bytes
 from ..warm import IMAGE_SUFFIXES, collect, parse_params
@@ -81,6 +81,11 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    "redis-cluster://node:port (default: none; docs/tuning.md)")
     g.add_argument("--namespace", metavar="NS",
                    help="key namespace (default: derived from the model, its dtype and version)")
+    g.add_argument("--engine-process", choices=ENGINE_PROCESSES, default=ENGINE_PROCESSES[0],
+                   help="where the PyTorch engine runs: 'in' the server's process (default: a "
+                   "cache hit also skips preprocessing) or 'mp', lmdeploy's own engine process "
+                   "(every image is preprocessed; the engine process skips the vision model for "
+                   "cached images). --tp > 1 works with both (docs/multi-gpu.md)")
     g.add_argument("--trust-client-image-ids", action="store_true",
                    help="honour the ids clients give their images (\"uuid\" beside image_url), so a "
                    "later request may send the id without the image. Only when every client may "
@@ -112,8 +117,8 @@ def _serve(args: argparse.Namespace) -> int:
     if why:
         print(f"featcache serve: error: {why}", file=sys.stderr)
         return EXIT_ERROR
-    from ..lmdeploy import default_cache  # lmdeploy: only when serving
-    from ..serve import backend_of, lmdeploy_parser, refusal, run_server
+    from ..lmdeploy import counters_cache, default_cache  # lmdeploy: only when serving
+    from ..serve import backend_of, lmdeploy_parser, multi_process_args, refusal, run_server
 
     lmdeploy_args = lmdeploy_parser().parse_args(rest)
     why = refusal(lmdeploy_args)
@@ -125,16 +130,27 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"featcache serve: error: {why}", file=sys.stderr)
         return EXIT_ERROR
     backend = backend_of(lmdeploy_args)
+    why = refusal(lmdeploy_args, backend)
+    if why:
+        print(f"featcache serve: error: {why}", file=sys.stderr)
+        return EXIT_BAD
+    sizes = dict(path=args.cache_dir, device_bytes=args.device_bytes, host_bytes=args.host_bytes,
+                 disk_bytes=args.disk_bytes, remote_url=args.remote_url)
+    model_cache = None
     try:
-        cache = default_cache(path=args.cache_dir, device_bytes=args.device_bytes,
-                              host_bytes=args.host_bytes, disk_bytes=args.disk_bytes,
-                              host_only=backend == "turbomind",  # TurboMind takes host tensors
-                              remote_url=args.remote_url)
+        if multi_process_args(lmdeploy_args, backend, args.engine_process):
+            # the model processes build their caches (sized there); this one only counts
+            model_cache = {"default_cache": sizes}
+            cache = counters_cache()
+        else:
+            cache = default_cache(**sizes,  # type: ignore[arg-type]
+                                  host_only=backend == "turbomind")  # TurboMind: host tensors
     except (FeatCacheError, TypeError, ValueError) as e:  # e.g. a --disk-bytes it cannot map
         print(f"featcache serve: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     try:
-        run_server(lmdeploy_args, cache, args.namespace, args.trust_client_image_ids)
+        run_server(lmdeploy_args, cache, args.namespace, args.trust_client_image_ids,
+                   args.engine_process, model_cache)
     finally:
         cache.close()
     return EXIT_OK

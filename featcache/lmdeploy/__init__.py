@@ -6,9 +6,16 @@
     pipe(("describe", image))
 
 Supported architectures: InternVL (``InternVLChatModel``), InternVL-HF
-(``InternVLForConditionalGeneration``), Qwen2-VL and Qwen2.5-VL, on the PyTorch engine with one GPU
-per engine (tp=1, the in-process executor). Anything else passes through untouched, with one log
-line. See docs/lmdeploy.md.
+(``InternVLForConditionalGeneration``), Qwen2-VL and Qwen2.5-VL, on the PyTorch engine. Anything
+else passes through untouched, with one log line. See docs/lmdeploy.md.
+
+Two modes, chosen from the engine config:
+- one process (tp=1, ``enable_mp_engine`` off): the frontend looks each image up, and a hit skips
+  preprocessing; its lease rides to the model (``FeatRef``);
+- several processes (``enable_mp_engine=True`` and/or tp > 1): every image is preprocessed and
+  tagged (``FeatTag``); each process that runs the model keeps its own cache (``ranks``) and skips
+  the vision tower for the images every rank holds. ``pipeline()`` turns the engine config into
+  a ``FeatcacheEngineConfig`` (``processes``), which carries featcache into those processes.
 """
 
 from __future__ import annotations
@@ -17,10 +24,9 @@ import logging
 import os
 from typing import Any
 
-import torch
-
 from ..cache import FeatureCache
-from ..config import DEFAULT_DIR, SERVING_BUDGETS, default_store_dir
+from ..config import DEFAULT_DIR
+from .budgets import default_cache
 from .engine import KeyedInputProcessor, keep_prefix_caching
 from .frontend import SECTION, install_frontend
 from .identity import model_identity
@@ -28,42 +34,13 @@ from .models import SPECS, patch_model_class
 from .prefix import install_prefix_hook
 from .refs import FeatRef
 from .sources import trust_image_ids as trust_image_ids_on
+from .tags import FeatTag
 from .turbomind import install_turbomind
 
-__all__ = ["DEFAULT_DIR", "SECTION", "SPECS", "FeatRef", "default_cache", "pipeline", "wrap"]
+__all__ = ["DEFAULT_DIR", "SECTION", "SPECS", "FeatRef", "FeatTag", "default_cache", "model_stats",
+           "multi_process", "pipeline", "wrap"]
 
 log = logging.getLogger("featcache")
-
-
-def default_cache(*, path: str | None = None, device_bytes: int | None = None,
-                  host_bytes: int | None = None, disk_bytes: int | None = None,
-                  host_only: bool = False, remote_url: str | None = None) -> FeatureCache:
-    """The cache ``pipeline(cache=None)`` builds; each argument overrides one default.
-
-    Each tier budget not given is a share of what the machine has (``config.SERVING_BUDGETS``:
-    of the GPU's free memory, of RAM, of the free space at the store); the store is at
-    ``path``, else ``$FEATCACHE_DIR``, else ``~/.cache/featcache`` (created, mode 0700).
-    ``host_only=True`` (TurboMind, which takes host tensors): the host budget is the device tier,
-    on the CPU, and there is no separate host tier. ``remote_url``: a shared remote tier (Redis or
-    Valkey, docs/tuning.md), off by default.
-    """
-    if host_bytes is None:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        host_bytes = SERVING_BUDGETS["host_bytes"].bytes_from(ram)
-    if device_bytes is None:
-        device_bytes = 0
-        if torch.cuda.is_available() and not host_only:
-            device_bytes = SERVING_BUDGETS["device_bytes"].bytes_from(torch.cuda.mem_get_info()[0])
-    path = path or default_store_dir()
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    if disk_bytes is None:
-        st = os.statvfs(path)
-        disk_bytes = SERVING_BUDGETS["disk_bytes"].bytes_from(st.f_bavail * st.f_frsize)
-    if host_only:
-        return FeatureCache(device="cpu", device_bytes=host_bytes, host_bytes=0, disk_path=path,
-                            disk_bytes=disk_bytes, remote_url=remote_url)
-    return FeatureCache(device_bytes=device_bytes, host_bytes=host_bytes,
-                        disk_path=path, disk_bytes=disk_bytes, remote_url=remote_url)
 
 
 def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: str | None = None,
@@ -75,11 +52,26 @@ def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: s
     pipeline; ``host_only`` when the backend is TurboMind). ``enable_prefix_caching=True`` in a
     ``PytorchEngineConfig`` stays on for the supported models (lmdeploy alone turns it off for
     them). ``turbomind`` ("native" or "features") and ``trust_image_ids``: see ``wrap``.
+
+    Several processes (a ``PytorchEngineConfig`` with ``enable_mp_engine=True`` or ``tp > 1``):
+    the config is handed to lmdeploy as a ``FeatcacheEngineConfig`` carrying ``cache``'s
+    settings (``cache=None``: ``default_cache()``'s, sized in each model process); each process
+    that runs the model builds its own cache from them, over the same disk directory. ``cache``
+    itself (None: a counters-only cache) then only counts this process's frontend events.
     """
     import lmdeploy
 
     owned = cache is None
     backend_config = pipeline_kwargs.get("backend_config")
+    if multi_process(backend_config):
+        from .processes import FeatcacheEngineConfig, cache_settings
+
+        settings = (cache_settings(cache) if cache is not None  # else the config's own, if any
+                    else getattr(backend_config, "featcache_cache", None))
+        backend_config = FeatcacheEngineConfig.of(backend_config, settings)
+        pipeline_kwargs["backend_config"] = backend_config
+        if cache is None:
+            cache = counters_cache()
     wanted = bool(getattr(backend_config, "enable_prefix_caching", False)) and isinstance(
         backend_config, lmdeploy.PytorchEngineConfig)
     with keep_prefix_caching(wanted, supported=set(SPECS)):
@@ -101,6 +93,37 @@ def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: s
 
         pipe.close = close_both
     return pipe
+
+
+def multi_process(config: Any) -> bool:
+    """Whether a PyTorch engine config runs the model outside the pipeline's process."""
+    from lmdeploy import PytorchEngineConfig
+
+    return isinstance(config, PytorchEngineConfig) and (
+        bool(config.enable_mp_engine) or config.tp > 1)
+
+
+def counters_cache() -> FeatureCache:
+    """A cache that holds nothing (no tier has a budget): the frontend's counters in a process
+    that does not run the model (several processes)."""
+    return FeatureCache(device="cpu", device_bytes=0, host_bytes=0)
+
+
+def model_stats(pipe: Any) -> list[dict[str, Any]]:
+    """featcache's counters of every process that runs the pipeline's model, rank order: each a
+    dict with ``rank``, ``pid`` and ``stats`` (that process's ``FeatureCache.stats()``). In one
+    process: the pipeline's cache. Every rank makes the same vision calls, so each rank's
+    ``stats["lmdeploy"]["vision_images"]`` counts the images whose features were computed."""
+    engine = pipe.async_engine.engine
+    if getattr(engine, "input_processor", None) is None:  # the mp engine: ask its process
+        stats: list[dict[str, Any]] = engine._collective_rpc("featcache_stats")
+        return stats
+    if isinstance(engine.input_processor, KeyedInputProcessor) and multi_process(
+            engine.engine_config):  # tp > 1, the driver here
+        from .processes import engine_stats
+
+        return engine_stats(engine)
+    return [{"rank": 0, "pid": os.getpid(), "stats": pipe.featcache.stats()}]
 
 
 def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
@@ -131,16 +154,27 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
     if spec is None or getattr(hf_config, "flash_mode", None):
         log.warning("featcache: architecture %s is not cached; it passes through untouched", arch)
         return pipe
-    if engine.backend_config.tp > 1:
-        raise ValueError(
-            "featcache supports the PyTorch engine with tp=1 (one GPU per engine, run in "
-            "process); for several GPUs run one tp=1 pipeline per GPU over a shared disk_path")
-    inner = getattr(engine.engine, "input_processor", None)
-    if inner is None:
-        raise ValueError(
-            "featcache needs the in-process PyTorch engine (enable_mp_engine=False, tp=1)")
     namespace = namespace or model_identity(
         encoder.model.model_path, arch, encoder.mm_feature_dtype, extra={})
+    if getattr(engine.backend_config, "dp", 1) > 1:
+        raise ValueError("featcache does not serve dp > 1 (one engine per data-parallel rank, "
+                         "each in its own process group); run one pipeline per GPU instead")
+    inner = getattr(engine.engine, "input_processor", None)
+    if inner is None or engine.backend_config.tp > 1:  # the model runs in other processes
+        from .processes import FeatcacheEngineConfig
+
+        if not isinstance(engine.backend_config, FeatcacheEngineConfig):
+            raise ValueError(
+                "this pipeline's model runs in other processes (enable_mp_engine or tp > 1), "
+                "which featcache reaches only through the engine config it was built with: "
+                "build it with featcache.lmdeploy.pipeline(), or pass backend_config="
+                "featcache.lmdeploy.processes.FeatcacheEngineConfig.of(config, settings)")
+        install_frontend(encoder.model, cache, namespace, engine.prompt_processor, tags=True)
+        trust_image_ids_on(engine.prompt_processor, trust_image_ids)
+        pipe.featcache = cache
+        log.info("featcache: caching %s image features in the model processes (namespace %s)",
+                 arch, namespace)
+        return pipe
     patch_model_class(spec)
     install_frontend(encoder.model, cache, namespace, engine.prompt_processor)
     trust_image_ids_on(engine.prompt_processor, trust_image_ids)

@@ -12,6 +12,10 @@ Installed on the instance ``VisionModel.preprocess(messages)`` of lmdeploy's ``I
 - run lmdeploy's own preprocessing once, for the misses only, and tag each of their dicts with a
   ``FeatRef`` so the model stores their features.
 
+With ``tags=True`` (several processes: lmdeploy's mp engine, tp > 1) nothing is looked up here:
+every image is preprocessed by lmdeploy and tagged with a picklable ``FeatTag`` (key and
+metadata); the process that runs the model serves it from its own cache (``ranks``).
+
 Any failure inside featcache here falls back to lmdeploy's plain preprocessing of the whole
 request (counted as ``frontend_errors``): a failure is a miss, never a failed request.
 """
@@ -40,6 +44,7 @@ from .sources import (
     is_data_url,
     is_http,
 )
+from .tags import FeatTag
 from .urlkeys import DataUrlKeys
 
 log = logging.getLogger("featcache")
@@ -49,13 +54,14 @@ Preprocess = Callable[[list[dict[str, Any]]], list[dict[str, Any]]]
 
 
 def install_frontend(vision_model: Any, cache: FeatureCache, namespace: str,
-                     prompt_processor: Any = None) -> None:
+                     prompt_processor: Any = None, *, tags: bool = False) -> None:
     """Replace ``vision_model.preprocess`` (an instance attribute shadowing the method) and, given
-    lmdeploy's ``MultimodalProcessor``, resolve encoded image sources before it decodes them."""
+    lmdeploy's ``MultimodalProcessor``, resolve encoded image sources before it decodes them.
+    ``tags``: tag every image for a model in another process, look nothing up (``FeatTag``)."""
     original: Preprocess = vision_model.preprocess
     if getattr(original, "_featcache", False):
         raise RuntimeError("featcache is already installed on this pipeline")
-    frontend = Frontend(cache, original, namespace)
+    frontend = Frontend(cache, original, namespace, tags=tags)
     if prompt_processor is not None:
         install_sources(prompt_processor, frontend)
 
@@ -69,10 +75,12 @@ def install_frontend(vision_model: Any, cache: FeatureCache, namespace: str,
 
 
 class Frontend:
-    def __init__(self, cache: FeatureCache, original: Preprocess, namespace: str) -> None:
+    def __init__(self, cache: FeatureCache, original: Preprocess, namespace: str,
+                 tags: bool = False) -> None:
         self.cache = cache
         self.original = original
         self.namespace = namespace
+        self.tags = tags  # several processes: tag every image, look nothing up (``FeatTag``)
         self.trust_image_ids = False  # client image ids ("uuid"): featcache serve --trust-client-image-ids
         self.data_urls = DataUrlKeys()  # data URLs keyed before: a repeat is not base64-decoded
         self._logged = False
@@ -186,8 +194,9 @@ class Frontend:
                 source: str | None = None) -> Any:
         """The ``image_data`` item for ``key``: a ``CachedImage`` on a hit, else ``raw`` decoded
         and carrying its key; None for a miss with nothing to decode. ``source``: the encoded
-        source a hit can still be decoded from when ``raw`` was not read."""
-        lease = self.cache.acquire(key)
+        source a hit can still be decoded from when ``raw`` was not read. With ``tags`` every
+        image is decoded (the model's process needs its pixels)."""
+        lease = None if self.tags else self.cache.acquire(key)
         if lease is not None:
             try:
                 decode_item(lease.meta)
@@ -210,6 +219,8 @@ class Frontend:
         items = _image_items(messages)
         if items is None:  # a video or other modality: not ours, leave the request alone
             return self.original(_decoded(messages))
+        if self.tags:
+            return self._tagged(messages, items)
         count = self.cache.count
         hits: dict[int, dict[str, Any]] = {}  # item index -> its per-image dict
         keys: list[bytes | None] = []
@@ -257,6 +268,16 @@ class Frontend:
         messages.append(dict(role="preprocess", content=merged))
         return messages
 
+    def _tagged(self, messages: list[dict[str, Any]],
+                items: list[tuple[int, int, dict[str, Any]]]) -> list[dict[str, Any]]:
+        """Several processes: lmdeploy preprocesses every image; each is tagged with its key."""
+        keys = [self._key(item) for _, _, item in items]
+        messages = self.original(_decoded(list(messages)))
+        self._tag_misses(_preprocessed(messages), keys)
+        self.cache.count(SECTION, "images", len(items))
+        self.cache.count(SECTION, "tagged", sum(1 for k in keys if k is not None))
+        return messages
+
     def _key(self, item: dict[str, Any]) -> bytes | None:
         info = getattr(item["data"], "info", None)
         if isinstance(info, dict) and isinstance(info.get(KEY_INFO), bytes):
@@ -281,7 +302,7 @@ class Frontend:
                 self.cache.count(SECTION, "uncacheable")
                 log.debug("featcache: image not cached (%s)", e)
                 continue
-            output[REF_KEY] = FeatRef(self.cache, key, meta, None)
+            output[REF_KEY] = FeatTag(key, meta) if self.tags else FeatRef(self.cache, key, meta, None)
 
 
 def _image_items(messages: list[dict[str, Any]]) -> list[tuple[int, int, dict[str, Any]]] | None:

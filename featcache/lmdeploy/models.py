@@ -16,7 +16,12 @@ embeddings in image order. For each supported class we wrap, at class level:
   head is already in the KV cache (a prefix match ending inside it, see ``prefix``) contributes
   only its tail rows, a view of the leased features.
 
-Classes whose instances never see a ``FeatRef`` behave exactly as before. Invariant: the vision
+In the multi-process mode the meta slot holds a ``FeatTag`` instead (key and metadata, pixels
+present): ``prepare`` resolves the step's tags against this process's own cache, with the ranks'
+agreement (``ranks.resolve``), into step-local ``FeatRef``s, and the rest is the same; a miss that
+a prefix match ends inside (``skip`` > 0) is computed whole and sliced.
+
+Classes whose instances never see a ``FeatRef`` or ``FeatTag`` behave exactly as before. Invariant: the vision
 model runs only on images that missed; the returned features have exactly one row per image token.
 """
 
@@ -31,9 +36,11 @@ from typing import Any
 
 import torch
 
+from . import ranks
 from .frontend import SECTION
 from .prefix import SKIP_KEY
 from .refs import REF_KEY, FeatRef
+from .tags import FeatTag
 
 log = logging.getLogger("featcache")
 
@@ -94,14 +101,15 @@ def patch_model_class(spec: ArchSpec) -> type:
                                       context: Any = None) -> dict[str, Any]:
         _step.plan = None
         images = _step_images(context)
-        refs = [(d.meta or {}).get(REF_KEY) for d in images]
+        refs = _step_refs(images)
         if not any(refs):
             return original(self, past_key_values, inputs_embeds, context)
         _ensure_vision_wrapper(self, spec)
         hit = [r is not None and r.hit for r in refs]
         saved = context.input_multimodals
         if any(hit):
-            kept = [{**mm, "image": [d for d in mm.get("image", []) if not _is_hit(d)]}
+            served = {id(d) for d, h in zip(images, hit, strict=True) if h}
+            kept = [{**mm, "image": [d for d in mm.get("image", []) if id(d) not in served]}
                     if mm else mm for mm in saved]
             context.input_multimodals = None if all(hit) else kept
         try:
@@ -130,9 +138,25 @@ def _step_images(context: Any) -> list[Any]:
     return [d for mm in mms if mm for d in (mm.get("image") or [])]
 
 
-def _is_hit(data: Any) -> bool:
-    ref = (data.meta or {}).get(REF_KEY)
-    return ref is not None and ref.hit
+def _step_refs(images: list[Any]) -> list[FeatRef | None]:
+    """One ref per image of the step: the frontend's ``FeatRef`` (one process), or, for a
+    ``FeatTag`` (several processes), a ref resolved by this process's cache and the ranks'
+    agreement (``ranks.resolve``: a collective whenever the step holds a tag). Anything else in
+    the meta slot is an image featcache does not know (None)."""
+    found = [(d.meta or {}).get(REF_KEY) for d in images]
+    tagged = [i for i, x in enumerate(found) if isinstance(x, FeatTag)]
+    refs: list[FeatRef | None] = [x if isinstance(x, FeatRef) else None for x in found]
+    if tagged:
+        resolved = ranks.resolve([found[i] for i in tagged],
+                                 [_has_pixels(images[i]) for i in tagged])
+        for i, ref in zip(tagged, resolved, strict=True):
+            refs[i] = ref
+    return refs
+
+
+def _has_pixels(data: Any) -> bool:
+    pixels = getattr(data, "data", None)
+    return isinstance(pixels, torch.Tensor) and pixels.numel() > 0
 
 
 def _ensure_vision_wrapper(model: Any, spec: ArchSpec) -> None:
@@ -154,8 +178,13 @@ def _ensure_vision_wrapper(model: Any, spec: ArchSpec) -> None:
 
 
 def _serve(plan: _Plan, run_vision: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """The features of every image of the step, in order, as [image tokens, hidden]."""
-    misses = [(ref, n) for ref, n in zip(plan.refs, plan.tokens, strict=True)
+    """The features of every image of the step, in order, as [image tokens, hidden].
+
+    An image with ``skip`` rows already in the KV cache contributes rows ``[skip:]``: from its
+    cached features on a hit; on a miss (several processes: a held image some rank lacked) the
+    vision model is given the whole image's pixels, its features are stored whole and sliced."""
+    skips = plan.skips or [0] * len(plan.refs)
+    misses = [(ref, skip + n) for ref, n, skip in zip(plan.refs, plan.tokens, skips, strict=True)
               if ref is None or not ref.hit]
     pieces: list[torch.Tensor] = []
     cache = next(ref.cache for ref in plan.refs if ref is not None)
@@ -176,7 +205,6 @@ def _serve(plan: _Plan, run_vision: Callable[[], torch.Tensor]) -> torch.Tensor:
     cache.count(SECTION, "vision_skipped", len(plan.refs) - len(misses))
     parts = []
     miss_pieces = iter(pieces)
-    skips = plan.skips or [0] * len(plan.refs)
     if any(skips):
         cache.count(SECTION, "partial_images", sum(1 for s in skips if s))
     for ref, n, skip in zip(plan.refs, plan.tokens, skips, strict=True):
@@ -185,5 +213,5 @@ def _serve(plan: _Plan, run_vision: Callable[[], torch.Tensor]) -> torch.Tensor:
             features = ref.lease.ready()
             parts.append(features.reshape(skip + n, -1)[skip:])
         else:
-            parts.append(next(miss_pieces))
+            parts.append(next(miss_pieces)[skip:])
     return parts[0] if len(parts) == 1 else torch.cat(parts)

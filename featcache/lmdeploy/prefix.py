@@ -19,7 +19,9 @@ that has prefix caching on and removed when the last such pipeline closes:
   ``[SKIP:]`` of the image's cached features, a view of the leased tensor: no copy, no vision call.
 
 An image is *held* when its ``MultiModalData.meta`` carries a hit ``FeatRef`` (its lease pins the
-features for the life of the sequence, ``refs``) and its ``content_hash`` is that ref's
+features for the life of the sequence, ``refs``) or a valid ``FeatTag`` beside its pixels (several
+processes: the model process serves the rows from its cache or recomputes the image from the
+pixels and slices it, ``models._serve``), and its ``content_hash`` is that ref's
 ``featcache:<key hex>`` (so the trie blocks it matched were keyed by the same features).
 
 Invariants:
@@ -39,7 +41,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .refs import REF_KEY
+import torch
+
+from .refs import REF_KEY, FeatRef
+from .tags import FeatTag
 
 SKIP_KEY = "featcache_skip"  # MultiModalData.meta: rows of the image already in the KV cache
 
@@ -49,10 +54,19 @@ _users = 0
 
 
 def is_held(data: Any) -> bool:
-    """Whether featcache holds this ``MultiModalData``'s features for the life of its sequence."""
+    """Whether featcache can give the forward any rows of this ``MultiModalData``'s features for
+    the life of its sequence: its features are leased (a hit ``FeatRef``, one process), or it is
+    tagged and carries its pixels (a ``FeatTag``, several processes: the model process serves the
+    rows from its cache, or recomputes the whole image and slices it)."""
     ref = (getattr(data, "meta", None) or {}).get(REF_KEY)
-    return (ref is not None and ref.hit
-            and getattr(data, "content_hash", None) == "featcache:" + ref.key.hex())
+    if isinstance(ref, FeatRef):
+        held = ref.hit
+    elif isinstance(ref, FeatTag):
+        pixels = getattr(data, "data", None)
+        held = ref.valid and isinstance(pixels, torch.Tensor) and pixels.numel() > 0
+    else:
+        return False
+    return held and getattr(data, "content_hash", None) == "featcache:" + ref.key.hex()
 
 
 def _held_spans(seq: Any) -> set[tuple[int, int]]:

@@ -1,0 +1,65 @@
+"""What travels with an image when the model runs in another process: its key and metadata only.
+
+In the multi-process mode (lmdeploy's mp engine, tp > 1: docs/design.md "Several processes") the
+per-image dicts are pickled from the process that preprocesses to the process that schedules (the
+mp-engine child) and, inside ``MultiModalData.meta``, to every rank. A ``FeatRef`` cannot go
+there: it holds the cache and a lease. A ``FeatTag`` holds two byte strings.
+
+Invariant: unpickling a tag never raises (an exception while unpickling stops lmdeploy's RPC server
+or a rank, and with it every request). A pickled tag whose fields are not what a tag holds comes
+back as a ``FeatTag`` with ``valid`` False, which the model hook treats as an image featcache does
+not know: its features are computed from its pixels and not stored. Unpickling depends only on the
+pickled bytes, so every rank reads the same tag the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..chain import MAX_KEY_BYTES
+
+
+class FeatTag:
+    """An image's featcache key and entry metadata (``entry_meta``'s bytes); picklable."""
+
+    __slots__ = ("key", "meta", "valid")
+
+    def __init__(self, key: bytes, meta: bytes) -> None:
+        if not isinstance(key, bytes) or not 0 < len(key) <= MAX_KEY_BYTES:
+            raise TypeError(f"a FeatTag key is 1-{MAX_KEY_BYTES} bytes, not {key!r:.40}")
+        if not isinstance(meta, bytes):
+            raise TypeError(f"a FeatTag meta is bytes, not {type(meta).__name__}")
+        self.key = key
+        self.meta = meta
+        self.valid = True
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (_restore, (self.key, self.meta))
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, FeatTag) and self.valid == other.valid
+                and self.key == other.key and self.meta == other.meta)
+
+    def __hash__(self) -> int:
+        return hash((self.key, self.meta, self.valid))
+
+    def __repr__(self) -> str:
+        if not self.valid:
+            return "FeatTag(invalid)"
+        return f"FeatTag({self.key.hex()})"
+
+
+def _invalid() -> FeatTag:
+    tag = FeatTag.__new__(FeatTag)
+    tag.key = b""
+    tag.meta = b""
+    tag.valid = False
+    return tag
+
+
+def _restore(key: Any = None, meta: Any = None, *_: Any) -> FeatTag:
+    """The unpickler's constructor: a tag, or an invalid one; never raises."""
+    try:
+        return FeatTag(key, meta)
+    except Exception:
+        return _invalid()

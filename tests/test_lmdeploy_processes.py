@@ -1,0 +1,317 @@
+"""featcache's multi-process mode (lmdeploy's mp engine, tp > 1) on lmdeploy's real CPU code.
+
+- the tag (``FeatTag``): pickles; a corrupt one unpickles as an invalid tag, never an exception;
+- the frontend in tag mode: every image preprocessed by lmdeploy, tagged, and the request pickles
+  (what lmdeploy's ZMQ RPC does with it);
+- the model side (``tests/_ranks.py``: lmdeploy's input processor, ``prepare`` and ``forward``;
+  fake vision tower): requests arrive pickled; the vision tower runs once per distinct image,
+  later requests are served from the process's own cache with identical features;
+- two ranks (two processes, a gloo group): one rank evicts an entry on purpose; both then make
+  the same vision call and produce identical features, and nothing hangs;
+- the channels into lmdeploy's processes: the engine config unpickled in a fresh interpreter
+  installs featcache's engine hooks; the module-map file, run by lmdeploy's own
+  ``update_custom_module_map``, installs the model hooks.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+_SKIP = ("lmdeploy is not installed; for these tests: "
+         "pip install --no-deps lmdeploy==0.18.0 -r requirements/lmdeploy-cpu.txt")
+pytest.importorskip("lmdeploy", minversion="0.18", reason=_SKIP)
+pytest.importorskip("lmdeploy.vl.engine", reason=_SKIP)
+
+import _ranks  # noqa: E402
+import lmdeploy_tiny as tiny  # noqa: E402
+import test_lmdeploy_engine as eng  # noqa: E402
+
+from featcache.lmdeploy import counters_cache, models, prefix, ranks  # noqa: E402
+from featcache.lmdeploy.frontend import SECTION, install_frontend  # noqa: E402
+from featcache.lmdeploy.refs import REF_KEY, FeatRef  # noqa: E402
+from featcache.lmdeploy.tags import FeatTag, _restore  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return tiny.checkpoint(tiny.INTERNVL, tmp_path_factory)
+
+
+@pytest.fixture
+def frontend(path):
+    """lmdeploy's prompt path with featcache's frontend in tag mode (the API process)."""
+    cache = counters_cache()
+    prompts = tiny.PromptPath(path)
+    install_frontend(prompts.model, cache, "test:processes", tags=True)
+    yield prompts, cache
+    prompts.close()
+    cache.close()
+
+
+@pytest.fixture
+def side(path):
+    s = _ranks.Side(path)
+    yield s
+    s.close()
+
+
+def request(prompts, *images) -> bytes:
+    """A request as lmdeploy's RPC sends it to the engine process: pickled."""
+    out = prompts.prompt(tiny.messages(*(tiny.image_item(i) for i in images)))
+    return pickle.dumps((out["input_ids"], out["multimodal"]))
+
+
+# -- the tag -------------------------------------------------------------------------------------
+
+class _Forged:
+    """Pickles as a tag with the given fields (a sender of another version, or corruption)."""
+
+    def __init__(self, *fields):
+        self.fields = fields
+
+    def __reduce__(self):
+        return (_restore, self.fields)
+
+
+def test_tag_pickles_and_a_corrupt_tag_unpickles_as_invalid():
+    tag = FeatTag(b"k" * 32, b'{"fields":{}}')
+    again = pickle.loads(pickle.dumps(tag))
+    assert again == tag and again.valid and again.key == tag.key and again.meta == tag.meta
+
+    for fields in [(None, b""), (b"", b""), (b"k", "not bytes"), (b"k" * 600, b""), ()]:
+        bad = pickle.loads(pickle.dumps(_Forged(*fields)))
+        assert isinstance(bad, FeatTag) and not bad.valid, fields
+    # fields a later version may add are ignored
+    assert pickle.loads(pickle.dumps(_Forged(b"k", b"m", "extra"))) == FeatTag(b"k", b"m")
+    with pytest.raises(TypeError):
+        FeatTag("str key", b"")  # type: ignore[arg-type]
+
+
+# -- the frontend in tag mode --------------------------------------------------------------------
+
+def test_tag_mode_frontend_preprocesses_every_image_and_the_request_pickles(frontend, path):
+    prompts, cache = frontend
+    plain = tiny.PromptPath(path)
+    a, b = eng.images(1, 2)
+    try:
+        for _ in range(2):  # the second time too: this process holds no features
+            out = prompts.prompt(tiny.messages(tiny.image_item(a), tiny.image_item(b)))
+            want = plain.prompt(tiny.messages(tiny.image_item(a), tiny.image_item(b)))
+            assert out["input_ids"] == want["input_ids"]
+            for got, ref in zip(out["multimodal"], want["multimodal"], strict=True):
+                assert isinstance(got[REF_KEY], FeatTag) and got[REF_KEY].valid
+                assert torch.equal(got["pixel_values"], ref["pixel_values"])
+        assert [len(c) for c in prompts.calls] == [2, 2]
+        keys = {m[REF_KEY].key for m in out["multimodal"]}
+        assert len(keys) == 2
+        back = pickle.loads(pickle.dumps(out["multimodal"]))
+        assert [m[REF_KEY] for m in back] == [m[REF_KEY] for m in out["multimodal"]]
+        assert cache.stats()[SECTION]["tagged"] == 4
+        assert "hits" not in cache.stats()[SECTION]
+    finally:
+        plain.close()
+
+
+# -- the model side, one process -----------------------------------------------------------------
+
+def test_model_process_runs_vision_once_per_distinct_image(frontend, side):
+    prompts, _ = frontend
+    a, b, c = eng.images(1, 2, 3)
+
+    rows1, calls1 = side.step([request(prompts, a, b)])
+    rows2, calls2 = side.step([request(prompts, c, a), request(prompts, b)])
+
+    def pixels(blob):
+        return [m["pixel_values"] for m in pickle.loads(blob)[1]]
+
+    pa, pb = pixels(request(prompts, a, b))
+    (pc,) = pixels(request(prompts, c))
+    # step 1: a and b computed; step 2: only c (a and b served from the process's cache)
+    assert [x.shape[0] for x in calls1] == [pa.shape[0] + pb.shape[0]]
+    assert len(calls2) == 1 and torch.equal(calls2[0], pc)
+    fa, fb, fc = (eng.per_image(tiny.INTERNVL, p) for p in (pa, pb, pc))
+    assert torch.equal(rows1, torch.cat([fa, fb]))
+    assert torch.equal(rows2, torch.cat([fc, fa, fb]))
+    stats = ranks.local_cache().stats()[SECTION]
+    assert (stats["vision_calls"], stats["vision_images"], stats["vision_skipped"]) == (2, 3, 2)
+
+
+def test_invalid_tag_is_computed_and_not_stored(frontend, side):
+    prompts, _ = frontend
+    (a,) = eng.images(1)
+    ids, mm = pickle.loads(request(prompts, a))
+    mm[0][REF_KEY] = _restore("corrupt", None)
+    blob = pickle.dumps((ids, mm))
+    for _ in range(2):
+        rows, calls = side.step([blob])
+        assert len(calls) == 1  # computed every time
+        assert torch.equal(rows, eng.per_image(tiny.INTERNVL, mm[0]["pixel_values"]))
+    assert len(ranks.local_cache()) == 0
+
+
+def test_model_process_without_a_cache_computes_every_image(frontend, side, monkeypatch):
+    prompts, _ = frontend
+    (a,) = eng.images(1)
+    monkeypatch.setattr(ranks, "_build", lambda settings: 1 / 0)  # the cache cannot be built
+    for _ in range(2):
+        rows, calls = side.step([request(prompts, a)])
+        assert len(calls) == 1
+    assert ranks.local_cache() is None
+
+
+def test_partly_cached_tagged_image_is_recomputed_whole_and_sliced(frontend, side):
+    """A prefix match ending inside a tagged image (``prefix.is_held``) that the model process
+    does not hold: the whole image is recomputed from its pixels, stored whole, sliced."""
+    prompts, _ = frontend
+    (a,) = eng.images(1)
+    ids, mm = pickle.loads(request(prompts, a))
+    data = side.processor.preprocess_input(ids, mm).input_multimodals["image"][0]
+    data.content_hash = "featcache:" + mm[0][REF_KEY].key.hex()
+    assert prefix.is_held(data)
+    assert not prefix.is_held(type(data)(**{**data.__dict__, "data": data.data[:0]}))
+    cache = ranks.local_cache()
+    tokens = data.end - data.start
+    skip = 3
+    ref = FeatRef(cache, mm[0][REF_KEY].key, mm[0][REF_KEY].meta, None)
+    whole = torch.arange(tokens * 8, dtype=torch.float32).reshape(tokens, 8)
+    got = models._serve(models._Plan([ref], [tokens - skip], [skip]), lambda: whole)
+    assert torch.equal(got, whole[skip:])
+    with cache.lease(ref.key) as stored:
+        assert torch.equal(stored, whole)
+
+
+# -- two ranks -----------------------------------------------------------------------------------
+
+def test_ranks_agree_when_one_rank_lost_an_entry(frontend, path, tmp_path):
+    prompts, _ = frontend
+    a, b = eng.images(1, 2)
+    blobs = [request(prompts, a, b)]
+    evict = pickle.loads(blobs[0])[1][0][REF_KEY].key  # a's key
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [ctx.Process(target=_ranks.rank_main, args=(r, path, init, blobs, evict, out))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = {}
+        for _ in range(2):
+            got = out.get(timeout=120)  # a hang fails here, not forever
+            assert len(got) > 2, f"rank {got[0]} failed: {got[1]}"
+            results[got[0]] = got
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    (_, first0, second0, calls1_0, calls2_0, stats0, rank0) = results[0]
+    (_, first1, second1, calls1_1, calls2_1, stats1, rank1) = results[1]
+    assert (rank0, rank1) == (0, 1)
+    pa, pb = (m["pixel_values"] for m in pickle.loads(blobs[0])[1])
+    # step 1: both images computed on both ranks; step 2: a recomputed on both (rank 1 lost it),
+    # b served from both caches: the same vision call on every rank
+    assert calls1_0 == calls1_1 == [pa.shape[0] + pb.shape[0]]
+    assert calls2_0 == calls2_1 == [pa.shape[0]]
+    want = torch.cat([eng.per_image(tiny.INTERNVL, pa), eng.per_image(tiny.INTERNVL, pb)])
+    for rows in (first0, second0, first1, second1):
+        assert torch.equal(torch.from_numpy(rows), want)
+    assert stats0["agreed_misses"] == 1 and "agreed_misses" not in stats1
+    for stats in (stats0, stats1):  # each rank's accounting: 3 images computed, 1 served
+        assert (stats["vision_images"], stats["vision_skipped"]) == (3, 1)
+
+
+# -- the channels into lmdeploy's processes ------------------------------------------------------
+
+def _fresh_python(code: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=240)
+
+
+def test_engine_config_unpickled_in_a_fresh_process_installs_the_engine_hooks():
+    from lmdeploy import PytorchEngineConfig
+
+    from featcache.lmdeploy.processes import FeatcacheEngineConfig
+
+    config = FeatcacheEngineConfig.of(PytorchEngineConfig(enable_mp_engine=True, tp=1,
+                                                          enable_prefix_caching=True),
+                                      {"default_cache": {"path": "/tmp/x"}})
+    blob = pickle.dumps(config)
+    code = f"""
+import pickle, sys
+assert "featcache.lmdeploy.processes" not in sys.modules
+config = pickle.loads({blob!r})
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.engine.mp_engine.base_worker import EngineWorkerBase
+assert Engine.__init__._featcache and callable(EngineWorkerBase.featcache_stats)
+print(type(config).__name__, config.enable_mp_engine, config.enable_prefix_caching,
+      config.featcache_cache)
+"""
+    done = _fresh_python(code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[:3] == ["FeatcacheEngineConfig", "True", "True"]
+
+
+def test_module_map_file_installs_the_model_hooks_through_lmdeploy(tmp_path):
+    from featcache.lmdeploy.processes import rank_hook_file
+
+    settings = {"feature_cache": {"device": "cpu", "device_bytes": 1 << 20, "host_bytes": 0,
+                                  "disk_path": str(tmp_path / "store")}}
+    hook = rank_hook_file(settings)
+    assert rank_hook_file(settings) == hook  # one file per settings
+    code = f"""
+import _ranks
+_ranks.stub_xgrammar()
+from lmdeploy.pytorch.models.patch import update_custom_module_map
+update_custom_module_map({hook!r})  # what lmdeploy's model agent runs in each rank
+from featcache.lmdeploy import ranks, models
+from lmdeploy.pytorch.engine.executor.base_worker import WorkerWrapperBase
+from lmdeploy.pytorch.models.internvl3_hf import InternVLForConditionalGeneration as C
+assert ranks.installed() and C.prepare_inputs_for_generation._featcache
+cache = ranks.local_cache()
+print(cache.config.disk_path, WorkerWrapperBase.featcache_stats(None)["rank"])
+"""
+    done = _fresh_python(code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(tmp_path / "store"), "0"]
+
+
+def test_module_map_is_set_on_the_target_model_config_only_while_building(path):
+    from lmdeploy.pytorch.config import ModelConfig
+
+    from featcache.lmdeploy import processes
+
+    with processes._module_map("/x/featcache_rank_hook.py"):
+        config = ModelConfig.from_pretrained(path, device_type="cpu")
+        draft = ModelConfig.from_pretrained(path, device_type="cpu", is_draft_model=True)
+    after = ModelConfig.from_pretrained(path, device_type="cpu")
+    assert config.custom_module_map == "/x/featcache_rank_hook.py"
+    assert draft.custom_module_map is None and after.custom_module_map is None
+
+
+def test_settings_of_a_cache_rebuild_its_tiers(tmp_path):
+    from featcache import FeatureCache
+    from featcache.lmdeploy.processes import cache_settings
+
+    with FeatureCache(device="cpu", device_bytes="8MiB", host_bytes=0,
+                      disk_path=str(tmp_path), disk_bytes="64MiB") as cache:
+        settings = cache_settings(cache)
+    assert "device" not in settings["feature_cache"]
+    json.dumps(settings)  # carried as JSON into the rank hook file
+    ranks.configure(json.dumps({"feature_cache": {**settings["feature_cache"], "device": "cpu"}}))
+    try:
+        again = ranks.local_cache()
+        assert again.config == cache.config
+    finally:
+        ranks.reset_for_tests()
