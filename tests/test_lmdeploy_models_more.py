@@ -454,3 +454,23 @@ def test_internvl_flash_mode_passes_through(monkeypatch):
 
     assert engine.engine.input_processor is inner and not hasattr(pipe, "featcache")
     assert cls.prepare_inputs_for_generation is original
+
+
+def test_a_prefix_match_inside_a_held_image_serves_its_tail_rows(rig, patched, monkeypatch):
+    """Issue 15 on legacy InternVL and Qwen2.5-VL: the prefix hook keeps a match that ends inside
+    an image featcache holds, and the forward gets that image's tail rows (test_lmdeploy_prefix's
+    check, with lmdeploy's own SchedulerSequence under the hook)."""
+    import test_lmdeploy_prefix as tp
+    from lmdeploy.pytorch.messages import SchedulerSequence
+
+    from featcache.lmdeploy import prefix
+
+    for name, method in (prefix._installed[0] if prefix._installed else {}).items():
+        monkeypatch.setattr(SchedulerSequence, name, method)
+    monkeypatch.setattr(prefix, "_installed", [])
+    monkeypatch.setattr(prefix, "_users", 0)
+    remove = prefix.install_prefix_hook()
+    try:
+        tp.check_tail_rows(rig, patched, vision_inputs)
+    finally:
+        remove()

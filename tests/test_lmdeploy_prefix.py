@@ -43,6 +43,7 @@ from test_lmdeploy_engine import CLASSES  # noqa: E402
 from featcache.lmdeploy import prefix  # noqa: E402
 from featcache.lmdeploy.refs import REF_KEY  # noqa: E402
 
+MROPE = (tiny.QWEN2VL, "Qwen2_5_VLForConditionalGeneration")  # the architectures with M-RoPE
 TAIL = [11, 12]  # text after the prompt's template (stands in for the next turn's first words)
 
 
@@ -88,7 +89,7 @@ class Engine:
     def __init__(self, rig, block: int) -> None:
         self.rig = rig
         self.block = block
-        use_mrope = rig.arch == tiny.QWEN2VL
+        use_mrope = rig.arch in MROPE
         meta = SequenceMeta(block, strategy=ARSequenceStrategy(), use_mrope=use_mrope)
         self.scheduler = Scheduler(
             SchedulerConfig(max_batches=8, max_session_len=8192),
@@ -137,7 +138,8 @@ def _forward(rig, patched, seq: SchedulerSequence, model=None):
     ctx = types.SimpleNamespace(
         input_ids=torch.tensor([ids]), position_ids=None, attn_metadata=None,
         input_embeddings=None, input_embedding_indexing=None,
-        input_multimodals=[mms] if mms else None, mrope_position_ids=None)
+        input_multimodals=[mms] if mms else None, mrope_position_ids=None, model_metas=None,
+        is_decoding=False)
     model = model or rig.fake_model()
     inputs = patched.prepare_inputs_for_generation(model, None, context=ctx)
     return patched.forward(model, **inputs)[0], ctx.input_ids[0], model
@@ -158,6 +160,14 @@ IMAGE = dict(width=100, height=80, seed=5)
 
 
 def test_match_inside_a_held_image_keeps_its_block_and_serves_the_tail_rows(rig, patched, hooked):
+    check_tail_rows(rig, patched)
+
+
+def check_tail_rows(rig, patched, vision_inputs=lambda model: model.vision_inputs) -> None:
+    """A repeat whose match ends inside a held image: kept at its block, the forward given the
+    image's tail rows bit for bit, no vision call (``vision_inputs(model)``: what the fake tower
+    was given), and what the uncached forward gives there (also run on legacy InternVL and
+    Qwen2.5-VL: test_lmdeploy_models_more.py)."""
     a = tiny.noise_image(**IMAGE)
     engine = Engine(rig, block_for(rig, a))
     ids, _ = _turn_one(rig, engine, a, TAIL)
@@ -181,7 +191,7 @@ def test_match_inside_a_held_image_keeps_its_block_and_serves_the_tail_rows(rig,
     assert int(mask.sum()) == end - h
     # exactly the tail rows of the cached features, bit for bit, and no vision call
     assert torch.equal(embeds[mask], stored[h - start:])
-    assert model.vision_inputs == []
+    assert vision_inputs(model) == []
     assert rig.stats()["partial_images"] == 1
     # and what the uncached forward gives those positions
     seq.set_step(0)
