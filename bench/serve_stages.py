@@ -395,6 +395,9 @@ def install(sink: Sink, allow_loopback_media: bool = False) -> list[str]:
         _patch(frontend, "fetched_bytes", lambda f: timed(f, "fc_source_bytes"), done,
                "featcache fetched_bytes")
     _patch(frontend, "image_key", lambda f: timed(f, "fc_key"), done, "featcache image_key")
+    if hasattr(frontend, "DataUrlKeys"):  # a data URL seen before: keyed by its text
+        _patch(frontend.DataUrlKeys, "ident", lambda f: timed(f, "fc_key"), done,
+               "featcache DataUrlKeys.ident", kind="static")
     _patch(frontend, "client_image_key", lambda f: timed(f, "fc_key"), done, "featcache client_image_key")
     _patch(FeatureCache, "acquire", lambda f: timed(f, "fc_acquire"), done, "FeatureCache.acquire")
     _patch(fc_engine.KeyedInputProcessor, "preprocess_input",
