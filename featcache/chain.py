@@ -45,6 +45,9 @@ class Writing:
     thread: str
     max_puts: Callable[[CacheConfig], int]
     batch_entries: int = 1
+    # whether this cache writes the tier at all (False: read only, no writer: puts, touches and
+    # discards never reach it; another process writes it)
+    on: Callable[[CacheConfig], bool] = lambda config: True
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,8 @@ STAGING: Kind[StagingTier] = Kind("host", _host, Rules())
 BELOW: tuple[Kind[WrittenTier], ...] = (
     Kind("disk", _disk, Rules(
         touch=True, close_inherited=True, persistent=True,
-        writer=Writing("featcache-disk-writer", lambda c: c.disk_queue_entries, batch_entries=32),
+        writer=Writing("featcache-disk-writer", lambda c: c.disk_queue_entries, batch_entries=32,
+                       on=lambda c: c.disk_writes),
         report=Report(queue=("cache", "disk_queue"), queue_help="Disk writes waiting."),
     )),
     Kind("remote", _remote, Rules(
@@ -234,6 +238,9 @@ def build_chain(config: CacheConfig, copier: Copier) -> Chain:
                 continue
             writing = kind.rules.writer
             assert writing is not None, f"the {kind.name} tier is written by a writer: Rules.writer"
+            if not writing.on(config):  # read only here: no writer (Slot.writer None)
+                slots.append(Slot(tier, None, kind.rules))
+                continue
             forward.writer = TierWriter(
                 tier, name=writing.thread, copier=copier, pool=pool,
                 max_puts=writing.max_puts(config), batch_entries=writing.batch_entries,

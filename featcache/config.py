@@ -29,6 +29,9 @@ DEFAULTS: dict[str, int | str | bool | None] = {
     "demote_queue_entries": 64,
     "disk_queue_entries": 64,
     "disk_sync": True,
+    # False: this cache reads the disk tier and never writes it, another process of the same
+    # store does (tp ranks > 0: the features are the same on every rank; rank 0 writes them).
+    "disk_writes": True,
     # The remote tier (Redis/Valkey; docs/tuning.md "Remote tier"); off while remote_url is None.
     "remote_url": None,
     "remote_prefix": "featcache",
@@ -112,6 +115,7 @@ class CacheConfig:
     demote_queue_entries: int  # device->host copies waiting; beyond this, copies are dropped
     disk_queue_entries: int  # disk writes waiting; beyond this, writes are dropped
     disk_sync: bool  # fsync each disk transaction (metadata sync is always off)
+    disk_writes: bool  # False: the disk tier is read (hits promoted), never written by this cache
     remote_url: str | None = field(repr=False)  # may hold a password: never shown
     remote_prefix: str  # namespace of this cache's keys on the server (per model)
     remote_ttl_s: int  # lifetime of a published entry; 0: none (eviction only)

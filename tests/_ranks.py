@@ -108,7 +108,8 @@ def rank_main(rank: int, path: str, init: str, blobs: list[bytes], evict: bytes,
         section = cache.stats().get(SECTION, {})
         # numpy: pickled by value (torch's queue shares tensors through the sender's fds)
         out.put((rank, first.numpy(), second.numpy(), [c.shape[0] for c in calls1],
-                 [c.shape[0] for c in calls2], dict(section), ranks.rank()))
+                 [c.shape[0] for c in calls2], dict(section), ranks.rank(),
+                 cache.config.disk_writes))
         side.close()
     except BaseException as e:  # reported, so the test fails with it instead of a timeout
         out.put((rank, repr(e)))

@@ -331,3 +331,24 @@ def test_an_unreferenced_cache_is_closed_at_once(tmp_path):
     with FeatureCache(device="cpu", device_bytes=0, host_bytes=0, disk_path=tmp_path / "s",
                       disk_bytes=8 * MiB) as again:  # the store was flushed and released
         assert torch.equal(again.get(key(1)), feats(1))
+
+
+def test_a_cache_that_does_not_write_the_disk_reads_it_and_leaves_it_as_it_was(tmp_path):
+    """``disk_writes=False`` (tp ranks > 0 over rank 0's store): disk hits are served and
+    promoted; its own puts, discards and hits' touches never reach the disk."""
+    store = dict(disk_path=tmp_path / "s", disk_bytes=8 * MiB)
+    with FeatureCache(device="cpu", device_bytes=MiB, host_bytes=2 * MiB, **store) as writer:
+        writer.put(key(1), feats(1))
+    with FeatureCache(device="cpu", device_bytes=MiB, host_bytes=2 * MiB, disk_writes=False,
+                      **store) as reader:
+        assert torch.equal(reader.get(key(1)), feats(1))  # from the disk, promoted
+        assert reader.stats()["disk"]["hits"] == 1
+        reader.put(key(2), feats(2))
+        reader.discard(key(1))
+        reader.flush()
+        assert reader.get(key(2)) is not None  # its own memory tiers hold what it puts
+    with FeatureCache(device="cpu", device_bytes=MiB, host_bytes=0, **store) as after:
+        assert torch.equal(after.get(key(1)), feats(1))  # not discarded there
+        assert key(2) not in after and after.stats()["disk"]["entries"] == 1
+    with pytest.raises(TypeError, match="disk_writes"):
+        FeatureCache(device="cpu", disk_writes="no")

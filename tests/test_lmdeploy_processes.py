@@ -215,9 +215,10 @@ def test_ranks_agree_when_one_rank_lost_an_entry(frontend, path, tmp_path):
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
-    (_, first0, second0, calls1_0, calls2_0, stats0, rank0) = results[0]
-    (_, first1, second1, calls1_1, calls2_1, stats1, rank1) = results[1]
+    (_, first0, second0, calls1_0, calls2_0, stats0, rank0, writes0) = results[0]
+    (_, first1, second1, calls1_1, calls2_1, stats1, rank1, writes1) = results[1]
     assert (rank0, rank1) == (0, 1)
+    assert (writes0, writes1) == (True, False)  # one shared store: only rank 0 writes it
     pa, pb = (m["pixel_values"] for m in pickle.loads(blobs[0])[1])
     # step 1: both images computed on both ranks; step 2: a recomputed on both (rank 1 lost it),
     # b served from both caches: the same vision call on every rank

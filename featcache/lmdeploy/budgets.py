@@ -14,7 +14,8 @@ from ..config import SERVING_BUDGETS, default_store_dir
 
 def default_cache(*, path: str | None = None, device_bytes: int | None = None,
                   host_bytes: int | None = None, disk_bytes: int | None = None,
-                  host_only: bool = False, remote_url: str | None = None) -> FeatureCache:
+                  host_only: bool = False, remote_url: str | None = None,
+                  disk_writes: bool = True) -> FeatureCache:
     """The cache ``pipeline(cache=None)`` builds; each argument overrides one default.
 
     Each tier budget not given is a share of what the machine has (``config.SERVING_BUDGETS``:
@@ -22,7 +23,8 @@ def default_cache(*, path: str | None = None, device_bytes: int | None = None,
     ``path``, else ``$FEATCACHE_DIR``, else ``~/.cache/featcache`` (created, mode 0700).
     ``host_only=True`` (TurboMind, which takes host tensors): the host budget is the device tier,
     on the CPU, and there is no separate host tier. ``remote_url``: a shared remote tier (Redis or
-    Valkey, docs/tuning.md), off by default.
+    Valkey, docs/tuning.md), off by default. ``disk_writes=False``: the store is read, never
+    written (tp ranks > 0: rank 0 writes the features every rank computed).
     """
     if host_bytes is None:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -38,6 +40,6 @@ def default_cache(*, path: str | None = None, device_bytes: int | None = None,
         disk_bytes = SERVING_BUDGETS["disk_bytes"].bytes_from(st.f_bavail * st.f_frsize)
     if host_only:
         return FeatureCache(device="cpu", device_bytes=host_bytes, host_bytes=0, disk_path=path,
-                            disk_bytes=disk_bytes, remote_url=remote_url)
-    return FeatureCache(device_bytes=device_bytes, host_bytes=host_bytes,
-                        disk_path=path, disk_bytes=disk_bytes, remote_url=remote_url)
+                            disk_bytes=disk_bytes, remote_url=remote_url, disk_writes=disk_writes)
+    return FeatureCache(device_bytes=device_bytes, host_bytes=host_bytes, disk_path=path,
+                        disk_bytes=disk_bytes, remote_url=remote_url, disk_writes=disk_writes)

@@ -90,9 +90,18 @@ def local_cache() -> FeatureCache | None:
 
 
 def _build(settings: dict[str, Any] | None) -> FeatureCache:
+    """Every rank reads the shared store; only rank 0 writes it (every rank computes the same
+    features, so one writer stores them all; where the rank cannot be told, every rank writes:
+    correct, only more writes)."""
+    try:
+        writes = rank() == 0
+    except Exception:
+        writes = True
     if settings is not None and "feature_cache" in settings:
-        return FeatureCache(**settings["feature_cache"])
-    return default_cache(**(settings or {}).get("default_cache", {}))
+        kwargs = dict(settings["feature_cache"])
+        kwargs["disk_writes"] = writes and kwargs.get("disk_writes", True)
+        return FeatureCache(**kwargs)
+    return default_cache(**(settings or {}).get("default_cache", {}), disk_writes=writes)
 
 
 def use_group(group: Any) -> None:
