@@ -391,13 +391,11 @@ def install(sink: Sink, allow_loopback_media: bool = False) -> list[str]:
            "featcache Frontend.__call__")
     _patch(frontend, "encoded_bytes", lambda f: timed(f, "fc_source_bytes"), done,
            "featcache encoded_bytes")
-    if hasattr(frontend, "fetched_bytes"):  # http(s) images fetched by featcache (lmdeploy's fetcher inside)
-        _patch(frontend, "fetched_bytes", lambda f: timed(f, "fc_source_bytes"), done,
-               "featcache fetched_bytes")
+    _patch(frontend, "fetched_bytes", lambda f: timed(f, "fc_source_bytes"), done,
+           "featcache fetched_bytes (lmdeploy's fetcher inside)")
     _patch(frontend, "image_key", lambda f: timed(f, "fc_key"), done, "featcache image_key")
-    if hasattr(frontend, "DataUrlKeys"):  # a data URL seen before: keyed by its text
-        _patch(frontend.DataUrlKeys, "ident", lambda f: timed(f, "fc_key"), done,
-               "featcache DataUrlKeys.ident", kind="static")
+    _patch(frontend.DataUrlKeys, "ident", lambda f: timed(f, "fc_key"), done,
+           "featcache DataUrlKeys.ident (a data URL seen before: keyed by its text)", kind="static")
     _patch(frontend, "client_image_key", lambda f: timed(f, "fc_key"), done, "featcache client_image_key")
     _patch(FeatureCache, "acquire", lambda f: timed(f, "fc_acquire"), done, "FeatureCache.acquire")
     _patch(fc_engine.KeyedInputProcessor, "preprocess_input",

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -86,7 +87,7 @@ def encoded_bytes(source: str) -> bytes | None:
     A data URL is split by hand, not by ``urlparse``: on a ~5 MB URL ``urlparse`` costs ~2 ms
     (it scans and copies the whole string, and its LRU cache keeps the last 128 URLs alive), and
     this runs on every hit (issue 16, ``bench/hit_path_costs.py``)."""
-    if source[:5].lower() == "data:":
+    if is_data_url(source):
         return _data_url_bytes(source[5:])
     spec = urlparse(source)
     if spec.scheme.startswith("http"):
@@ -110,7 +111,17 @@ def is_http(source: str) -> bool:
     return source[:7].lower() == "http://" or source[:8].lower() == "https://"
 
 
-_RAW_IO: list[Any] = []  # the raw-bytes reader's class, made on first use (lmdeploy imported then)
+@functools.cache
+def _raw_image_io() -> type:
+    """An ``ImageMediaIO`` (so lmdeploy picks its image fetch timeout) whose ``load_bytes`` keeps
+    the bytes; made on first use, when lmdeploy is imported."""
+    from lmdeploy.vl.media.image import ImageMediaIO
+
+    class RawImageIO(ImageMediaIO):
+        def load_bytes(self, data: bytes) -> Any:
+            return bytes(data)
+
+    return RawImageIO
 
 
 def fetched_bytes(url: str, allowed_media_domains: list[str] | None = None) -> bytes:
@@ -119,15 +130,7 @@ def fetched_bytes(url: str, allowed_media_domains: list[str] | None = None) -> b
     what lmdeploy's fetch raises (a blocked address: ``ValueError``)."""
     from lmdeploy.vl.media.connection import load_from_url
 
-    if not _RAW_IO:
-        from lmdeploy.vl.media.image import ImageMediaIO
-
-        class RawImageIO(ImageMediaIO):  # an ImageMediaIO: lmdeploy picks its image fetch timeout
-            def load_bytes(self, data: bytes) -> Any:
-                return bytes(data)
-
-        _RAW_IO.append(RawImageIO)
-    raw = load_from_url(url, _RAW_IO[0](), allowed_media_domains)
+    raw = load_from_url(url, _raw_image_io()(), allowed_media_domains)
     if not isinstance(raw, bytes):
         raise TypeError(f"lmdeploy's fetcher gave {type(raw).__name__}, not bytes")
     return raw
