@@ -255,6 +255,64 @@ def test_a_data_url_is_read_in_one_strict_pass(monkeypatch):
     assert encoded_bytes(" data:image/png;base64," + text) == raw  # urlparse's stripping kept
 
 
+def test_a_data_url_sent_again_is_not_decoded_again(rig, monkeypatch):
+    """Issue 16: a chat client resends the same data URL every turn; the second time it is keyed
+    by its text (DataUrlKeys), not base64-decoded again, and served as the same hit."""
+    import pybase64
+
+    raw = png(tiny.noise_image(80, 60, seed=23))
+    first = rig.cached.prompt(tiny.messages(url_item(data_url(raw))))
+    rig.store(first)
+    key = first["multimodal"][0][REF_KEY].key
+    decoded: list[int] = []
+    decode = pybase64.b64decode
+    monkeypatch.setattr(pybase64, "b64decode", lambda d, validate=False: decoded.append(1)
+                        or decode(d, validate=validate))
+    again = rig.cached.prompt(tiny.messages(url_item(data_url(raw))))  # an equal, new string
+    assert decoded == [] and again["multimodal"][0][REF_KEY].hit
+    assert again["multimodal"][0][REF_KEY].key == key
+    assert rig.counters()["data_url_remembered"] == 1
+    other = rig.cached.prompt(tiny.messages(url_item(data_url(raw), max_pixels=28 * 28 * 32)))
+    assert decoded == [1] and not other["multimodal"][0][REF_KEY].hit  # other params: keyed anew
+
+
+def test_a_remembered_data_url_whose_features_are_gone_costs_what_any_miss_costs(
+        rig, decodes, monkeypatch):
+    raw = png(tiny.noise_image(72, 56, seed=24))
+    first = rig.cached.prompt(tiny.messages(url_item(data_url(raw))))
+    rig.store(first)
+    key = first["multimodal"][0][REF_KEY].key
+    rig.cache.discard(key)  # evicted since: the URL is still remembered
+    decodes.clear()
+    lookups: list[bytes] = []
+    acquire = rig.cache.acquire
+    monkeypatch.setattr(rig.cache, "acquire", lambda k: lookups.append(k) or acquire(k))
+    fresh = png(tiny.noise_image(72, 56, seed=25))
+    rig.cached.prompt(tiny.messages(url_item(data_url(fresh))))  # a miss never seen: the baseline
+    baseline, decodes[:], lookups[:] = len(lookups), [], []
+    again = rig.cached.prompt(tiny.messages(url_item(data_url(raw))))
+    ref = again["multimodal"][0][REF_KEY]
+    assert not ref.hit and ref.key == key  # a miss under the same key: its features stored again
+    # looked up and decoded as often as any other miss: remembering the URL adds no lookup
+    assert lookups == [key] * baseline and decodes == ["bytes"]
+    assert rig.counters()["data_url_remembered"] == 1
+
+
+def test_remembered_data_urls_are_bounded():
+    from featcache.keys import image_key as key_of
+    from featcache.lmdeploy.urlkeys import DataUrlKeys
+
+    urls = DataUrlKeys(capacity=2)
+    idents = [DataUrlKeys.ident(f"data:image/png;base64,{i}", {}) for i in range(3)]
+    for i, ident in enumerate(idents):
+        urls.put(ident, key_of(bytes([i]), namespace="t"))
+    assert len(urls) == 2 and urls.get(idents[0]) is None
+    assert urls.get(idents[2]) == key_of(bytes([2]), namespace="t")
+    assert DataUrlKeys.ident("data:x", {"a": 1}) != DataUrlKeys.ident("data:x", {})
+    with pytest.raises(ValueError):
+        DataUrlKeys(capacity=0)
+
+
 # -- client image ids (featcache serve --trust-client-image-ids) -------------------------------------
 def id_item(image_id: str, url: str | None = None, **params) -> dict:
     item: dict = {"type": "image_url", "uuid": image_id}

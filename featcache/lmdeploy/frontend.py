@@ -147,11 +147,11 @@ class Frontend:
             return item
         ident = DataUrlKeys.ident(source, params) if is_data_url(source) else None
         if ident is not None and (known := self.data_urls.get(ident)) is not None:
+            # keyed without decoding the base64 again; decoded below only on a miss
+            self.cache.count(SECTION, "source_keyed")
+            self.cache.count(SECTION, "data_url_remembered")
             served = self._served(known, None, params, io_kwargs, source=source)
-            if served is not None:  # a hit, keyed without decoding the base64 again
-                self.cache.count(SECTION, "source_keyed")
-                self.cache.count(SECTION, "data_url_remembered")
-                return served
+            return item if served is None else served
         raw = self._source_bytes(source, domains)
         if raw is None:
             return item
@@ -193,9 +193,9 @@ class Frontend:
                 io_kwargs: dict[str, Any], image_id: str | None = None,
                 source: str | None = None) -> Any:
         """The ``image_data`` item for ``key``: a ``CachedImage`` on a hit, else ``raw`` decoded
-        and carrying its key; None for a miss with nothing to decode. ``source``: the encoded
-        source a hit can still be decoded from when ``raw`` was not read. With ``tags`` every
-        image is decoded (the model's process needs its pixels)."""
+        and carrying its key; None for a miss with nothing to decode. ``source``: the data URL
+        or file ``raw`` was not read from yet (a hit keeps it for a fallback, a miss reads it
+        here). With ``tags`` every image is decoded (the model's process needs its pixels)."""
         lease = None if self.tags else self.cache.acquire(key)
         if lease is not None:
             try:
@@ -207,6 +207,8 @@ class Frontend:
                 ref = FeatRef(self.cache, key, lease.meta, lease)
                 data: Any = CachedImage(ref, raw, io_kwargs, image_id, source)
                 return {"type": "image_data", "image_data": {"data": data, **params}}
+        if raw is None and source is not None:
+            raw = encoded_bytes(source)
         if raw is None:
             return None
         from lmdeploy.vl.media.image import ImageMediaIO
