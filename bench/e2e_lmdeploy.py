@@ -344,7 +344,7 @@ def check(model: str, tier_bytes: int = 12 << 10, configs: tuple[str, ...] = CHE
     plain_rows = {r["label"]: r for r in results["plain"]["rows"]}
     base = {label: r["token_ids"] for label, r in plain_rows.items()}
     verdict = {}
-    fc_names = [n for n in ("featcache", "featcache_prefix", "featcache_restart") if n in results]
+    fc_names = [n for n in CHECK_CONFIGS if n.startswith("featcache") and n in results]
     for name in fc_names:
         mismatched = [r["label"] for r in results[name]["rows"] if r["token_ids"] != base[r["label"]]]
         verdict[name] = dict(token_identical=not mismatched, mismatched=mismatched,
@@ -1204,6 +1204,9 @@ def breakdown_engine(pipe: Any, args: argparse.Namespace, size: tuple[int, int],
     return res
 
 
+CHAT_COLUMNS = (*STAGES, "input_tokens", "cached_tokens")  # per chat turn: its stages and tokens
+
+
 def chat_stages(pipe: Any, gen: Any, size: tuple[int, int], count: int) -> dict[str, Any]:
     """The stages of each turn of ``count`` 4-turn chats resending their image, and of each chat's
     text-only twin (same cached and new tokens): where a chat turn spends what its twin does not.
@@ -1218,8 +1221,8 @@ def chat_stages(pipe: Any, gen: Any, size: tuple[int, int], count: int) -> dict[
 
     SPANS.take()
     chats(pipe, gen, size, count, seed=300, twins=True, observe=observe)
-    medians = {kind: [{k: round(statistics.median(r[k] for r in turn), 3)
-                       for k in (*STAGES, "input_tokens", "cached_tokens")} for turn in by_turn]
+    medians = {kind: [{k: round(statistics.median(r[k] for r in turn), 3) for k in CHAT_COLUMNS}
+                      for turn in by_turn]
                for kind, by_turn in rows.items()}
     return dict(rows=rows, medians=medians)
 
@@ -1228,7 +1231,7 @@ def chat_stages_table(label: str, engine: str, chat: dict[str, Any]) -> None:
     m = chat["medians"]
     print(f"[e2e] CHAT STAGES {label} {engine}: per-turn medians, ms, chat / text-only twin")
     print("  " + f"{'stage':22s}" + "".join(f"{'turn ' + str(t + 1):>20s}" for t in range(4)))
-    for k in (*STAGES, "input_tokens", "cached_tokens"):
+    for k in CHAT_COLUMNS:
         print("  " + f"{k:22s}" + "".join(f"{m['chat'][t][k]:>9.2f} /{m['twin'][t][k]:>9.2f}"
                                           for t in range(4)))
 
