@@ -27,6 +27,10 @@ What is exported (all per process, since the cache was built), for each tier of 
 - ``featcache_hit_ratio`` (lookups that hit, since the cache was made) and, for a section that
   counts hits, ``featcache_<section>_hit_ratio`` gauges (``featcache stats --url`` reads them
   back with the counters; Prometheus users may prefer ``rate(hits)/rate(lookups)`` windows);
+- other processes' caches (``register(..., processes=)``: the model processes of lmdeploy's mp
+  engine and tp ranks, ``featcache.lmdeploy.model_stats``): the same families named
+  ``featcache_model_*`` and labelled ``rank`` (e.g.
+  ``featcache_model_lmdeploy_vision_images_total{rank="0"}``), read afresh at every scrape;
 - ``featcache_lookup_seconds{method="get"|"acquire",result="hit"|"miss"}``: a histogram of the
   time ``get``/``acquire`` took in the caller's thread (a ``lease`` is an ``acquire``). Lookups
   return without waiting for the device copy of a promoted entry (it is ordered on the caller's
@@ -42,6 +46,7 @@ behaviour except ``instrument``, which only wraps the two lookup methods of that
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import re
 import threading
@@ -55,6 +60,8 @@ from .tiers.base import STAT_FIELDS
 
 if TYPE_CHECKING:
     from .cache import FeatureCache
+
+log = logging.getLogger("featcache")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Lookup latency buckets, seconds: a device hit takes microseconds, a disk hit milliseconds.
@@ -210,7 +217,34 @@ def _timed(lookup: Callable[[bytes], Any], method: str, recorder: MetricsRecorde
 # -- families ------------------------------------------------------------------------------------
 def families(cache: FeatureCache) -> list[Family]:
     """Every metric family of ``cache`` from one ``stats()`` call (and its recorder, if any)."""
-    stats = cache.stats()
+    out = {f.name: f for f in stats_families(cache.stats())}
+    recorder = recorder_of(cache)
+    if recorder is not None:
+        out["featcache_lookup_seconds"] = Family(
+            "featcache_lookup_seconds", "histogram",
+            "Time get()/acquire() took in the caller's thread, by method and result.",
+            histograms=recorder.snapshot(),
+        )
+    return list(out.values())
+
+
+def process_families(processes: Iterable[dict[str, Any]]) -> list[Family]:
+    """The families of other processes' caches (``featcache.lmdeploy.model_stats``: dicts with
+    ``rank`` and ``stats``, a ``FeatureCache.stats()``), named ``featcache_model_*`` (never a
+    family of this process's own cache) and labelled ``rank``."""
+    out: dict[str, Family] = {}
+    for process in processes:
+        rank = (("rank", str(process["rank"])),)
+        for family in stats_families(process["stats"]):
+            name = "featcache_model_" + family.name.removeprefix("featcache_")
+            merged = out.setdefault(name, Family(name, family.kind,
+                                                 family.help + " (a model process, by rank)"))
+            merged.samples.extend(Sample(rank + s.labels, s.value) for s in family.samples)
+    return list(out.values())
+
+
+def stats_families(stats: dict[str, dict[str, Any]]) -> list[Family]:
+    """The families of one ``FeatureCache.stats()`` result (no histogram: that is the recorder's)."""
     out: dict[str, Family] = {}
 
     def add(name: str, kind: Kind, help_text: str, value: float, labels: Labels = ()) -> None:
@@ -259,14 +293,6 @@ def families(cache: FeatureCache) -> list[Family]:
             add(f"featcache_{_sanitise(section)}_hit_ratio", "gauge",
                 f"Share of the {section} integration's lookups that hit (0 before the first).",
                 events["hits"] / seen if seen else 0.0)
-
-    recorder = recorder_of(cache)
-    if recorder is not None:
-        out["featcache_lookup_seconds"] = Family(
-            "featcache_lookup_seconds", "histogram",
-            "Time get()/acquire() took in the caller's thread, by method and result.",
-            histograms=recorder.snapshot(),
-        )
     return list(out.values())
 
 
@@ -359,10 +385,25 @@ def _sanitise(name: str) -> str:
 
 # -- prometheus_client ---------------------------------------------------------------------------
 class FeatCacheCollector:
-    """A ``prometheus_client`` collector: each scrape reads ``families(cache)`` afresh."""
+    """A ``prometheus_client`` collector: each scrape reads ``families(cache)`` afresh, and, given
+    ``processes`` (a call returning ``featcache.lmdeploy.model_stats``-style dicts), the
+    ``process_families`` of the processes that run the model. A failing ``processes`` call costs
+    only those families (logged)."""
 
-    def __init__(self, cache: FeatureCache) -> None:
+    def __init__(self, cache: FeatureCache,
+                 processes: Callable[[], list[dict[str, Any]]] | None = None) -> None:
         self.cache = cache
+        self.processes = processes
+
+    def _families(self) -> list[Family]:
+        out = families(self.cache)
+        if self.processes is not None:
+            try:
+                out += process_families(self.processes())
+            except Exception as e:  # an engine still starting, or gone: its families only
+                log.warning("featcache: no counters from the model processes this scrape (%s: %s)",
+                            type(e).__name__, e)
+        return out
 
     def collect(self) -> Iterable[Any]:
         from prometheus_client.core import (
@@ -374,7 +415,7 @@ class FeatCacheCollector:
 
         classes = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily,
                    "untyped": UnknownMetricFamily}
-        for family in families(self.cache):
+        for family in self._families():
             if family.kind == "histogram":
                 names = [k for k, _ in family.histograms[0].labels] if family.histograms else []
                 metric = HistogramMetricFamily(family.name, family.help, labels=names)
@@ -392,13 +433,14 @@ class FeatCacheCollector:
             yield metric
 
 
-def register(cache: FeatureCache, registry: Any = None) -> FeatCacheCollector:
-    """Register a collector of ``cache``'s metrics in ``registry`` (default: prometheus_client's
-    global ``REGISTRY``, what an app serves with prometheus_client's defaults). Needs
-    ``prometheus_client`` (raises ``ImportError`` without it; ``render`` needs nothing). Returns
-    the collector, for ``registry.unregister``."""
+def register(cache: FeatureCache, registry: Any = None,
+             processes: Callable[[], list[dict[str, Any]]] | None = None) -> FeatCacheCollector:
+    """Register a collector of ``cache``'s metrics (and ``processes``': see ``FeatCacheCollector``)
+    in ``registry`` (default: prometheus_client's global ``REGISTRY``, what an app serves with
+    prometheus_client's defaults). Needs ``prometheus_client`` (raises ``ImportError`` without
+    it; ``render`` needs nothing). Returns the collector, for ``registry.unregister``."""
     import prometheus_client
 
-    collector = FeatCacheCollector(cache)
+    collector = FeatCacheCollector(cache, processes)
     (registry if registry is not None else prometheus_client.REGISTRY).register(collector)
     return collector

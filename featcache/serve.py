@@ -12,8 +12,9 @@ featcache installed on the engine the server builds. Differences, logged at star
 - ``--enable-prefix-caching`` stays on for the supported VLMs (lmdeploy alone turns it off).
 
 featcache's counters are exported on the server's ``/metrics`` (``featcache_*``, beside lmdeploy's)
-unless ``--disable-metrics`` is given; in the multi-process mode those are the frontend's (the
-model processes count in their own caches: ``featcache.lmdeploy.model_stats``). ``--dp`` > 1 is
+unless ``--disable-metrics`` is given; in the multi-process mode those are the frontend's, and
+each model process's own cache is exported beside them as ``featcache_model_*{rank}`` (read
+from the engine at every scrape: ``featcache.lmdeploy.model_stats``). ``--dp`` > 1 is
 refused (one server per GPU over a shared cache directory instead), and so is ``--tp`` > 1 on
 TurboMind (featcache's TurboMind path is verified at tp=1 only). The command line is
 ``featcache.cli.serving``'s.
@@ -25,7 +26,7 @@ import argparse
 import contextlib
 import logging
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .cache import FeatureCache
@@ -81,9 +82,13 @@ def run_server(args: argparse.Namespace, cache: FeatureCache, namespace: str | N
     multi-process mode's model-side cache settings): see ``featcache_engine``."""
     from lmdeploy.cli.serve import SubCliServe
 
-    collector = export_metrics(cache) if not args.disable_metrics else None
+    engines: list[Any] = []  # the engine, once built, where the model runs in other processes
+    collector = None
+    if not args.disable_metrics:
+        collector = export_metrics(cache, lambda: model_processes(engines))
     try:
-        with featcache_engine(cache, namespace, trust_image_ids, engine_process, model_cache):
+        with featcache_engine(cache, namespace, trust_image_ids, engine_process, model_cache,
+                              engines):
             SubCliServe.api_server(args)  # lmdeploy's handler: builds the server, runs uvicorn
     finally:
         if collector is not None:
@@ -92,13 +97,25 @@ def run_server(args: argparse.Namespace, cache: FeatureCache, namespace: str | N
             prometheus_client.REGISTRY.unregister(collector)
 
 
-def export_metrics(cache: FeatureCache) -> Any:
+def model_processes(engines: list[Any]) -> list[dict[str, Any]]:
+    """The counters of the processes that run the model of the engine in ``engines`` (none before
+    it is built, or where it runs in this process): ``featcache.lmdeploy.model_stats``."""
+    if not engines:
+        return []
+    from .lmdeploy import model_stats
+
+    return model_stats(types.SimpleNamespace(async_engine=engines[-1]))
+
+
+def export_metrics(cache: FeatureCache,
+                   processes: Callable[[], list[dict[str, Any]]] | None = None) -> Any:
     """featcache's families on prometheus_client's registry (what lmdeploy serves on /metrics),
-    with the hit-latency histogram recorded; the collector, or None without prometheus_client."""
+    with the hit-latency histogram recorded, and ``processes``' (the model processes' counters,
+    ``featcache_model_*{rank}``); the collector, or None without prometheus_client."""
     from .metrics import instrument, register
 
     try:
-        collector = register(cache)
+        collector = register(cache, processes=processes)
     except ImportError:
         log.warning("featcache: prometheus_client is not installed; /metrics has no featcache_* "
                     "counters (pip install 'featcache[metrics]')")
@@ -110,7 +127,8 @@ def export_metrics(cache: FeatureCache) -> Any:
 @contextlib.contextmanager
 def featcache_engine(cache: FeatureCache, namespace: str | None,
                      trust_image_ids: bool = False, engine_process: str = ENGINE_PROCESSES[0],
-                     model_cache: dict[str, Any] | None = None) -> Iterator[None]:
+                     model_cache: dict[str, Any] | None = None,
+                     engines: list[Any] | None = None) -> Iterator[None]:
     """While active, the engine lmdeploy's api_server builds has featcache.
 
     The hook is ``get_task`` as imported by ``lmdeploy.serve.openai.api_server``: its second value
@@ -118,7 +136,8 @@ def featcache_engine(cache: FeatureCache, namespace: str | None,
     caching kept as asked) and installs featcache on it. ``engine_process`` "in": the PyTorch
     engine runs in this process (``enable_mp_engine`` off); "mp": where lmdeploy puts it. In the
     multi-process mode (``multi_process``) the engine config becomes a ``FeatcacheEngineConfig``
-    with ``model_cache`` as its model processes' cache settings.
+    with ``model_cache`` as its model processes' cache settings, and the engine built is appended
+    to ``engines`` (``model_processes`` reads its counters).
     """
     if engine_process not in ENGINE_PROCESSES:
         raise ValueError(f"engine_process is one of {ENGINE_PROCESSES}, not {engine_process!r}")
@@ -132,7 +151,7 @@ def featcache_engine(cache: FeatureCache, namespace: str | None,
 
         def build(**kwargs: Any) -> Any:
             config = kwargs.get("backend_config")
-            wanted = False
+            wanted = elsewhere = False
             if isinstance(config, PytorchEngineConfig):
                 if engine_process == "in":
                     if config.enable_mp_engine:
@@ -140,12 +159,15 @@ def featcache_engine(cache: FeatureCache, namespace: str | None,
                                     "process (--engine-process in), not in a second one")
                     config.enable_mp_engine = False
                 wanted = bool(config.enable_prefix_caching)
-                if multi_process(config):
+                elsewhere = multi_process(config)
+                if elsewhere:
                     from .lmdeploy.processes import FeatcacheEngineConfig
 
                     kwargs["backend_config"] = FeatcacheEngineConfig.of(config, model_cache)
             with keep_prefix_caching(wanted, supported=set(SPECS)):
                 engine = engine_class(**kwargs)
+            if elsewhere and engines is not None:
+                engines.append(engine)
             wrap(types.SimpleNamespace(async_engine=engine), cache, namespace=namespace,
                  trust_image_ids=trust_image_ids)
             engine.featcache = cache

@@ -270,22 +270,24 @@ def test_module_map_file_installs_the_model_hooks_through_lmdeploy(tmp_path):
     settings = {"feature_cache": {"device": "cpu", "device_bytes": 1 << 20, "host_bytes": 0,
                                   "disk_path": str(tmp_path / "store")}}
     hook = rank_hook_file(settings)
-    assert rank_hook_file(settings) == hook  # one file per settings
+    assert os.path.dirname(rank_hook_file(settings)) != os.path.dirname(hook)  # one per engine
     code = f"""
-import _ranks
+import os, _ranks
 _ranks.stub_xgrammar()
 from lmdeploy.pytorch.models.patch import update_custom_module_map
 update_custom_module_map({hook!r})  # what lmdeploy's model agent runs in each rank
-from featcache.lmdeploy import ranks, models
-from lmdeploy.pytorch.engine.executor.base_worker import WorkerWrapperBase
+from featcache.lmdeploy import rankstats, ranks, models
 from lmdeploy.pytorch.models.internvl3_hf import InternVLForConditionalGeneration as C
 assert ranks.installed() and C.prepare_inputs_for_generation._featcache
 cache = ranks.local_cache()
-print(cache.config.disk_path, WorkerWrapperBase.featcache_stats(None)["rank"])
+cache.count("lmdeploy", "vision_images")
+answers = rankstats.gather(os.path.dirname({hook!r}))  # what the driver reads, from outside
+assert [a["pid"] for a in answers] == [os.getpid()], answers
+print(cache.config.disk_path, answers[0]["rank"], answers[0]["stats"]["lmdeploy"]["vision_images"])
 """
     done = _fresh_python(code)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == [str(tmp_path / "store"), "0"]
+    assert done.stdout.split() == [str(tmp_path / "store"), "0", "1"]
 
 
 def test_module_map_is_set_on_the_target_model_config_only_while_building(path):

@@ -210,3 +210,37 @@ def test_text_parses_with_prometheus_client_parser(cache):
     cache.get(b"key-0")
     names = {f.name for f in text_string_to_metric_families(metrics.render(cache))}
     assert {"featcache_tier_hits", "featcache_lookup_seconds", "featcache_lmdeploy_hits"} <= names
+
+
+def test_model_processes_are_exported_by_rank_beside_this_process(cache):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    exercise(cache)
+    ranks = [{"rank": r, "pid": 100 + r,
+              "stats": {"cache": {"hits": 3 + r, "misses": 1},
+                        "lmdeploy": {"vision_images": 5, "vision_skipped": 7 + r}}}
+             for r in (0, 1)]
+    registry = prometheus_client.CollectorRegistry()
+    collector = metrics.register(cache, registry, processes=lambda: ranks)
+    _, samples = parse(prometheus_client.generate_latest(registry).decode())
+    assert samples[("featcache_model_lmdeploy_vision_skipped_total",
+                    frozenset({("rank", "1")}))] == 8
+    assert samples[("featcache_model_lookups_total",
+                    frozenset({("rank", "0"), ("result", "hit")}))] == 3
+    assert samples[("featcache_model_lmdeploy_vision_images_total", frozenset({("rank", "0")}))] == 5
+    own = cache.stats()["cache"]["hits"]  # this process's families keep their names and labels
+    assert samples[("featcache_lookups_total", frozenset({("result", "hit")}))] == own
+    registry.unregister(collector)
+
+
+def test_a_failing_model_process_read_costs_only_its_families(cache, caplog):
+    prometheus_client = pytest.importorskip("prometheus_client")
+
+    def gone() -> list:
+        raise ConnectionRefusedError("engine gone")
+
+    registry = prometheus_client.CollectorRegistry()
+    collector = metrics.register(cache, registry, processes=gone)
+    text = prometheus_client.generate_latest(registry).decode()
+    assert "featcache_lookups_total" in text and "featcache_model_" not in text
+    assert "engine gone" in caplog.text
+    registry.unregister(collector)

@@ -47,7 +47,8 @@ class StandInEngine:
         self.inner = object()
         # lmdeploy's mp engine (a ZMQ client here) has no input processor in this process
         mp = bool(getattr(backend_config, "enable_mp_engine", False))
-        self.engine = types.SimpleNamespace() if mp else types.SimpleNamespace(input_processor=self.inner)
+        self.engine = (types.SimpleNamespace(_collective_rpc=self.model_process_stats) if mp
+                       else types.SimpleNamespace(input_processor=self.inner))
         from lmdeploy.tokenizer import Tokenizer
 
         self.arch = tiny.INTERNVL
@@ -56,6 +57,11 @@ class StandInEngine:
         self.is_sleeping = False
         self.closed = False
         StandInEngine.built.append(self)
+
+    @staticmethod
+    def model_process_stats(method):  # lmdeploy's RPC to its engine process (featcache's method)
+        assert method == "featcache_stats"
+        return [{"rank": 0, "pid": 1, "stats": {"lmdeploy": {"vision_images": 4}}}]
 
     def close(self):
         self.path.close()
@@ -229,6 +235,9 @@ def test_serve_multi_process_mode_tags_images_for_the_model_processes(served, tm
         assert isinstance(out["multimodal"][0][REF_KEY], FeatTag)
     assert len(engine.path.calls) == 2  # preprocessed every time: the model process needs pixels
     assert cache.stats()[SECTION]["tagged"] == 2
+    if mp:  # /metrics carries the engine process's counters beside the frontend's
+        assert 'featcache_model_lmdeploy_vision_images_total{rank="0"} 4.0' in seen["metrics"]
+    assert "featcache_lookups_total" in seen["metrics"]  # the frontend's own, as before
 
 
 def test_lmdeploys_flags_are_not_taken_for_prefixes_of_featcaches():

@@ -41,7 +41,7 @@ from typing import Any
 
 from lmdeploy.messages import PytorchEngineConfig
 
-from . import ranks
+from . import ranks, rankstats
 from .engine import KeyedInputProcessor
 from .models import SPECS, patch_model_class
 from .prefix import install_prefix_hook
@@ -81,24 +81,16 @@ def cache_settings(cache: Any) -> dict[str, Any]:
 
 
 # -- the rank hook file --------------------------------------------------------------------------
-_files_lock = threading.Lock()
-_files: dict[str, str] = {}  # settings JSON -> the generated file
-
-
 def rank_hook_file(settings: dict[str, Any] | None) -> str:
-    """The module-map file that installs featcache in a model process with ``settings`` (one per
-    distinct settings in this process; removed at exit)."""
-    text = json.dumps(settings, sort_keys=True)
-    with _files_lock:
-        path = _files.get(text)
-        if path is None or not os.path.exists(path):
-            folder = tempfile.mkdtemp(prefix="featcache-rank-")  # lmdeploy adds it to sys.path
-            atexit.register(shutil.rmtree, folder, True)
-            path = os.path.join(folder, RANK_HOOK)
-            with open(path, "w") as f:
-                f.write(_RANK_HOOK_SOURCE.format(settings=repr(text)))
-            _files[text] = path
-        return path
+    """A new module-map file that installs featcache in a model process with ``settings``, alone
+    in a new private folder (lmdeploy adds it to ``sys.path``; the model processes open their
+    counters' sockets there, ``rankstats``), one per engine; removed at exit."""
+    folder = tempfile.mkdtemp(prefix="featcache-rank-")
+    atexit.register(shutil.rmtree, folder, True)
+    path = os.path.join(folder, RANK_HOOK)
+    with open(path, "w") as f:
+        f.write(_RANK_HOOK_SOURCE.format(settings=repr(json.dumps(settings, sort_keys=True))))
+    return path
 
 
 _RANK_HOOK_SOURCE = '''\
@@ -107,9 +99,11 @@ _RANK_HOOK_SOURCE = '''\
 # featcache's model hooks. It must never stop the engine from starting.
 CUSTOM_MODULE_MAP = {{}}
 try:
+    import os
+
     from featcache.lmdeploy.processes import install_in_rank
 
-    install_in_rank({settings})
+    install_in_rank({settings}, os.path.dirname(os.path.abspath(__file__)))
 except Exception:  # an engine without featcache: every image computed
     import logging
 
@@ -117,20 +111,19 @@ except Exception:  # an engine without featcache: every image computed
 '''
 
 
-def install_in_rank(settings_json: str) -> None:
-    """Run by the rank hook file in each model process."""
-    from lmdeploy.pytorch.engine.executor.base_worker import WorkerWrapperBase
-
-    # first: the driver may ask any rank for it once the engine is built (``engine_stats``)
-    WorkerWrapperBase.featcache_stats = _rank_stats  # type: ignore[attr-defined]
+def install_in_rank(settings_json: str, folder: str | None = None) -> None:
+    """Run by the rank hook file in each model process: ``folder`` is the hook file's, where this
+    process answers for its counters (``rankstats``; None: it does not)."""
     ranks.configure(settings_json)
     for spec in SPECS.values():
         patch_model_class(spec)
+    if folder is not None:
+        try:
+            rankstats.serve(folder, ranks.stats)
+        except OSError:  # counters unreadable from outside; the features still served
+            log.warning("featcache: this model process's counters are not readable from the "
+                        "engine (socket in %s)", folder, exc_info=True)
     log.info("featcache: serving cached image features in this model process (pid %d)", os.getpid())
-
-
-def _rank_stats(self: Any) -> dict[str, Any]:
-    return ranks.stats()
 
 
 # -- the driver-side hooks (installed on import) -------------------------------------------------
@@ -161,11 +154,12 @@ def _module_map(path: str) -> Iterator[None]:
 
 def engine_stats(engine: Any) -> list[dict[str, Any]]:
     """Every model process's counters (``ranks.stats()``), rank order: this process's at tp=1,
-    the ranks' (through the mp executor's RPC) at tp > 1."""
-    executor: Any = getattr(engine, "executor", None)
+    the ranks' at tp > 1 (each answers on its socket in the engine's hook folder, ``rankstats``;
+    never through lmdeploy's executor, whose return buffers the running engine reads)."""
     world = getattr(getattr(engine, "dist_config", None), "world_size", 1) or 1
-    if world > 1 and hasattr(executor, "collective_rpc"):
-        return list(executor.collective_rpc("featcache_stats"))
+    folder = getattr(engine, "featcache_folder", None)
+    if world > 1 and folder is not None:
+        return rankstats.gather(folder)
     return [ranks.stats()]
 
 
@@ -183,7 +177,9 @@ def _install() -> None:
         if not isinstance(engine_config, FeatcacheEngineConfig) or engine_config.enable_mp_engine:
             original(self, model_path, engine_config, *args, **kwargs)
             return
-        with _module_map(rank_hook_file(engine_config.featcache_cache)):
+        hook = rank_hook_file(engine_config.featcache_cache)
+        self.featcache_folder = os.path.dirname(hook)
+        with _module_map(hook):
             original(self, model_path, engine_config, *args, **kwargs)
         self.input_processor = KeyedInputProcessor(self.input_processor)
         if engine_config.enable_prefix_caching:

@@ -26,8 +26,8 @@ Invariants:
 
 Counters: each process counts in its own cache's ``lmdeploy`` section (``vision_calls``,
 ``vision_images``, ``vision_skipped``, ``agreed_misses``: images this rank held but another did
-not). ``stats()`` returns them with the process's rank; ``featcache.lmdeploy.engine_config``
-gathers every rank's through lmdeploy's RPC (``featcache_stats``). Every rank runs the same
+not). ``stats()`` returns them with the process's rank; each process answers for them on a
+socket of its own (``rankstats``) and ``processes.engine_stats`` gathers them. Every rank runs the same
 vision calls, so "vision once per distinct image" holds when each rank's ``vision_images`` equals
 the number of distinct images.
 """
