@@ -1,7 +1,8 @@
 """`featcache serve` end to end on a GPU: the OpenAI client, multi-turn, against plain lmdeploy.
 
     python bench/serve_chat.py --model DIR [--model DIR ...] [--backend pytorch|turbomind]
-                               [--out DIR] [--eager] [--skip-warm] [--image-ids] [--dry-run]
+                               [--out DIR] [--eager] [--skip-warm] [--image-ids] [--mp-engine]
+                               [--dry-run]
 
 Per model, one server at a time, the same requests in the same order:
 
@@ -17,6 +18,10 @@ Per model, one server at a time, the same requests in the same order:
    chats, each image named by an id (`"uuid"` beside `image_url`); its bytes go out the first time
    it appears, later turns and chats send the id alone. Reported against plain (tokens) and
    against step 3 per turn (`ids_vs_bytes`: time to first token and the messages' size).
+5. (--mp-engine, PyTorch) `featcache serve MODEL --engine-process mp --cache-dir STORE-mp`, warmed
+   like step 3: lmdeploy's own process model (the engine and the model in a second process, as
+   plain `api_server` runs them), the same chats; per turn also the engine process's counters
+   (`featcache_model_*{rank}` on /metrics). Reported against plain (`compare_mp`).
 
 Every turn is one streamed request through the `openai` client, greedy (temperature 0), with
 lmdeploy's `return_token_ids` (so a chunk comes with the first token even when the random model's
@@ -55,7 +60,9 @@ QUESTIONS = ["What is in this picture?", "Describe the colours.", "What stands o
 # with another first question: an image hit in featcache, not a prefix hit), B once
 CHATS = [("image_a", "a", 4, 0), ("image_b", "b", 4, 0), ("image_a_again", "a", 3, 4)]
 IMAGE_SEEDS = {"a": 1, "b": 2, "warmup": 3}
-PORTS = {"plain": 23400, "featcache": 23401, "featcache_ids": 23402}
+PORTS = {"plain": 23400, "featcache": 23401, "featcache_ids": 23402, "featcache_mp": 23403}
+SERVERS = tuple(PORTS)  # the order they run in
+STORES = {"featcache": "", "featcache_ids": "-ids", "featcache_mp": "-mp"}  # suffix of STORE
 
 
 # -- servers ---------------------------------------------------------------------------------------
@@ -72,7 +79,8 @@ def server_flags(backend: str, eager: bool, extra: list[str]) -> list[str]:
 
 
 def commands(model: str, backend: str, store: str, eager: bool = False,
-             extra: list[str] | None = None, image_ids: bool = False) -> dict[str, list[str]]:
+             extra: list[str] | None = None, image_ids: bool = False,
+             mp_engine: bool = False) -> dict[str, list[str]]:
     common = server_flags(backend, eager, extra or [])
     py = sys.executable
     cmds = {
@@ -85,6 +93,10 @@ def commands(model: str, backend: str, store: str, eager: bool = False,
         cmds["featcache_ids"] = [py, "-m", "featcache", "serve", model, "--cache-dir", store + "-ids",
                                  "--trust-client-image-ids", "--server-port",
                                  str(PORTS["featcache_ids"]), *common]
+    if mp_engine and backend == "pytorch":  # lmdeploy's process model: the engine in a second process
+        cmds["featcache_mp"] = [py, "-m", "featcache", "serve", model, "--cache-dir", store + "-mp",
+                                "--engine-process", "mp", "--server-port",
+                                str(PORTS["featcache_mp"]), *common]
     return cmds
 
 
@@ -107,6 +119,10 @@ def check_commands(cmds: dict[str, list[str]]) -> dict[str, Any]:
         out["featcache_ids"] = {"trust_client_image_ids": ids.trust_client_image_ids,
                                 "cache_dir": ids.cache_dir,
                                 "server_port": lmdeploy_parser().parse_args(rest).server_port}
+    if "featcache_mp" in cmds:
+        mp, rest = featcache_parser().parse_known_args(cmds["featcache_mp"][4:])
+        out["featcache_mp"] = {"engine_process": mp.engine_process, "cache_dir": mp.cache_dir,
+                               "server_port": lmdeploy_parser().parse_args(rest).server_port}
     return out
 
 
@@ -355,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--image-ids", action="store_true",
                    help="a third server (featcache serve --trust-client-image-ids, its own store): "
                    "the same chats with each image named by an id, its bytes sent once")
+    p.add_argument("--mp-engine", action="store_true",
+                   help="one more server (PyTorch): featcache serve --engine-process mp (lmdeploy's "
+                   "own process model, the engine in a second process; its own store, warmed too)")
     p.add_argument("--dry-run", action="store_true", help="print the commands and the plan; exit")
     args = p.parse_args(argv)
     t0 = time.monotonic()
@@ -365,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         out = os.path.join(out_root, name) if len(args.model) > 1 else out_root
         store = os.path.join(os.path.abspath(args.store_root), name)
         plans.append((model, out, store, commands(model, args.backend, store, args.eager, args.server_arg,
-                                                   args.image_ids)))
+                                                   args.image_ids, args.mp_engine)))
     warm = args.backend == "pytorch" and not args.skip_warm
     if args.dry_run:
         for model, out, store, cmds in plans:
@@ -373,8 +392,9 @@ def main(argv: list[str] | None = None) -> int:
             for name, cmd in cmds.items():
                 print(f"[dry-run] {name}: {shlex.join(cmd)}")
             if warm:
-                print(f"[dry-run] before featcache: {sys.executable} -m featcache warm {model} "
-                      f"{out}/a.png --cache-dir {store}")
+                for name in (n for n in ("featcache", "featcache_mp") if n in cmds):
+                    print(f"[dry-run] before {name}: {sys.executable} -m featcache warm {model} "
+                          f"{out}/a.png --cache-dir {store}{STORES[name]}")
             try:
                 print("[dry-run] parsed:", json.dumps(check_commands(cmds)))
             except ImportError as e:
@@ -391,37 +411,41 @@ def main(argv: list[str] | None = None) -> int:
     rc = 0
     for model, out, store, cmds in plans:
         os.makedirs(out, exist_ok=True)
-        shutil.rmtree(store, ignore_errors=True)  # featcache starts cold
+        for suffix in STORES.values():  # featcache starts cold
+            shutil.rmtree(store + suffix, ignore_errors=True)
         images = {name: data_url(None, seed) for name, seed in IMAGE_SEEDS.items()}
         if warm:  # `featcache warm` reads a file: the same bytes the chats send
             with open(os.path.join(out, "a.png"), "wb") as f:
                 f.write(base64.b64decode(images["a"].split(",", 1)[1]))
         res: dict[str, Any] = {}
         result["models"][model] = res
-        for name in [n for n in ("plain", "featcache", "featcache_ids") if n in cmds]:
+        for name in [n for n in SERVERS if n in cmds]:
             left = args.budget - (time.monotonic() - t0)
             if left < 60:
                 result["skipped"].append(f"{model} {name}: {left:.0f} s left")
                 print(f"[serve] SKIPPED {model} {name}: {left:.0f} s left", flush=True)
                 continue
-            if name == "featcache" and warm:
+            if name in ("featcache", "featcache_mp") and warm:
                 t = time.monotonic()
                 w = subprocess.run([sys.executable, "-m", "featcache", "warm", model,
-                                    os.path.join(out, "a.png"), "--cache-dir", store],
+                                    os.path.join(out, "a.png"), "--cache-dir", store + STORES[name]],
                                    capture_output=True, text=True, timeout=max(30, left - 60))
                 print(w.stdout, w.stderr[-3000:], flush=True)
-                res["warm"] = {"rc": w.returncode, "stdout": w.stdout.strip(),
-                               "seconds": round(time.monotonic() - t, 1)}
+                res["warm" + STORES[name].replace("-", "_")] = {
+                    "rc": w.returncode, "stdout": w.stdout.strip(),
+                    "seconds": round(time.monotonic() - t, 1)}
                 left = args.budget - (time.monotonic() - t0)
             try:
                 res[name] = serve_and_chat(name, cmds[name], PORTS[name], images, out, args.max_tokens,
                                            ready_timeout=min(300, max(30, left - 30)))
             except Exception as e:
                 res[name] = {"command": shlex.join(cmds[name]), "error": f"{type(e).__name__}: {e}"}
-            if name == "featcache":
-                stats = subprocess.run([sys.executable, "-m", "featcache", "stats", store, "--json"],
+            if name in ("featcache", "featcache_mp"):
+                stats = subprocess.run([sys.executable, "-m", "featcache", "stats",
+                                        store + STORES[name], "--json"],
                                        capture_output=True, text=True, timeout=60)
-                res["stats"] = json.loads(stats.stdout) if stats.returncode == 0 else stats.stderr[-2000:]
+                res["stats" + STORES[name].replace("-", "_")] = (
+                    json.loads(stats.stdout) if stats.returncode == 0 else stats.stderr[-2000:])
         if "plain" in res and "featcache" in res:
             res["compare"] = compare(res["plain"], res["featcache"])
             print_table(model, res["compare"])
@@ -433,7 +457,11 @@ def main(argv: list[str] | None = None) -> int:
             if "featcache" in res:
                 res["ids_vs_bytes"] = ids_vs_bytes(res["featcache"], res["featcache_ids"])
                 print(f"[serve] image ids vs bytes: {json.dumps(res['ids_vs_bytes'])}", flush=True)
-        if any("error" in res.get(k, {}) for k in ("plain", "featcache", "featcache_ids")):
+        if "plain" in res and "featcache_mp" in res:  # lmdeploy's process model, both sides
+            res["compare_mp"] = compare(res["plain"], res["featcache_mp"])
+            print_table(model + " (engine process mp)", res["compare_mp"])
+            rc |= 0 if res["compare_mp"]["tokens_identical"] else 1
+        if any("error" in res.get(k, {}) for k in SERVERS):
             rc |= 2
         with open(os.path.join(out_root, "serve_chat.json"), "w") as f:
             json.dump(result, f, indent=1)

@@ -2,13 +2,15 @@
 test. Issue 16. GPU; ``--dry-run`` runs on the CPU.
 
     python bench/serve_latency.py --model DIR [--backend pytorch|turbomind] [--out DIR]
-        [--servers plain,featcache,featcache_ids] [--sources data,http,file] [--repeats N]
+        [--servers plain,featcache,featcache_ids,featcache_mp] [--sources data,http,file] [--repeats N]
         [--load SECONDS] [--clients 32] [--images 8] [--budget S] [--eager] [--dry-run]
 
 Servers (bench/serve_chat.py's commands, CUDA graphs on unless --eager), one at a time, each run
 under bench/serve_stages.py (per-stage times recorded in the server's process, loopback image URLs
 allowed): plain ``lmdeploy serve api_server``, ``featcache serve``, ``featcache serve
---trust-client-image-ids`` (its images named by ids: bytes on the warm-up turn only). Per server
+--trust-client-image-ids`` (its images named by ids: bytes on the warm-up turn only), ``featcache
+serve --engine-process mp`` (lmdeploy's own process model: the engine in a second process; the
+server-side stages are then the API process's only). Per server
 and image source (a 1344x1008 PNG as a base64 data URL, as an ``http://127.0.0.1`` URL served by
 this script, as a file path; the ids server: by id):
 
@@ -23,7 +25,7 @@ Reported per row: median and p90 time to first token of both, their ratio (issue
 <= 1.2), ``usage.prompt_tokens_details.cached_tokens`` and new tokens (prompt - cached), and the
 server-side stages of both (median per stage, owner featcache or lmdeploy). --load S: then
 --clients concurrent chat clients over --images images (data URLs, 4 turns per chat, images
-resent every turn) for S seconds against plain and featcache: requests/s, p50/p99 time to first
+resent every turn) for S seconds against plain, featcache and featcache_mp: requests/s, p50/p99 time to first
 token, failed requests. Writes OUT/latency.json and prints the tables.
 """
 
@@ -50,12 +52,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 import serve_chat  # noqa: E402
 import serve_stages  # noqa: E402
 
-SERVERS = ("plain", "featcache", "featcache_ids")
+SERVERS = ("plain", "featcache", "featcache_ids", "featcache_mp")
+DEFAULT_SERVERS = SERVERS[:3]  # --servers' default (with featcache_mp: past the default budget)
 SOURCES = ("data", "http", "file")
 HTTP_PORT = 23419
 Q0 = "What is in this picture?"
 FILLER = "the quick brown fox jumps over the lazy dog "  # sized to the image's prompt tokens
-LOAD_SERVERS = ("plain", "featcache")
+LOAD_SERVERS = ("plain", "featcache", "featcache_mp")
 
 
 # -- the plan (pure) ----------------------------------------------------------------------------------
@@ -318,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", choices=["pytorch", "turbomind"], default="pytorch")
     p.add_argument("--out", default="latency_out")
     p.add_argument("--store-root", default="/tmp/serve_latency_store")
-    p.add_argument("--servers", default=",".join(SERVERS))
+    p.add_argument("--servers", default=",".join(DEFAULT_SERVERS))
     p.add_argument("--sources", default=",".join(SOURCES))
     p.add_argument("--repeats", type=int, default=12, help="timed rounds per source (default 12)")
     p.add_argument("--max-tokens", type=int, default=8)
@@ -341,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     out = os.path.abspath(args.out)
     store = os.path.join(os.path.abspath(args.store_root), os.path.basename(args.model.rstrip("/")))
     cmds = serve_chat.commands(args.model, args.backend, store, args.eager, args.server_arg,
-                               image_ids="featcache_ids" in servers)
+                               image_ids="featcache_ids" in servers,
+                               mp_engine="featcache_mp" in servers)
     steps = plan(servers, sources, args.repeats)
     if args.dry_run:
         for s in servers:
@@ -386,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
             if os.path.exists(stages_file):
                 os.remove(stages_file)
             if server.startswith("featcache"):
-                shutil.rmtree(store + ("-ids" if server == "featcache_ids" else ""), ignore_errors=True)
+                shutil.rmtree(store + serve_chat.STORES[server], ignore_errors=True)
             cmd = wrapped(cmds[server], stages_file)
             port = serve_chat.PORTS[server]
             try:

@@ -23,12 +23,13 @@ def load():
 
 def test_plan_fits_the_budget_and_the_ids_server_sends_ids():
     sl = load()
-    steps = sl.plan(list(sl.SERVERS), list(sl.SOURCES), repeats=12)
+    steps = sl.plan(list(sl.DEFAULT_SERVERS), list(sl.SOURCES), repeats=12)
     assert [(s, src) for s, src, _ in steps] == [
         ("plain", "data"), ("plain", "http"), ("plain", "file"), ("featcache", "data"),
         ("featcache", "http"), ("featcache", "file"), ("featcache_ids", "id")]
     assert all(n == 3 + 2 * 13 for _, _, n in steps)
-    assert sl.estimate_s(steps, list(sl.SERVERS), load_s=60) <= 530  # the default --budget
+    assert sl.estimate_s(steps, list(sl.DEFAULT_SERVERS), load_s=60) <= 530  # the default --budget
+    assert sl.sources_for("featcache_mp", ["file"]) == ["file"]  # the mp server resends its bytes
     hit = sl.messages(sl.image_item("id", "data:x", "http://h/a.png", "/a.png", "i", first=False),
                       sl.question(1), "A0")
     assert hit[0]["content"][1] == {"type": "image_url", "uuid": "i"}  # no bytes on a hit turn
