@@ -2,7 +2,7 @@
 
     python bench/serve_chat.py --model DIR [--model DIR ...] [--backend pytorch|turbomind]
                                [--out DIR] [--eager] [--skip-warm] [--image-ids] [--mp-engine]
-                               [--dry-run]
+                               [--skip SERVER] [--dry-run]
 
 Per model, one server at a time, the same requests in the same order:
 
@@ -107,13 +107,16 @@ def check_commands(cmds: dict[str, list[str]]) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     plain = lmdeploy_parser().parse_args(cmds["plain"][5:])
-    ours, rest = featcache_parser().parse_known_args(cmds["featcache"][4:])
-    served = lmdeploy_parser().parse_args(rest)
+    ours, rest = featcache_parser().parse_known_args(cmds.get("featcache", cmds["plain"][:4])[4:])
+    served = lmdeploy_parser().parse_args(rest) if "featcache" in cmds else None
     for name, a in [("plain", plain), ("featcache", served)]:
+        if a is None:
+            continue
         out[name] = {"model_path": a.model_path, "backend": a.backend, "server_port": a.server_port,
                      "enable_prefix_caching": a.enable_prefix_caching, "session_len": a.session_len,
                      "cache_max_entry_count": a.cache_max_entry_count}
-    out["featcache"]["cache_dir"] = ours.cache_dir
+    if "featcache" in out:
+        out["featcache"]["cache_dir"] = ours.cache_dir
     if "featcache_ids" in cmds:
         ids, rest = featcache_parser().parse_known_args(cmds["featcache_ids"][4:])
         out["featcache_ids"] = {"trust_client_image_ids": ids.trust_client_image_ids,
@@ -312,16 +315,25 @@ def compare(plain: dict, fc: dict) -> dict[str, Any]:
             same = p["output_ids"] == f["output_ids"] and bool(p["output_ids"])
             if not same:
                 mismatches.append(f"{chat}#{f['turn']}")
-            hits = {k: v for k, v in f.get("featcache", {}).items() if "hit" in k}
+            counts = f.get("featcache", {})
+            hits = {k: v for k, v in counts.items() if "hit" in k}
+            # the engine process's vision work (featcache serve --engine-process mp)
+            model = {k.removeprefix("featcache_model_lmdeploy_"): v for k, v in counts.items()
+                     if k.startswith("featcache_model_lmdeploy_vision")}
             rows.append({"chat": chat, "turn": f["turn"], "tokens_identical": same,
                          "ttft_ms_plain": p["ttft_ms"], "ttft_ms_featcache": f["ttft_ms"],
                          "speedup": (round(p["ttft_ms"] / f["ttft_ms"], 2)
                                      if p["ttft_ms"] and f["ttft_ms"] else None),
                          "cached_plain": p["cached_tokens"], "cached_featcache": f["cached_tokens"],
-                         "featcache_hits": hits})
+                         "featcache_hits": hits, **({"model_process": model} if model else {})})
     turns = len(rows)
-    return {"turns_compared": turns, "tokens_identical": turns > 0 and not mismatches,
-            "mismatches": mismatches, "per_turn": rows}
+    out = {"turns_compared": turns, "tokens_identical": turns > 0 and not mismatches,
+           "mismatches": mismatches, "per_turn": rows}
+    vision = [v for r in rows for k, v in r.get("model_process", {}).items()
+              if k.startswith("vision_images") and 'rank="0"' in k]
+    if vision:  # images rank 0 computed over the chats (every rank makes the same vision calls)
+        out["model_vision_images"] = sum(vision)
+    return out
 
 
 def ids_vs_bytes(fc: dict, ids: dict) -> list[dict[str, Any]]:
@@ -374,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mp-engine", action="store_true",
                    help="one more server (PyTorch): featcache serve --engine-process mp (lmdeploy's "
                    "own process model, the engine in a second process; its own store, warmed too)")
+    p.add_argument("--skip", action="append", default=[], choices=SERVERS[1:], metavar="SERVER",
+                   help="leave this featcache server out (repeatable; plain always runs)")
     p.add_argument("--dry-run", action="store_true", help="print the commands and the plan; exit")
     args = p.parse_args(argv)
     t0 = time.monotonic()
@@ -383,8 +397,9 @@ def main(argv: list[str] | None = None) -> int:
         name = os.path.basename(model.rstrip("/"))
         out = os.path.join(out_root, name) if len(args.model) > 1 else out_root
         store = os.path.join(os.path.abspath(args.store_root), name)
-        plans.append((model, out, store, commands(model, args.backend, store, args.eager, args.server_arg,
-                                                   args.image_ids, args.mp_engine)))
+        cmds = commands(model, args.backend, store, args.eager, args.server_arg, args.image_ids,
+                        args.mp_engine)
+        plans.append((model, out, store, {k: v for k, v in cmds.items() if k not in args.skip}))
     warm = args.backend == "pytorch" and not args.skip_warm
     if args.dry_run:
         for model, out, store, cmds in plans:
