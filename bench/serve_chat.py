@@ -80,7 +80,7 @@ def server_flags(backend: str, eager: bool, extra: list[str]) -> list[str]:
 
 def commands(model: str, backend: str, store: str, eager: bool = False,
              extra: list[str] | None = None, image_ids: bool = False,
-             mp_engine: bool = False) -> dict[str, list[str]]:
+             mp_engine: bool = False, featcache_args: tuple[str, ...] = ()) -> dict[str, list[str]]:
     common = server_flags(backend, eager, extra or [])
     py = sys.executable
     cmds = {
@@ -97,6 +97,9 @@ def commands(model: str, backend: str, store: str, eager: bool = False,
         cmds["featcache_mp"] = [py, "-m", "featcache", "serve", model, "--cache-dir", store + "-mp",
                                 "--engine-process", "mp", "--server-port",
                                 str(PORTS["featcache_mp"]), *common]
+    for name, cmd in cmds.items():  # featcache's own options, before lmdeploy's
+        if name != "plain":
+            cmd[5:5] = list(featcache_args)
     return cmds
 
 
@@ -386,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mp-engine", action="store_true",
                    help="one more server (PyTorch): featcache serve --engine-process mp (lmdeploy's "
                    "own process model, the engine in a second process; its own store, warmed too)")
+    p.add_argument("--featcache-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for the featcache servers only (repeatable), e.g. "
+                   "--featcache-arg=--host-bytes=0")
     p.add_argument("--skip", action="append", default=[], choices=SERVERS[1:], metavar="SERVER",
                    help="leave this featcache server out (repeatable; plain always runs)")
     p.add_argument("--dry-run", action="store_true", help="print the commands and the plan; exit")
@@ -398,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         out = os.path.join(out_root, name) if len(args.model) > 1 else out_root
         store = os.path.join(os.path.abspath(args.store_root), name)
         cmds = commands(model, args.backend, store, args.eager, args.server_arg, args.image_ids,
-                        args.mp_engine)
+                        args.mp_engine, tuple(args.featcache_arg))
         plans.append((model, out, store, {k: v for k, v in cmds.items() if k not in args.skip}))
     warm = args.backend == "pytorch" and not args.skip_warm
     if args.dry_run:

@@ -56,9 +56,13 @@ class Side:
         self.cls = internvl3_hf.InternVLForConditionalGeneration
         self.original_prepare = self.cls.prepare_inputs_for_generation
         models.patch_model_class(models.SPECS[ARCH])
-        ranks.configure(json.dumps({"feature_cache": {
-            "device": "cpu", "device_bytes": cache_bytes, "host_bytes": 0}}))
+        ranks.configure(json.dumps({
+            "feature_cache": {"device": "cpu", "device_bytes": cache_bytes, "host_bytes": 0},
+            # what the engine tells the model processes (processes.rank_settings)
+            "rebuild": {"model_path": path, "dtype": "float16", "device_type": "cpu",
+                        "trust_remote_code": False}}))
         self.model = eng.FakeInternVL(self.config.text_config.vocab_size)
+        self.model.get_input_processor = lambda: self.processor.inner  # the real model's method
 
     def step(self, blobs: list[bytes]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One prefill step over the pickled requests ``(input_ids, multimodal dicts)``: the

@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import multiprocessing
 import os
@@ -37,7 +39,7 @@ import test_lmdeploy_engine as eng  # noqa: E402
 from featcache.lmdeploy import counters_cache, models, prefix, ranks  # noqa: E402
 from featcache.lmdeploy.frontend import SECTION, install_frontend  # noqa: E402
 from featcache.lmdeploy.refs import REF_KEY, FeatRef  # noqa: E402
-from featcache.lmdeploy.tags import FeatTag, _restore  # noqa: E402
+from featcache.lmdeploy.tags import FeatTag, Source, _restore  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,6 +67,12 @@ def side(path):
     s.close()
 
 
+def png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def request(prompts, *images) -> bytes:
     """A request as lmdeploy's RPC sends it to the engine process: pickled."""
     out = prompts.prompt(tiny.messages(*(tiny.image_item(i) for i in images)))
@@ -88,11 +96,15 @@ def test_tag_pickles_and_a_corrupt_tag_unpickles_as_invalid():
     again = pickle.loads(pickle.dumps(tag))
     assert again == tag and again.valid and again.key == tag.key and again.meta == tag.meta
 
-    for fields in [(None, b""), (b"", b""), (b"k", "not bytes"), (b"k" * 600, b""), ()]:
+    for fields in [(None, b""), (b"", b""), (b"k", "not bytes"), (b"k" * 600, b""), (),
+                   (b"k", b"m", "not a source"), (b"k", b"m", ("raw", "{}", "{}"))]:
         bad = pickle.loads(pickle.dumps(_Forged(*fields)))
         assert isinstance(bad, FeatTag) and not bad.valid, fields
     # fields a later version may add are ignored
-    assert pickle.loads(pickle.dumps(_Forged(b"k", b"m", "extra"))) == FeatTag(b"k", b"m")
+    assert pickle.loads(pickle.dumps(_Forged(b"k", b"m", None, "extra"))) == FeatTag(b"k", b"m")
+    sourced = FeatTag(b"k", b"m", Source(b"png", '{"image_mode": "RGB"}', "{}"))
+    again = pickle.loads(pickle.dumps(sourced))
+    assert again == sourced and again.source.raw == b"png" and again != FeatTag(b"k", b"m")
     with pytest.raises(TypeError):
         FeatTag("str key", b"")  # type: ignore[arg-type]
 
@@ -117,7 +129,7 @@ def test_tag_mode_frontend_preprocesses_every_image_and_the_request_pickles(fron
         back = pickle.loads(pickle.dumps(out["multimodal"]))
         assert [m[REF_KEY] for m in back] == [m[REF_KEY] for m in out["multimodal"]]
         assert cache.stats()[SECTION]["tagged"] == 4
-        assert "hits" not in cache.stats()[SECTION]
+        assert cache.stats()[SECTION]["hits"] == 0  # in-memory images: always sent with pixels
     finally:
         plain.close()
 
@@ -188,6 +200,77 @@ def test_partly_cached_tagged_image_is_recomputed_whole_and_sliced(frontend, sid
     assert torch.equal(got, whole[skip:])
     with cache.lease(ref.key) as stored:
         assert torch.equal(stored, whole)
+
+
+# -- images sent again without pixels ------------------------------------------------------------
+
+@pytest.fixture
+def sourced(path):
+    """The tag-mode frontend with lmdeploy's source parsing hooked (data URLs keyed by bytes)."""
+    cache = counters_cache()
+    prompts = tiny.PromptPath(path)
+    install_frontend(prompts.model, cache, "test:processes", prompts.processor, tags=True)
+    yield prompts, cache
+    prompts.close()
+    cache.close()
+
+
+def data_url_request(prompts, raw: bytes) -> tuple[dict, bytes]:
+    url = "data:image/png;base64," + base64.b64encode(raw).decode()
+    out = prompts.prompt(tiny.messages({"type": "image_url", "image_url": {"url": url}}))
+    return out, pickle.dumps((out["input_ids"], out["multimodal"]))
+
+
+def test_an_encoded_image_sent_again_travels_without_pixels_and_is_served(sourced, side, path):
+    prompts, cache = sourced
+    raw = png(tiny.noise_image(120, 90, seed=4))
+    first, blob1 = data_url_request(prompts, raw)
+    assert len(prompts.calls) == 1 and first["multimodal"][0][REF_KEY].source is None
+    pixels = first["multimodal"][0]["pixel_values"]
+    second, blob2 = data_url_request(prompts, raw)
+    assert len(prompts.calls) == 1  # not decoded, not preprocessed: sent before
+    tag = second["multimodal"][0][REF_KEY]
+    assert tag.key == first["multimodal"][0][REF_KEY].key and tag.source.raw == raw
+    assert second["multimodal"][0]["pixel_values"].shape[0] == 0
+    assert second["input_ids"] == first["input_ids"]  # the same prompt, from the metadata
+    assert len(blob2) < len(blob1)  # what lmdeploy's RPC carries: the PNG, not the pixels
+    stats = cache.stats()[SECTION]
+    assert (stats["hits"], stats["misses"], stats["tagged"]) == (1, 1, 2)
+
+    rows1, calls1 = side.step([blob1])  # computed from the pixels sent
+    rows2, calls2 = side.step([blob2])  # served: no pixels needed
+    assert [c.shape[0] for c in calls1] == [pixels.shape[0]] and calls2 == []
+    assert torch.equal(rows2, rows1)
+    assert torch.equal(rows1, eng.per_image(tiny.INTERNVL, pixels))
+
+
+def test_a_model_process_that_lost_the_features_rebuilds_the_pixels(sourced, side):
+    prompts, _ = sourced
+    raw = png(tiny.noise_image(120, 90, seed=5))
+    first, blob1 = data_url_request(prompts, raw)
+    _, blob2 = data_url_request(prompts, raw)
+    rows1, _ = side.step([blob1])
+    cache = ranks.local_cache()
+    cache.discard(first["multimodal"][0][REF_KEY].key)  # evicted on purpose
+
+    rows2, calls2 = side.step([blob2])
+    # rebuilt from the PNG exactly as the frontend's process made them: same vision input, same
+    # features; stored again, so the next time is served
+    assert len(calls2) == 1
+    assert torch.equal(calls2[0], first["multimodal"][0]["pixel_values"].to(calls2[0].dtype))
+    assert torch.equal(rows2, rows1)
+    assert cache.stats()[SECTION]["pixels_rebuilt"] == 1
+    rows3, calls3 = side.step([blob2])
+    assert calls3 == [] and torch.equal(rows3, rows1)
+
+
+def test_an_image_without_pixels_or_source_is_refused_loudly(frontend, side):
+    prompts, _ = frontend
+    (a,) = eng.images(1)
+    ids, mm = pickle.loads(request(prompts, a))
+    mm[0]["pixel_values"] = mm[0]["pixel_values"][:0]
+    with pytest.raises(RuntimeError, match="without pixels or the bytes"):
+        side.step([pickle.dumps((ids, mm))])
 
 
 # -- two ranks -----------------------------------------------------------------------------------

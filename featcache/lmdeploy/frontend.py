@@ -12,9 +12,14 @@ Installed on the instance ``VisionModel.preprocess(messages)`` of lmdeploy's ``I
 - run lmdeploy's own preprocessing once, for the misses only, and tag each of their dicts with a
   ``FeatRef`` so the model stores their features.
 
-With ``tags=True`` (several processes: lmdeploy's mp engine, tp > 1) nothing is looked up here:
-every image is preprocessed by lmdeploy and tagged with a picklable ``FeatTag`` (key and
-metadata); the process that runs the model serves it from its own cache (``ranks``).
+With ``tags=True`` (several processes: lmdeploy's mp engine, tp > 1) the cache here only counts:
+every image is tagged with a picklable ``FeatTag`` (key and metadata) and the processes that run
+the model serve it from their own caches (``ranks``). The first time an image is seen it is
+preprocessed by lmdeploy and sent with its pixels; its metadata is remembered (``sent``). An
+encoded image (data URL, file, http) seen again is neither decoded nor preprocessed: it is sent
+without pixels, its tag carrying its encoded bytes (``tags.Source``), from which a model process
+that no longer holds its features rebuilds the pixels (``rebuild``): never a wrong answer, at
+worst the cost of a miss paid in the model process.
 
 Any failure inside featcache here falls back to lmdeploy's plain preprocessing of the whole
 request (counted as ``frontend_errors``): a failure is a miss, never a failed request.
@@ -23,6 +28,7 @@ request (counted as ``frontend_errors``): a failure is a miss, never a failed re
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import traceback
 from collections.abc import Callable
@@ -30,6 +36,7 @@ from typing import Any
 
 from ..cache import FeatureCache
 from ..keys import client_image_key, image_key
+from ..lrumap import LruMap
 from .entry_meta import decode_item, encode_item
 from .refs import REF_KEY, FeatRef
 from .sources import (
@@ -44,11 +51,12 @@ from .sources import (
     is_data_url,
     is_http,
 )
-from .tags import FeatTag
+from .tags import FeatTag, Source
 from .urlkeys import DataUrlKeys
 
 log = logging.getLogger("featcache")
 SECTION = "lmdeploy"
+SENT_IMAGES = 65536  # the images a tag-mode frontend remembers sending (metadata: ~100 bytes each)
 
 Preprocess = Callable[[list[dict[str, Any]]], list[dict[str, Any]]]
 
@@ -80,7 +88,10 @@ class Frontend:
         self.cache = cache
         self.original = original
         self.namespace = namespace
-        self.tags = tags  # several processes: tag every image, look nothing up (``FeatTag``)
+        self.tags = tags  # several processes: tag every image (``FeatTag``)
+        # several processes: key -> metadata of the images tagged for the model processes (their
+        # features computed there); a resent encoded image is then not preprocessed again
+        self.sent: LruMap[bytes, bytes] | None = LruMap(SENT_IMAGES) if tags else None
         self.trust_image_ids = False  # client image ids ("uuid"): featcache serve --trust-client-image-ids
         self.data_urls = DataUrlKeys()  # data URLs keyed before: a repeat is not base64-decoded
         self._logged = False
@@ -196,6 +207,11 @@ class Frontend:
         and carrying its key; None for a miss with nothing to decode. ``source``: the data URL
         or file ``raw`` was not read from yet (a hit keeps it for a fallback, a miss reads it
         here). With ``tags`` every image is decoded (the model's process needs its pixels)."""
+        if self.tags:
+            tag = self._sent_tag(key, raw, params, io_kwargs, source)
+            if tag is not None:
+                data: Any = CachedImage(tag, raw, io_kwargs, image_id, source)
+                return {"type": "image_data", "image_data": {"data": data, **params}}
         lease = None if self.tags else self.cache.acquire(key)
         if lease is not None:
             try:
@@ -205,7 +221,7 @@ class Frontend:
                 self.cache.count(SECTION, "unreadable_meta")
             else:
                 ref = FeatRef(self.cache, key, lease.meta, lease)
-                data: Any = CachedImage(ref, raw, io_kwargs, image_id, source)
+                data = CachedImage(ref, raw, io_kwargs, image_id, source)
                 return {"type": "image_data", "image_data": {"data": data, **params}}
         if raw is None and source is not None:
             raw = encoded_bytes(source)
@@ -217,12 +233,33 @@ class Frontend:
         data.info[KEY_INFO] = key
         return {"type": "image_data", "image_data": {"data": data, **params}}
 
+    def _sent_tag(self, key: bytes, raw: bytes | None, params: dict[str, Any],
+                  io_kwargs: dict[str, Any], source: str | None) -> FeatTag | None:
+        """Several processes: the tag of an image this frontend sent the model processes before
+        (its metadata remembered), with its encoded bytes to rebuild its pixels from; None where
+        it was not sent, or its bytes or options cannot travel (then it is preprocessed)."""
+        assert self.sent is not None
+        meta = self.sent.get(key)
+        if meta is None:
+            return None
+        if raw is None and source is not None:
+            raw = encoded_bytes(source)
+        if raw is None:
+            return None
+        try:
+            options = json.dumps(io_kwargs, sort_keys=True)
+            values = json.dumps(params, sort_keys=True)
+            if json.loads(options) != io_kwargs or json.loads(values) != params:
+                return None  # not plain JSON: the model process could not rebuild the same pixels
+            decode_item(meta)
+        except Exception:
+            return None
+        return FeatTag(key, meta, Source(raw, options, values))
+
     def _preprocess(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         items = _image_items(messages)
         if items is None:  # a video or other modality: not ours, leave the request alone
             return self.original(_decoded(messages))
-        if self.tags:
-            return self._tagged(messages, items)
         count = self.cache.count
         hits: dict[int, dict[str, Any]] = {}  # item index -> its per-image dict
         keys: list[bytes | None] = []
@@ -237,7 +274,7 @@ class Frontend:
                 continue
             key = self._key(item)
             keys.append(key)
-            if key is None:
+            if key is None or self.tags:  # several processes: only sources are looked up
                 continue
             lease = self.cache.acquire(key)
             if lease is None:
@@ -254,9 +291,11 @@ class Frontend:
         count(SECTION, "hits", len(hits))
         count(SECTION, "misses", len(items) - len(hits))
         count(SECTION, "preprocess_skipped", len(hits))
+        if self.tags:
+            count(SECTION, "tagged", sum(1 for k in keys if k is not None))
 
         if not hits:
-            messages = self.original(list(messages))  # a copy: the fallback needs the original
+            messages = self.original(_decoded(list(messages)))  # a copy: the fallback needs the original
             self._tag_misses(_preprocessed(messages), keys)
             return messages
         missed = [i for i in range(len(items)) if i not in hits]
@@ -268,16 +307,6 @@ class Frontend:
         miss_outputs = iter(outputs)
         merged = [hits[i] if i in hits else next(miss_outputs) for i in range(len(items))]
         messages.append(dict(role="preprocess", content=merged))
-        return messages
-
-    def _tagged(self, messages: list[dict[str, Any]],
-                items: list[tuple[int, int, dict[str, Any]]]) -> list[dict[str, Any]]:
-        """Several processes: lmdeploy preprocesses every image; each is tagged with its key."""
-        keys = [self._key(item) for _, _, item in items]
-        messages = self.original(_decoded(list(messages)))
-        self._tag_misses(_preprocessed(messages), keys)
-        self.cache.count(SECTION, "images", len(items))
-        self.cache.count(SECTION, "tagged", sum(1 for k in keys if k is not None))
         return messages
 
     def _key(self, item: dict[str, Any]) -> bytes | None:
@@ -304,7 +333,11 @@ class Frontend:
                 self.cache.count(SECTION, "uncacheable")
                 log.debug("featcache: image not cached (%s)", e)
                 continue
-            output[REF_KEY] = FeatTag(key, meta) if self.tags else FeatRef(self.cache, key, meta, None)
+            if self.sent is not None:  # several processes: what the model processes were sent
+                output[REF_KEY] = FeatTag(key, meta)
+                self.sent.put(key, meta)
+            else:
+                output[REF_KEY] = FeatRef(self.cache, key, meta, None)
 
 
 def _image_items(messages: list[dict[str, Any]]) -> list[tuple[int, int, dict[str, Any]]] | None:

@@ -16,10 +16,11 @@ embeddings in image order. For each supported class we wrap, at class level:
   head is already in the KV cache (a prefix match ending inside it, see ``prefix``) contributes
   only its tail rows, a view of the leased features.
 
-In the multi-process mode the meta slot holds a ``FeatTag`` instead (key and metadata, pixels
-present): ``prepare`` resolves the step's tags against this process's own cache, with the ranks'
-agreement (``ranks.resolve``), into step-local ``FeatRef``s, and the rest is the same; a miss that
-a prefix match ends inside (``skip`` > 0) is computed whole and sliced.
+In the multi-process mode the meta slot holds a ``FeatTag`` instead (key and metadata; pixels, or
+the encoded image to rebuild them from): ``prepare`` resolves the step's tags against this
+process's own cache, with the ranks' agreement (``ranks.resolve``), into step-local ``FeatRef``s,
+rebuilds the pixels of a miss that came without them (``rebuild``), and the rest is the same; a
+miss that a prefix match ends inside (``skip`` > 0) is computed whole and sliced.
 
 Classes whose instances never see a ``FeatRef`` or ``FeatTag`` behave exactly as before. Invariant: the vision
 model runs only on images that missed; the returned features have exactly one row per image token.
@@ -101,7 +102,7 @@ def patch_model_class(spec: ArchSpec) -> type:
                                       context: Any = None) -> dict[str, Any]:
         _step.plan = None
         images = _step_images(context)
-        refs = _step_refs(images)
+        refs = _step_refs(images, self)
         if not any(refs):
             return original(self, past_key_values, inputs_embeds, context)
         _ensure_vision_wrapper(self, spec)
@@ -138,20 +139,37 @@ def _step_images(context: Any) -> list[Any]:
     return [d for mm in mms if mm for d in (mm.get("image") or [])]
 
 
-def _step_refs(images: list[Any]) -> list[FeatRef | None]:
+def _step_refs(images: list[Any], model: Any = None) -> list[FeatRef | None]:
     """One ref per image of the step: the frontend's ``FeatRef`` (one process), or, for a
     ``FeatTag`` (several processes), a ref resolved by this process's cache and the ranks'
-    agreement (``ranks.resolve``: a collective whenever the step holds a tag). Anything else in
-    the meta slot is an image featcache does not know (None)."""
+    agreement (``ranks.resolve``: a collective whenever the step holds a tag). A tagged image
+    sent without pixels that is not served from the caches gets them rebuilt from its source
+    (``rebuild``; ``model``: the model, for its input processor). Anything else in the meta slot
+    is an image featcache does not know (None)."""
     found = [(d.meta or {}).get(REF_KEY) for d in images]
     tagged = [i for i, x in enumerate(found) if isinstance(x, FeatTag)]
     refs: list[FeatRef | None] = [x if isinstance(x, FeatRef) else None for x in found]
     if tagged:
-        resolved = ranks.resolve([found[i] for i in tagged],
-                                 [_has_pixels(images[i]) for i in tagged])
-        for i, ref in zip(tagged, resolved, strict=True):
+        tags: list[FeatTag] = [x for x in found if isinstance(x, FeatTag)]
+        pixels = [_has_pixels(images[i]) for i in tagged]
+        resolved = ranks.resolve(tags, pixels)
+        for i, tag, ref, has in zip(tagged, tags, resolved, pixels, strict=True):
             refs[i] = ref
+            if not has and (ref is None or not ref.hit):
+                _rebuild(images[i], tag, model)
     return refs
+
+
+def _rebuild(data: Any, tag: FeatTag, model: Any) -> None:
+    """Fill the pixels of an image the frontend sent without them (its features are computed)."""
+    from . import rebuild
+
+    placeholder = getattr(data, "data", None)
+    device = placeholder.device if isinstance(placeholder, torch.Tensor) else torch.device("cpu")
+    data.data = rebuild.pixels(tag, model, ranks.rebuild_settings(), device)
+    cache = ranks.local_cache()
+    if cache is not None:
+        cache.count(SECTION, "pixels_rebuilt")
 
 
 def _has_pixels(data: Any) -> bool:

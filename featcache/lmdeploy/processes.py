@@ -81,6 +81,17 @@ def cache_settings(cache: Any) -> dict[str, Any]:
 
 
 # -- the rank hook file --------------------------------------------------------------------------
+def rank_settings(config: FeatcacheEngineConfig, model_path: str,
+                  trust_remote_code: bool) -> dict[str, Any]:
+    """The model processes' settings: the cache's (``featcache_cache``) and, under ``rebuild``,
+    what rebuilds an image's pixels as the frontend's process makes them (``rebuild``)."""
+    settings = dict(config.featcache_cache or {})
+    settings["rebuild"] = {"model_path": model_path, "dtype": config.dtype,
+                           "device_type": config.device_type,
+                           "trust_remote_code": bool(trust_remote_code)}
+    return settings
+
+
 def rank_hook_file(settings: dict[str, Any] | None) -> str:
     """A new module-map file that installs featcache in a model process with ``settings``, alone
     in a new private folder (lmdeploy adds it to ``sys.path``; the model processes open their
@@ -177,7 +188,8 @@ def _install() -> None:
         if not isinstance(engine_config, FeatcacheEngineConfig) or engine_config.enable_mp_engine:
             original(self, model_path, engine_config, *args, **kwargs)
             return
-        hook = rank_hook_file(engine_config.featcache_cache)
+        hook = rank_hook_file(rank_settings(engine_config, model_path, kwargs.get(
+            "trust_remote_code", args[0] if args else False)))
         self.featcache_folder = os.path.dirname(hook)
         with _module_map(hook):
             original(self, model_path, engine_config, *args, **kwargs)

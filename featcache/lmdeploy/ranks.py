@@ -14,7 +14,9 @@ prefill step that holds tagged images, the model hook (``models``) asks ``resolv
    tower is sharded across the ranks with collectives inside it, so every rank must make the
    same vision call or NCCL hangs;
 3. the images some rank lacks are recomputed from their pixels (every rank runs the same vision
-   call) and stored in every rank's cache; the rest are served from the step's leases.
+   call) and stored in every rank's cache; the rest are served from the step's leases. An image
+   the frontend sent without pixels (a ``FeatTag`` with a ``source``) that some rank lacks has
+   its pixels rebuilt first, on every rank (``rebuild``, called by ``models``).
 
 Invariants:
 - whether the all_reduce is issued depends only on the step's inputs (identical on every rank):
@@ -38,6 +40,7 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -65,6 +68,12 @@ def configure(settings_json: str | None) -> None:
     with _lock:
         _state["settings"] = json.loads(settings_json) if settings_json else None
         _state["installed"] = True
+
+
+def rebuild_settings() -> dict[str, Any]:
+    """What ``rebuild`` needs to make an image's pixels in this process (the engine's model path,
+    dtype, device type, trust_remote_code): the settings' ``rebuild`` entry."""
+    return dict((_state["settings"] or {}).get("rebuild") or {})
 
 
 def installed() -> bool:
@@ -152,7 +161,7 @@ def agree(available: list[bool], group: Any) -> list[bool]:
     return [bool(x) for x in flags.tolist()]
 
 
-def resolve(tags: list[FeatTag | None], with_pixels: list[bool]) -> list[FeatRef | None]:
+def resolve(tags: Sequence[FeatTag | None], with_pixels: Sequence[bool]) -> list[FeatRef | None]:
     """The step's refs for its tagged images (None where an image has no usable tag): a hit
     (leased for the step) where every rank holds the image, else a miss whose features the model
     stores. Issues the agreement collective whenever ``tags`` holds a tag (valid or not)."""
@@ -160,7 +169,7 @@ def resolve(tags: list[FeatTag | None], with_pixels: list[bool]) -> list[FeatRef
     leases: list[Any] = []
     for tag, pixels in zip(tags, with_pixels, strict=True):
         lease = None
-        if cache is not None and tag is not None and tag.valid and pixels:
+        if cache is not None and tag is not None and tag.valid and (pixels or tag.source):
             try:
                 lease = cache.acquire(tag.key)
             except Exception:

@@ -42,6 +42,7 @@ from urllib.parse import urlparse
 from urllib.request import url2pathname
 
 from .refs import FeatRef
+from .tags import FeatTag
 
 KEY_INFO = "featcache_key"  # image.info entry carrying the bytes' key of a decoded miss
 ID_FIELD = "uuid"  # an image item's client-supplied id (vLLM's name for it)
@@ -57,7 +58,7 @@ class CachedImage:
 
     __slots__ = ("image_id", "media_io_kwargs", "raw", "ref", "source")
 
-    def __init__(self, ref: FeatRef, raw: bytes | None, media_io_kwargs: dict[str, Any],
+    def __init__(self, ref: FeatRef | FeatTag, raw: bytes | None, media_io_kwargs: dict[str, Any],
                  image_id: str | None = None, source: str | None = None) -> None:
         self.ref = ref
         self.raw = raw  # None: not read (a remembered data URL: ``source``) or not sent (an id)
@@ -73,8 +74,9 @@ class CachedImage:
         if self.raw is None and self.source is not None:
             self.raw = encoded_bytes(self.source)
         if self.raw is None:
-            if self.ref.lease is not None:  # the request is refused: it needs the features no more
-                self.ref.lease.release()  # (the error's traceback may keep this ref a while)
+            lease = getattr(self.ref, "lease", None)  # (a FeatTag holds none)
+            if lease is not None:  # the request is refused: it needs the features no more
+                lease.release()  # (the error's traceback may keep this ref a while)
             raise ImageIdError(f"the features of image id {self.image_id!r} could not be served "
                                "and the image was not sent: send it again with this uuid")
         return ImageMediaIO(**self.media_io_kwargs).load_bytes(self.raw)

@@ -15,42 +15,20 @@ not collision-resistant against an adversary (docs/design.md, "Keys"). Bounded (
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
 from typing import Any
 
 import xxhash
 
 from ..keys import ImageKey
+from ..lrumap import LruMap
 
 
-class DataUrlKeys:
+class DataUrlKeys(LruMap[tuple[bytes, str], ImageKey]):
     def __init__(self, capacity: int = 4096) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
-        self.capacity = capacity
-        self._keys: OrderedDict[tuple[bytes, str], ImageKey] = OrderedDict()
-        self._lock = threading.Lock()
+        super().__init__(capacity)
 
     @staticmethod
     def ident(url: str, params: dict[str, Any]) -> tuple[bytes, str]:
         """What identifies a data URL item: its text's digest and its per-image parameters."""
         text = url.encode("utf-8", "surrogatepass")  # (a JSON string may hold lone surrogates)
         return xxhash.xxh3_128_digest(text), json.dumps(params, sort_keys=True, default=str)
-
-    def get(self, ident: tuple[bytes, str]) -> ImageKey | None:
-        with self._lock:
-            key = self._keys.get(ident)
-            if key is not None:
-                self._keys.move_to_end(ident)
-            return key
-
-    def put(self, ident: tuple[bytes, str], key: ImageKey) -> None:
-        with self._lock:
-            self._keys[ident] = key
-            self._keys.move_to_end(ident)
-            while len(self._keys) > self.capacity:
-                self._keys.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._keys)
