@@ -190,7 +190,11 @@ def test_partly_cached_tagged_image_is_recomputed_whole_and_sliced(frontend, sid
     data = side.processor.preprocess_input(ids, mm).input_multimodals["image"][0]
     data.content_hash = "featcache:" + mm[0][REF_KEY].key.hex()
     assert prefix.is_held(data)
-    assert not prefix.is_held(type(data)(**{**data.__dict__, "data": data.data[:0]}))
+    bare = type(data)(**{**data.__dict__, "data": data.data[:0]})
+    assert not prefix.is_held(bare)
+    tag = mm[0][REF_KEY]  # sent without pixels, with the bytes to rebuild them: held
+    bare.meta = {**bare.meta, REF_KEY: FeatTag(tag.key, tag.meta, Source(b"png", "{}", "{}"))}
+    assert prefix.is_held(bare)
     cache = ranks.local_cache()
     tokens = data.end - data.start
     skip = 3

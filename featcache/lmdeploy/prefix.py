@@ -56,14 +56,16 @@ _users = 0
 def is_held(data: Any) -> bool:
     """Whether featcache can give the forward any rows of this ``MultiModalData``'s features for
     the life of its sequence: its features are leased (a hit ``FeatRef``, one process), or it is
-    tagged and carries its pixels (a ``FeatTag``, several processes: the model process serves the
-    rows from its cache, or recomputes the whole image and slices it)."""
+    tagged and carries its pixels or the bytes to rebuild them (a ``FeatTag``, several processes:
+    the model process serves the rows from its cache, or recomputes the whole image and slices
+    it)."""
     ref = (getattr(data, "meta", None) or {}).get(REF_KEY)
     if isinstance(ref, FeatRef):
         held = ref.hit
     elif isinstance(ref, FeatTag):
         pixels = getattr(data, "data", None)
-        held = ref.valid and isinstance(pixels, torch.Tensor) and pixels.numel() > 0
+        held = ref.valid and (ref.source is not None
+                              or isinstance(pixels, torch.Tensor) and pixels.numel() > 0)
     else:
         return False
     return held and getattr(data, "content_hash", None) == "featcache:" + ref.key.hex()
