@@ -11,12 +11,14 @@ Per model, one server at a time, the same requests in the same order:
    fresh context, 3 turns), each resending its 1344x1008 PNG as a base64 data URL every turn;
 2. (PyTorch only, unless --skip-warm) `featcache warm MODEL A.png` into a fresh store (its keys are
    the PyTorch engine's: a TurboMind server has its own namespace, so warm is skipped there);
-3. `featcache serve MODEL --cache-dir STORE` with the same flags and the same chats; featcache's
-   counters are read from the server's /metrics after every turn, `featcache stats` at the end.
+3. `featcache serve MODEL --cache-dir STORE --engine-process in` with the same flags and the
+   same chats (the engine in the server's process); featcache's counters are read from the
+   server's /metrics after every turn, `featcache stats` at the end.
    STORE is --store-root/<model name>, emptied first, outside --out;
-4. (--image-ids) `featcache serve MODEL --trust-client-image-ids --cache-dir STORE-ids`: the same
-   chats, each image named by an id (`"uuid"` beside `image_url`); its bytes go out the first time
-   it appears, later turns and chats send the id alone. Reported against plain (tokens) and
+4. (--image-ids) `featcache serve MODEL --trust-client-image-ids --engine-process in
+   --cache-dir STORE-ids`: the same chats, each image named by an id (`"uuid"` beside
+   `image_url`); its bytes go out the first time it appears, later turns and chats send the id
+   alone. Reported against plain (tokens) and
    against step 3 per turn (`ids_vs_bytes`: time to first token and the messages' size).
 5. (--mp-engine, PyTorch) `featcache serve MODEL --engine-process mp --cache-dir STORE-mp`, warmed
    like step 3: lmdeploy's own process model (the engine and the model in a second process, as
@@ -86,12 +88,12 @@ def commands(model: str, backend: str, store: str, eager: bool = False,
     cmds = {
         "plain": [py, "-m", "lmdeploy", "serve", "api_server", model, "--server-port",
                   str(PORTS["plain"]), *common],
-        "featcache": [py, "-m", "featcache", "serve", model, "--cache-dir", store, "--server-port",
-                      str(PORTS["featcache"]), *common],
+        "featcache": [py, "-m", "featcache", "serve", model, "--cache-dir", store,
+                      "--engine-process", "in", "--server-port", str(PORTS["featcache"]), *common],
     }
     if image_ids:  # the clients name their images: bytes on a chat's first turn only
         cmds["featcache_ids"] = [py, "-m", "featcache", "serve", model, "--cache-dir", store + "-ids",
-                                 "--trust-client-image-ids", "--server-port",
+                                 "--trust-client-image-ids", "--engine-process", "in", "--server-port",
                                  str(PORTS["featcache_ids"]), *common]
     if mp_engine and backend == "pytorch":  # lmdeploy's process model: the engine in a second process
         cmds["featcache_mp"] = [py, "-m", "featcache", "serve", model, "--cache-dir", store + "-mp",
@@ -456,6 +458,10 @@ def main(argv: list[str] | None = None) -> int:
                     "rc": w.returncode, "stdout": w.stdout.strip(),
                     "seconds": round(time.monotonic() - t, 1)}
                 left = args.budget - (time.monotonic() - t0)
+                if left < 60:  # no time left to start the server after all
+                    result["skipped"].append(f"{model} {name}: {left:.0f} s left after warm")
+                    print(f"[serve] SKIPPED {model} {name}: {left:.0f} s left after warm", flush=True)
+                    continue
             try:
                 res[name] = serve_and_chat(name, cmds[name], PORTS[name], images, out, args.max_tokens,
                                            ready_timeout=min(300, max(30, left - 30)))

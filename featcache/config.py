@@ -50,8 +50,9 @@ DEFAULTS: dict[str, int | str | bool | None] = {
 REMOTE_SCHEMES = ("redis", "rediss", "unix", "redis-cluster", "rediss-cluster")
 
 # Where `featcache serve` runs the PyTorch engine (--engine-process); the first is the default:
-# "in" the server's process (a hit skips preprocessing), "mp" lmdeploy's own engine process.
-ENGINE_PROCESSES = ("in", "mp")
+# "mp" lmdeploy's own engine process (what `lmdeploy serve api_server` does), "in" the server's
+# process (the default with client image ids: an id alone gives the engine process no bytes).
+ENGINE_PROCESSES = ("mp", "in")
 
 # Where a store lives when none is named (the CLI, featcache.lmdeploy.default_cache()).
 ENV_DIR = "FEATCACHE_DIR"

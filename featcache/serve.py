@@ -3,12 +3,13 @@
 lmdeploy's own argument parser and server code run (same flags, endpoints and behaviour), with
 featcache installed on the engine the server builds. Differences, logged at start:
 
-- where the PyTorch engine runs (``engine_process``): ``"in"`` (the default) runs it in the
-  server's process, so the frontend that looks images up sits next to the model and a hit skips
-  preprocessing; ``"mp"`` keeps lmdeploy's own process model (``enable_mp_engine``: the engine in a
-  second process), where every image is preprocessed and the engine process serves the features
-  (featcache's multi-process mode, ``featcache.lmdeploy.processes``). ``--tp`` > 1 always runs in
-  the multi-process mode (the ranks are processes of their own), in either engine process;
+- where the PyTorch engine runs (``engine_process``): ``"mp"`` (the default) keeps lmdeploy's
+  own process model (``enable_mp_engine``: the engine in a second process), where the engine
+  process serves the features (featcache's multi-process mode, ``featcache.lmdeploy.processes``;
+  an image sent before travels without pixels); ``"in"`` runs it in the server's process, so the
+  frontend that looks images up sits next to the model (the default with client image ids,
+  ``engine_process_for``). ``--tp`` > 1 always runs in the multi-process mode (the ranks are
+  processes of their own), in either engine process;
 - ``--enable-prefix-caching`` stays on for the supported VLMs (lmdeploy alone turns it off).
 
 featcache's counters are exported on the server's ``/metrics`` (``featcache_*``, beside lmdeploy's)
@@ -55,6 +56,13 @@ def refusal(args: argparse.Namespace, backend: str | None = None) -> str | None:
         return ("featcache's TurboMind path is verified with --tp 1 only; run one `featcache "
                 "serve` per GPU over a shared --cache-dir, or use --backend pytorch for --tp > 1")
     return None
+
+
+def engine_process_for(trust_image_ids: bool) -> str:
+    """``--engine-process``'s default: lmdeploy's own process model ("mp"), but the server's
+    process ("in") where clients may name images by id alone: a hit on an id carries no bytes
+    from which an engine process that lost the features could rebuild the image's pixels."""
+    return "in" if trust_image_ids else ENGINE_PROCESSES[0]
 
 
 def multi_process_args(args: argparse.Namespace, backend: str, engine_process: str) -> bool:

@@ -106,7 +106,7 @@ def served(monkeypatch, model, tmp_path):
 def test_serve_builds_lmdeploys_server_with_featcache_in_process(served, tmp_path):
     from featcache.lmdeploy.engine import KeyedInputProcessor
 
-    seen = served("--enable-prefix-caching")
+    seen = served("--enable-prefix-caching", "--engine-process", "in")
 
     assert seen["rc"] == 0 and seen["port"] == 23999
     [engine] = StandInEngine.built
@@ -204,8 +204,24 @@ def test_serve_metrics_off_and_refusals(served, capsys):
         assert StandInEngine.built == []
 
 
-@pytest.mark.parametrize("flags, mp", [(("--engine-process", "mp"), True),
-                                       (("--tp", "2"), False),
+def test_serve_runs_lmdeploys_process_model_unless_clients_name_images(served):
+    """The default is lmdeploy's own (the engine in a second process); with client image ids it
+    is the server's process (an id alone carries no bytes for an engine process to rebuild)."""
+    from featcache.lmdeploy.processes import FeatcacheEngineConfig
+
+    assert served()["rc"] == 0
+    [engine] = StandInEngine.built
+    assert isinstance(engine.backend_config, FeatcacheEngineConfig)
+    assert engine.backend_config.enable_mp_engine is True
+    StandInEngine.built.clear()
+    assert served("--trust-client-image-ids")["rc"] == 0
+    [engine] = StandInEngine.built
+    assert not isinstance(engine.backend_config, FeatcacheEngineConfig)
+    assert engine.backend_config.enable_mp_engine is False
+
+
+@pytest.mark.parametrize("flags, mp", [(("--engine-process", "mp"), True), ((), True),
+                                       (("--tp", "2", "--engine-process", "in"), False),
                                        (("--engine-process", "mp", "--tp", "2"), True)])
 def test_serve_multi_process_mode_tags_images_for_the_model_processes(served, tmp_path, flags, mp):
     """`featcache serve --engine-process mp` keeps lmdeploy's engine process; --tp 2 puts the
@@ -408,7 +424,7 @@ def test_serve_remote_url_reaches_the_cache_and_its_password_stays_out_of_logs(s
     srv = _redis.RedisServer(_redis.redis_binary(), tmp_path, None, "--requirepass", "s3cret")
     try:
         url = srv.url.replace("redis://", "redis://:s3cret@")
-        seen = served("--remote-url", url)
+        seen = served("--remote-url", url, "--engine-process", "in")
         assert seen["rc"] == 0
         [engine] = StandInEngine.built
         cache = engine.featcache

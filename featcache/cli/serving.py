@@ -81,11 +81,12 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    "redis-cluster://node:port (default: none; docs/tuning.md)")
     g.add_argument("--namespace", metavar="NS",
                    help="key namespace (default: derived from the model, its dtype and version)")
-    g.add_argument("--engine-process", choices=ENGINE_PROCESSES, default=ENGINE_PROCESSES[0],
-                   help="where the PyTorch engine runs: 'in' the server's process (default: a "
-                   "cache hit also skips preprocessing) or 'mp', lmdeploy's own engine process "
-                   "(every image is preprocessed; the engine process skips the vision model for "
-                   "cached images). --tp > 1 works with both (docs/multi-gpu.md)")
+    g.add_argument("--engine-process", choices=ENGINE_PROCESSES, default=None,
+                   help="where the PyTorch engine runs: 'mp', lmdeploy's own engine process (the "
+                   "default, as lmdeploy serve api_server runs it), or 'in' the server's process "
+                   "(the default with --trust-client-image-ids). A resent image skips decoding, "
+                   "preprocessing and the vision model in both; --tp > 1 works with both "
+                   "(docs/multi-gpu.md)")
     g.add_argument("--trust-client-image-ids", action="store_true",
                    help="honour the ids clients give their images (\"uuid\" beside image_url), so a "
                    "later request may send the id without the image. Only when every client may "
@@ -118,7 +119,14 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"featcache serve: error: {why}", file=sys.stderr)
         return EXIT_ERROR
     from ..lmdeploy import counters_cache, default_cache  # lmdeploy: only when serving
-    from ..serve import backend_of, lmdeploy_parser, multi_process_args, refusal, run_server
+    from ..serve import (
+        backend_of,
+        engine_process_for,
+        lmdeploy_parser,
+        multi_process_args,
+        refusal,
+        run_server,
+    )
 
     lmdeploy_args = lmdeploy_parser().parse_args(rest)
     why = refusal(lmdeploy_args)
@@ -134,11 +142,12 @@ def _serve(args: argparse.Namespace) -> int:
     if why:
         print(f"featcache serve: error: {why}", file=sys.stderr)
         return EXIT_BAD
+    engine_process = args.engine_process or engine_process_for(args.trust_client_image_ids)
     sizes = dict(path=args.cache_dir, device_bytes=args.device_bytes, host_bytes=args.host_bytes,
                  disk_bytes=args.disk_bytes, remote_url=args.remote_url)
     model_cache = None
     try:
-        if multi_process_args(lmdeploy_args, backend, args.engine_process):
+        if multi_process_args(lmdeploy_args, backend, engine_process):
             # the model processes build their caches (sized there); this one only counts
             model_cache = {"default_cache": sizes}
             cache = counters_cache()
@@ -150,7 +159,7 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_ERROR
     try:
         run_server(lmdeploy_args, cache, args.namespace, args.trust_client_image_ids,
-                   args.engine_process, model_cache)
+                   engine_process, model_cache)
     finally:
         cache.close()
     return EXIT_OK

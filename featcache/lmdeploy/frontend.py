@@ -195,6 +195,11 @@ class Frontend:
                                "server may fetch")
         self.cache.count(SECTION, "image_id_keyed")
         served = self._served(key, raw, params, io_kwargs, image_id)
+        if served is None and self.tags:
+            raise ImageIdError(f"image uuid {image_id!r} came without its image: this server runs "
+                               "the model in another process, which needs the image's bytes "
+                               "(send it with its uuid; ids alone need featcache serve "
+                               "--engine-process in with --tp 1)")
         if served is None:
             raise ImageIdError(f"image uuid {image_id!r} is not in the cache (never sent with its "
                                "image, or evicted since): send the image again with this uuid")
