@@ -211,7 +211,8 @@ class Frontend:
         """The ``image_data`` item for ``key``: a ``CachedImage`` on a hit, else ``raw`` decoded
         and carrying its key; None for a miss with nothing to decode. ``source``: the data URL
         or file ``raw`` was not read from yet (a hit keeps it for a fallback, a miss reads it
-        here). With ``tags`` every image is decoded (the model's process needs its pixels)."""
+        here). With ``tags`` the cache here holds nothing: an image sent to the model processes
+        before is a ``CachedImage`` holding its ``FeatTag`` (``_sent_tag``), any other is decoded."""
         if self.tags:
             tag = self._sent_tag(key, raw, params, io_kwargs, source)
             if tag is not None:
