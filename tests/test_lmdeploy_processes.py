@@ -405,3 +405,24 @@ def test_settings_of_a_cache_rebuild_its_tiers(tmp_path):
         assert again.config == cache.config
     finally:
         ranks.reset_for_tests()
+
+
+def test_engine_stats_read_the_ranks_sockets_never_lmdeploys_executor(tmp_path):
+    """At tp > 1 the driver asks each rank on its own socket: lmdeploy's executor buffers are
+    read by the running engine (a second reader could take a forward's outputs)."""
+    import types
+
+    from featcache.lmdeploy import processes, rankstats
+
+    class Executor:
+        def collective_rpc(self, *args, **kwargs):
+            raise AssertionError("featcache must not use lmdeploy's executor channel")
+
+    answer = {"rank": 1, "pid": 4242, "stats": {"lmdeploy": {"vision_images": 3}}}
+    rankstats.serve(str(tmp_path), lambda: answer)
+    engine = types.SimpleNamespace(dist_config=types.SimpleNamespace(world_size=2),
+                                   featcache_folder=str(tmp_path), executor=Executor())
+    assert processes.engine_stats(engine) == [answer]
+    one = types.SimpleNamespace(dist_config=types.SimpleNamespace(world_size=1),
+                                featcache_folder=str(tmp_path), executor=Executor())
+    assert processes.engine_stats(one) == [ranks.stats()]  # tp=1: this process is the model's
