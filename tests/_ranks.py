@@ -42,8 +42,11 @@ def stub_xgrammar() -> None:
 
 class Side:
     def __init__(self, path: str, cache_bytes: int = 64 << 20) -> None:
+        import lmdeploy_tiny as tiny
         import test_lmdeploy_engine as eng
         from lmdeploy.pytorch.models import internvl3_hf
+
+        tiny.register_processors()  # the checkpoints' processors, for pixels rebuilt here
         from transformers import AutoConfig
 
         from featcache.lmdeploy import models, ranks
@@ -90,9 +93,10 @@ class Side:
 
 
 def rank_main(rank: int, path: str, init: str, blobs: list[bytes], evict: bytes,
-              out: Any) -> None:
+              out: Any, second: list[bytes] | None = None) -> None:
     """One rank of the two-rank test: a step over ``blobs`` (every image computed and stored),
-    rank 1 then evicts ``evict`` from its cache, and a second step over the same requests."""
+    rank 1 then evicts ``evict`` from its cache, and a second step over the same requests (or
+    over ``second``: the same images sent again, without pixels)."""
     import torch.distributed as dist
 
     from featcache.lmdeploy import ranks
@@ -108,10 +112,10 @@ def rank_main(rank: int, path: str, init: str, blobs: list[bytes], evict: bytes,
         assert cache is not None
         if rank == 1:
             cache.discard(evict)
-        second, calls2 = side.step(blobs)
+        again, calls2 = side.step(second or blobs)
         section = cache.stats().get(SECTION, {})
         # numpy: pickled by value (torch's queue shares tensors through the sender's fds)
-        out.put((rank, first.numpy(), second.numpy(), [c.shape[0] for c in calls1],
+        out.put((rank, first.numpy(), again.numpy(), [c.shape[0] for c in calls1],
                  [c.shape[0] for c in calls2], dict(section), ranks.rank(),
                  cache.config.disk_writes))
         side.close()

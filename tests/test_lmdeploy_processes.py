@@ -279,15 +279,12 @@ def test_an_image_without_pixels_or_source_is_refused_loudly(frontend, side):
 
 # -- two ranks -----------------------------------------------------------------------------------
 
-def test_ranks_agree_when_one_rank_lost_an_entry(frontend, path, tmp_path):
-    prompts, _ = frontend
-    a, b = eng.images(1, 2)
-    blobs = [request(prompts, a, b)]
-    evict = pickle.loads(blobs[0])[1][0][REF_KEY].key  # a's key
+def two_ranks(path, tmp_path, blobs, evict, second=None) -> dict:
+    """``_ranks.rank_main`` in two spawned processes (a gloo group); each rank's report."""
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=_ranks.rank_main, args=(r, path, init, blobs, evict, out))
+    procs = [ctx.Process(target=_ranks.rank_main, args=(r, path, init, blobs, evict, out, second))
              for r in range(2)]
     for p in procs:
         p.start()
@@ -302,6 +299,15 @@ def test_ranks_agree_when_one_rank_lost_an_entry(frontend, path, tmp_path):
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
+    return results
+
+
+def test_ranks_agree_when_one_rank_lost_an_entry(frontend, path, tmp_path):
+    prompts, _ = frontend
+    a, b = eng.images(1, 2)
+    blobs = [request(prompts, a, b)]
+    evict = pickle.loads(blobs[0])[1][0][REF_KEY].key  # a's key
+    results = two_ranks(path, tmp_path, blobs, evict)
     (_, first0, second0, calls1_0, calls2_0, stats0, rank0, writes0) = results[0]
     (_, first1, second1, calls1_1, calls2_1, stats1, rank1, writes1) = results[1]
     assert (rank0, rank1) == (0, 1)
@@ -317,6 +323,25 @@ def test_ranks_agree_when_one_rank_lost_an_entry(frontend, path, tmp_path):
     assert stats0["agreed_misses"] == 1 and "agreed_misses" not in stats1
     for stats in (stats0, stats1):  # each rank's accounting: 3 images computed, 1 served
         assert (stats["vision_images"], stats["vision_skipped"]) == (3, 1)
+
+
+def test_ranks_rebuild_the_pixels_of_an_image_one_rank_lost(sourced, path, tmp_path):
+    """An image sent again without pixels, lost by rank 1 only: both ranks rebuild its pixels
+    from the bytes and make the same vision call, with the pixels the frontend first made."""
+    prompts, _ = sourced
+    raw = png(tiny.noise_image(120, 90, seed=6))
+    first, blob1 = data_url_request(prompts, raw)
+    _, blob2 = data_url_request(prompts, raw)
+    pixels = first["multimodal"][0]["pixel_values"]
+    results = two_ranks(path, tmp_path, [blob1], first["multimodal"][0][REF_KEY].key, [blob2])
+    (_, first0, again0, calls1_0, calls2_0, stats0, _, _) = results[0]
+    (_, first1, again1, calls1_1, calls2_1, stats1, _, _) = results[1]
+    assert calls1_0 == calls1_1 == calls2_0 == calls2_1 == [pixels.shape[0]]
+    want = eng.per_image(tiny.INTERNVL, pixels)
+    for rows in (first0, again0, first1, again1):
+        assert torch.equal(torch.from_numpy(rows), want)
+    assert stats0["agreed_misses"] == 1  # rank 0 held it; rank 1 did not
+    assert stats0["pixels_rebuilt"] == stats1["pixels_rebuilt"] == 1
 
 
 # -- the channels into lmdeploy's processes ------------------------------------------------------
