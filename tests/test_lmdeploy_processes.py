@@ -6,8 +6,12 @@
 - the model side (``tests/_ranks.py``: lmdeploy's input processor, ``prepare`` and ``forward``;
   fake vision tower): requests arrive pickled; the vision tower runs once per distinct image,
   later requests are served from the process's own cache with identical features;
+- an encoded image sent again: neither decoded nor preprocessed, it travels as its bytes; served
+  by the model process, or (evicted on purpose) its pixels rebuilt exactly;
 - two ranks (two processes, a gloo group): one rank evicts an entry on purpose; both then make
-  the same vision call and produce identical features, and nothing hangs;
+  the same vision call and produce identical features, and nothing hangs; the same with an image
+  sent without pixels (both ranks rebuild them);
+- the ranks' counters read on their own sockets, never through lmdeploy's executor;
 - the channels into lmdeploy's processes: the engine config unpickled in a fresh interpreter
   installs featcache's engine hooks; the module-map file, run by lmdeploy's own
   ``update_custom_module_map``, installs the model hooks.
