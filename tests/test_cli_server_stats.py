@@ -28,7 +28,13 @@ def server():
     cache.count("lmdeploy", "images", 4)
     cache.count("lmdeploy", "hits", 3)
     cache.count("lmdeploy", "misses", 1)
-    pages = {"/metrics": metrics.render(cache).encode(), "/other": b"# nothing of ours\nx 1\n"}
+    engine = [{"rank": r, "pid": 1, "stats": {
+        "cache": {"hits": 5 + r, "misses": 5 - r},
+        "device": {"hits": 5 + r, "misses": 5 - r, "entries": 2, "bytes": 64},
+        "lmdeploy": {"vision_images": 2, "vision_skipped": 8}}} for r in (0, 1)]
+    pages = {"/metrics": metrics.render(cache).encode(), "/other": b"# nothing of ours\nx 1\n",
+             "/mp": metrics.render_families(metrics.families(cache)
+                                            + metrics.process_families(engine)).encode()}
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
@@ -57,6 +63,22 @@ def test_stats_url_reads_hit_ratios(server, capsys):
     assert main(["stats", "--url", server]) == 0
     out = capsys.readouterr().out
     assert "hit ratio 85.7%" in out and "images (lmdeploy): 4, 3 hits, 1 misses, hit ratio 75.0%" in out
+
+
+def test_stats_url_sums_up_each_model_process(server, capsys):
+    """A server whose model runs in other processes: each rank's cache beside the server's."""
+    assert main(["stats", "--url", server + "/mp", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["lookups"] == {"hit": 6, "miss": 1}  # the server's own
+    ranks = doc["model_processes"]
+    assert list(ranks) == ["0", "1"]
+    assert ranks["1"]["lookups"] == {"hit": 6, "miss": 4} and ranks["1"]["hit_ratio"] == 0.6
+    assert ranks["0"]["tiers"]["device"]["entries"] == 2
+    assert ranks["0"]["lmdeploy"]["vision_skipped"] == 8
+    assert main(["stats", "--url", server + "/mp"]) == 0
+    out = capsys.readouterr().out
+    assert "model process, rank 1 (its own cache):\n  lookups: 6 hits, 4 misses, hit ratio 60.0%" in out
+    assert "  vision model (lmdeploy): 2 images computed in 0 calls, 8 served from the cache" in out
 
 
 def test_the_exported_gauges_say_the_same(server):

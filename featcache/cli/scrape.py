@@ -3,7 +3,9 @@
 Hits and misses live in each process's memory (``FeatureCache.stats()``), not in the store, so the
 hit ratios of a server are read where it exports them: the Prometheus text of its ``/metrics``
 (``featcache.metrics``). Only the ``featcache_*`` samples are read; a page without any is an error
-(the server runs without featcache, or with ``--disable-metrics``).
+(the server runs without featcache, or with ``--disable-metrics``). Where the model runs in other
+processes (lmdeploy's mp engine, tp > 1) the server exports each model process's cache too
+(``featcache_model_*{rank}``): summed up per rank under ``model_processes``.
 """
 
 from __future__ import annotations
@@ -47,7 +49,27 @@ def _ratio(hits: float, misses: float) -> float | None:
     return round(hits / (hits + misses), 4) if hits + misses else None
 
 
+MODEL = "featcache_model_"  # the model processes' families (featcache.metrics.process_families)
+
+
 def summary(samples: list[tuple[str, dict[str, str], float]]) -> dict[str, Any]:
+    """``_summary`` of the server's own samples and, where the model runs in other processes
+    (``featcache_model_*{rank}``), ``model_processes``: rank -> the same summary of that
+    process's samples."""
+    doc = _summary([x for x in samples if not x[0].startswith(MODEL)])
+    ranks: dict[str, list[tuple[str, dict[str, str], float]]] = {}
+    for name, labels, value in samples:
+        if name.startswith(MODEL) and "rank" in labels:
+            rest = {k: v for k, v in labels.items() if k != "rank"}
+            ranks.setdefault(labels["rank"], []).append(
+                ("featcache_" + name.removeprefix(MODEL), rest, value))
+    if ranks:
+        doc["model_processes"] = {rank: _summary(ranks[rank])
+                                  for rank in sorted(ranks, key=lambda r: (len(r), r))}
+    return doc
+
+
+def _summary(samples: list[tuple[str, dict[str, str], float]]) -> dict[str, Any]:
     """Lookups and their hit ratio, per tier hits/misses/ratio/entries/bytes, and every
     integration's image counters (``featcache_<section>_<event>_total``) with its hit ratio."""
     lookups: dict[str, float] = {}
@@ -86,17 +108,29 @@ def server_stats(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
 
 def lines(doc: dict[str, Any]) -> list[str]:
     """The human form of ``server_stats``."""
+    out = [f"server metrics at {doc['url']}", *_lines(doc)]
+    for rank, process in doc.get("model_processes", {}).items():
+        out.append(f"model process, rank {rank} (its own cache):")
+        out += ["  " + line for line in _lines(process)]
+    return out
+
+
+def _lines(doc: dict[str, Any]) -> list[str]:
     def pct(r: float | None) -> str:
         return "-" if r is None else f"{100 * r:.1f}%"
 
-    out = [f"server metrics at {doc['url']}"]
+    out = []
     lk = doc["lookups"]
     out.append(f"lookups: {int(lk.get('hit', 0))} hits, {int(lk.get('miss', 0))} misses, "
                f"hit ratio {pct(doc['hit_ratio'])}")
-    if "lmdeploy" in doc:
-        s = doc["lmdeploy"]
+    s = doc.get("lmdeploy", {})
+    if "images" in s:
         out.append(f"images (lmdeploy): {int(s.get('images') or 0)}, {int(s.get('hits') or 0)} hits, "
                    f"{int(s.get('misses') or 0)} misses, hit ratio {pct(s['hit_ratio'])}")
+    if "vision_images" in s or "vision_skipped" in s:  # where the model runs
+        out.append(f"vision model (lmdeploy): {int(s.get('vision_images') or 0)} images computed "
+                   f"in {int(s.get('vision_calls') or 0)} calls, {int(s.get('vision_skipped') or 0)} "
+                   f"served from the cache, {int(s.get('pixels_rebuilt') or 0)} rebuilt from bytes")
     out.append(f"{'tier':<8} {'hits':>10} {'misses':>10} {'ratio':>7} {'entries':>9} {'bytes':>14}")
     for tier, t in doc["tiers"].items():
         out.append(f"{tier:<8} {int(t.get('hits') or 0):>10} {int(t.get('misses') or 0):>10} "
