@@ -106,7 +106,7 @@ def test_tag_pickles_and_a_corrupt_tag_unpickles_as_invalid():
         assert isinstance(bad, FeatTag) and not bad.valid, fields
     # fields a later version may add are ignored
     assert pickle.loads(pickle.dumps(_Forged(b"k", b"m", None, "extra"))) == FeatTag(b"k", b"m")
-    sourced = FeatTag(b"k", b"m", Source(b"png", '{"image_mode": "RGB"}', "{}"))
+    sourced = FeatTag(b"k", b"m", Source(b"png", '{"io": {"image_mode": "RGB"}}', "{}"))
     again = pickle.loads(pickle.dumps(sourced))
     assert again == sourced and again.source.raw == b"png" and again != FeatTag(b"k", b"m")
     with pytest.raises(TypeError):
@@ -115,27 +115,47 @@ def test_tag_pickles_and_a_corrupt_tag_unpickles_as_invalid():
 
 # -- the frontend in tag mode --------------------------------------------------------------------
 
-def test_tag_mode_frontend_preprocesses_every_image_and_the_request_pickles(frontend, path):
+def test_tag_mode_frontend_sends_pixels_once_then_the_images_bytes(frontend, path):
     prompts, cache = frontend
     plain = tiny.PromptPath(path)
     a, b = eng.images(1, 2)
     try:
-        for _ in range(2):  # the second time too: this process holds no features
-            out = prompts.prompt(tiny.messages(tiny.image_item(a), tiny.image_item(b)))
-            want = plain.prompt(tiny.messages(tiny.image_item(a), tiny.image_item(b)))
-            assert out["input_ids"] == want["input_ids"]
-            for got, ref in zip(out["multimodal"], want["multimodal"], strict=True):
-                assert isinstance(got[REF_KEY], FeatTag) and got[REF_KEY].valid
-                assert torch.equal(got["pixel_values"], ref["pixel_values"])
-        assert [len(c) for c in prompts.calls] == [2, 2]
-        keys = {m[REF_KEY].key for m in out["multimodal"]}
-        assert len(keys) == 2
-        back = pickle.loads(pickle.dumps(out["multimodal"]))
-        assert [m[REF_KEY] for m in back] == [m[REF_KEY] for m in out["multimodal"]]
-        assert cache.stats()[SECTION]["tagged"] == 4
-        assert cache.stats()[SECTION]["hits"] == 0  # in-memory images: always sent with pixels
+        want = plain.prompt(tiny.messages(tiny.image_item(a), tiny.image_item(b)))
+        first = prompts.prompt(tiny.messages(tiny.image_item(a), tiny.image_item(b)))
+        assert first["input_ids"] == want["input_ids"]
+        for got, ref in zip(first["multimodal"], want["multimodal"], strict=True):
+            assert isinstance(got[REF_KEY], FeatTag) and got[REF_KEY].source is None
+            assert torch.equal(got["pixel_values"], ref["pixel_values"])
+        # sent before: not preprocessed again; the tags carry the images' pixel bytes instead
+        again = prompts.prompt(tiny.messages(tiny.image_item(a), tiny.image_item(b)))
+        assert again["input_ids"] == want["input_ids"]
+        assert [len(c) for c in prompts.calls] == [2]
+        for got, ref, im in zip(again["multimodal"], first["multimodal"], (a, b), strict=True):
+            tag = got[REF_KEY]
+            assert tag.key == ref[REF_KEY].key and tag.source.raw == im.tobytes()
+            assert got["pixel_values"].shape[0] == 0
+        back = pickle.loads(pickle.dumps(again["multimodal"]))
+        assert [m[REF_KEY] for m in back] == [m[REF_KEY] for m in again["multimodal"]]
+        stats = cache.stats()[SECTION]
+        assert (stats["tagged"], stats["hits"], stats["misses"]) == (4, 2, 2)
     finally:
         plain.close()
+
+
+def test_an_in_memory_image_is_rebuilt_from_its_pixel_bytes(frontend, side):
+    prompts, _ = frontend
+    (a,) = eng.images(4)
+    first = request(prompts, a)
+    again = request(prompts, a)  # sent before: its pixel bytes travel, not its pixels
+    rows1, calls1 = side.step([first])
+    ranks.local_cache().discard(pickle.loads(first)[1][0][REF_KEY].key)
+    rows2, calls2 = side.step([again])
+    assert len(calls2) == 1 and torch.equal(calls2[0], calls1[0])  # the same vision input
+    assert torch.equal(rows2, rows1)
+    palette = a.convert("P")  # its bytes do not say all of it: preprocessed, sent with pixels
+    request(prompts, palette)
+    _, mm = pickle.loads(request(prompts, palette))
+    assert mm[0][REF_KEY].source is None and mm[0]["pixel_values"].shape[0] > 0
 
 
 # -- the model side, one process -----------------------------------------------------------------
@@ -144,14 +164,16 @@ def test_model_process_runs_vision_once_per_distinct_image(frontend, side):
     prompts, _ = frontend
     a, b, c = eng.images(1, 2, 3)
 
-    rows1, calls1 = side.step([request(prompts, a, b)])
-    rows2, calls2 = side.step([request(prompts, c, a), request(prompts, b)])
-
     def pixels(blob):
         return [m["pixel_values"] for m in pickle.loads(blob)[1]]
 
-    pa, pb = pixels(request(prompts, a, b))
-    (pc,) = pixels(request(prompts, c))
+    first = request(prompts, a, b)
+    second = [request(prompts, c, a), request(prompts, b)]  # a and b: sent before, no pixels
+    pa, pb = pixels(first)
+    pc, none = pixels(second[0])
+    assert none.shape[0] == 0
+    rows1, calls1 = side.step([first])
+    rows2, calls2 = side.step(second)
     # step 1: a and b computed; step 2: only c (a and b served from the process's cache)
     assert [x.shape[0] for x in calls1] == [pa.shape[0] + pb.shape[0]]
     assert len(calls2) == 1 and torch.equal(calls2[0], pc)
@@ -197,7 +219,7 @@ def test_partly_cached_tagged_image_is_recomputed_whole_and_sliced(frontend, sid
     bare = type(data)(**{**data.__dict__, "data": data.data[:0]})
     assert not prefix.is_held(bare)
     tag = mm[0][REF_KEY]  # sent without pixels, with the bytes to rebuild them: held
-    bare.meta = {**bare.meta, REF_KEY: FeatTag(tag.key, tag.meta, Source(b"png", "{}", "{}"))}
+    bare.meta = {**bare.meta, REF_KEY: FeatTag(tag.key, tag.meta, Source(b"png", '{"io": {}}', "{}"))}
     assert prefix.is_held(bare)
     cache = ranks.local_cache()
     tokens = data.end - data.start

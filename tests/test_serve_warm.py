@@ -226,7 +226,8 @@ def test_serve_runs_lmdeploys_process_model_unless_clients_name_images(served):
 def test_serve_multi_process_mode_tags_images_for_the_model_processes(served, tmp_path, flags, mp):
     """`featcache serve --engine-process mp` keeps lmdeploy's engine process; --tp 2 puts the
     model in rank processes: the engine config carries the model processes' cache settings, and
-    the server's frontend tags every image (no lookup, no cache of its own)."""
+    the server's frontend tags every image (no cache of its own): preprocessed the first time,
+    sent as its bytes after."""
     from featcache.lmdeploy.frontend import SECTION
     from featcache.lmdeploy.processes import FeatcacheEngineConfig
     from featcache.lmdeploy.refs import REF_KEY
@@ -246,10 +247,11 @@ def test_serve_multi_process_mode_tags_images_for_the_model_processes(served, tm
     cache = engine.featcache  # this process only counts
     assert cache.config.device == "cpu" and cache.config.disk_path is None
     msgs = tiny.messages(tiny.image_item(tiny.noise_image(120, 90, seed=5)))
-    for _ in range(2):
-        out = engine.path.prompt(msgs)
-        assert isinstance(out["multimodal"][0][REF_KEY], FeatTag)
-    assert len(engine.path.calls) == 2  # preprocessed every time: the model process needs pixels
+    first, again = (engine.path.prompt(msgs) for _ in range(2))
+    assert isinstance(first["multimodal"][0][REF_KEY], FeatTag)
+    assert first["multimodal"][0][REF_KEY].source is None  # the first time: its pixels travel
+    assert again["multimodal"][0][REF_KEY].source is not None  # then its bytes
+    assert len(engine.path.calls) == 1  # preprocessed once
     assert cache.stats()[SECTION]["tagged"] == 2
     if mp:  # /metrics carries the engine process's counters beside the frontend's
         assert 'featcache_model_lmdeploy_vision_images_total{rank="0"} 4.0' in seen["metrics"]

@@ -19,7 +19,8 @@ preprocessed by lmdeploy and sent with its pixels; its metadata is remembered (`
 encoded image (data URL, file, http) seen again is neither decoded nor preprocessed: it is sent
 without pixels, its tag carrying its encoded bytes (``tags.Source``), from which a model process
 that no longer holds its features rebuilds the pixels (``rebuild``): never a wrong answer, at
-worst the cost of a miss paid in the model process.
+worst the cost of a miss paid in the model process. An in-memory image (a pipeline's PIL image)
+seen again is not preprocessed either: its tag carries the image's pixel bytes.
 
 Any failure inside featcache here falls back to lmdeploy's plain preprocessing of the whole
 request (counted as ``frontend_errors``): a failure is a miss, never a failed request.
@@ -57,6 +58,7 @@ from .urlkeys import DataUrlKeys
 log = logging.getLogger("featcache")
 SECTION = "lmdeploy"
 SENT_IMAGES = 65536  # the images a tag-mode frontend remembers sending (metadata: ~100 bytes each)
+RAW_MODES = ("RGB", "RGBA", "L")  # PIL modes whose tobytes() rebuild the image exactly (no palette)
 
 Preprocess = Callable[[list[dict[str, Any]]], list[dict[str, Any]]]
 
@@ -241,26 +243,47 @@ class Frontend:
 
     def _sent_tag(self, key: bytes, raw: bytes | None, params: dict[str, Any],
                   io_kwargs: dict[str, Any], source: str | None) -> FeatTag | None:
-        """Several processes: the tag of an image this frontend sent the model processes before
-        (its metadata remembered), with its encoded bytes to rebuild its pixels from; None where
+        """Several processes: the tag of an encoded image this frontend sent the model processes
+        before (its metadata remembered), with its encoded bytes to rebuild it from; None where
         it was not sent, or its bytes or options cannot travel (then it is preprocessed)."""
         assert self.sent is not None
-        meta = self.sent.get(key)
-        if meta is None:
+        if self.sent.get(key) is None:
             return None
         if raw is None and source is not None:
             raw = encoded_bytes(source)
         if raw is None:
             return None
+        return self._sourced(key, raw, {"io": io_kwargs}, params)
+
+    def _sent_image_tag(self, key: bytes, item: dict[str, Any]) -> FeatTag | None:
+        """Several processes: the tag of an in-memory image (a pipeline's PIL image) sent before,
+        with its pixel bytes to rebuild it from; None where it was not sent or is not an image
+        whose bytes say all of it (a palette, or not a PIL image)."""
+        assert self.sent is not None
+        from PIL import Image
+
+        image = item["data"]
+        if (self.sent.get(key) is None or not isinstance(image, Image.Image)
+                or image.mode not in RAW_MODES):
+            return None
+        params = {k: v for k, v in item.items() if k not in ("type", "data")}
+        layout = {"pil": {"mode": image.mode, "size": list(image.size)}}
+        return self._sourced(key, image.tobytes(), layout, params)
+
+    def _sourced(self, key: bytes, raw: bytes, decode: dict[str, Any],
+                 params: dict[str, Any]) -> FeatTag | None:
+        meta = self.sent.get(key) if self.sent is not None else None
+        if meta is None:
+            return None
         try:
-            options = json.dumps(io_kwargs, sort_keys=True)
+            how = json.dumps(decode, sort_keys=True)
             values = json.dumps(params, sort_keys=True)
-            if json.loads(options) != io_kwargs or json.loads(values) != params:
+            if json.loads(how) != decode or json.loads(values) != params:
                 return None  # not plain JSON: the model process could not rebuild the same pixels
             decode_item(meta)
         except Exception:
             return None
-        return FeatTag(key, meta, Source(raw, options, values))
+        return FeatTag(key, meta, Source(raw, how, values))
 
     def _preprocess(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         items = _image_items(messages)
@@ -280,7 +303,14 @@ class Frontend:
                 continue
             key = self._key(item)
             keys.append(key)
-            if key is None or self.tags:  # several processes: only sources are looked up
+            if key is None:
+                continue
+            if self.tags:  # several processes: an in-memory image sent before goes as its bytes
+                tag = self._sent_image_tag(key, item)
+                if tag is not None:
+                    hit = decode_item(tag.meta)
+                    hit[REF_KEY] = tag
+                    hits[index] = hit
                 continue
             lease = self.cache.acquire(key)
             if lease is None:

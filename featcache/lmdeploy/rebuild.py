@@ -6,7 +6,8 @@ preprocessing it (``frontend``). When the ranks agree that some rank no longer h
 features (``ranks.resolve``), every rank rebuilds the pixels here, exactly as the frontend's
 process would have made them, and the step computes the image like any miss:
 
-1. decode the bytes with lmdeploy's ``ImageMediaIO`` and the request's decode options;
+1. decode the bytes with lmdeploy's ``ImageMediaIO`` and the request's decode options (or, for an
+   in-memory image given to a pipeline, rebuild it from its pixel bytes: ``image``);
 2. lmdeploy's ``VisionModel.preprocess`` for the model (its preprocessor only, built once per
    process with the feature dtype lmdeploy's ``ImageEncoder`` would use), with the item's
    per-image parameters;
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .tags import FeatTag
+from .tags import FeatTag, Source
 
 _lock = threading.Lock()
 _models: dict[str, Any] = {}  # settings JSON -> lmdeploy VisionModel (its preprocessor)
@@ -53,19 +54,29 @@ def vision_model(settings: dict[str, Any]) -> Any:
         return model
 
 
+def image(source: Source) -> Any:
+    """The PIL image ``source`` holds, as lmdeploy had it before preprocessing."""
+    how = json.loads(source.decode)
+    if "pil" in how:
+        from PIL import Image
+
+        layout = how["pil"]
+        return Image.frombytes(layout["mode"], tuple(layout["size"]), source.raw)
+    from lmdeploy.vl.media.image import ImageMediaIO
+
+    return ImageMediaIO(**how["io"]).load_bytes(source.raw)
+
+
 def pixels(tag: FeatTag, model: Any, settings: dict[str, Any], device: torch.device) -> torch.Tensor:
     """The image's ``MultiModalData.data`` as lmdeploy's engine would have received it, on
     ``device``; raises where it cannot be rebuilt (no source, or not what its metadata says)."""
-    from lmdeploy.vl.media.image import ImageMediaIO
-
     from .frontend import _preprocessed
 
     if tag.source is None:
         raise RuntimeError(f"featcache: image {tag.key.hex()} reached the model without pixels "
                            "or the bytes to rebuild them")
     params = json.loads(tag.source.params)
-    image = ImageMediaIO(**json.loads(tag.source.io_kwargs)).load_bytes(tag.source.raw)
-    messages = [{"role": "user", "content": [{"type": "image", "data": image, **params}]}]
+    messages = [{"role": "user", "content": [{"type": "image", "data": image(tag.source), **params}]}]
     (item,) = _preprocessed(vision_model(settings).preprocess(messages))
     result = model.get_input_processor().preprocess_input([0], [dict(item, offset=0)])
     (data,) = result.input_multimodals["image"]

@@ -23,12 +23,14 @@ from ..chain import MAX_KEY_BYTES
 
 
 class Source(NamedTuple):
-    """What rebuilds an image's pixels where the frontend did not preprocess it: the encoded image
-    as the client sent it, lmdeploy's decode options and the item's per-image parameters (both
-    as JSON text)."""
+    """What rebuilds an image where the frontend did not preprocess it, and the item's per-image
+    parameters (JSON text). ``raw`` and ``decode`` (JSON text) are either the encoded image as
+    the client sent it with lmdeploy's decode options (``{"io": ImageMediaIO kwargs}``) or the
+    decoded image's pixel bytes with their layout (``{"pil": {"mode": ..., "size": [w, h]}}``,
+    ``PIL.Image.tobytes``; an in-memory image given to a pipeline). ``rebuild.image`` reads it."""
 
     raw: bytes
-    io_kwargs: str
+    decode: str
     params: str
 
 
