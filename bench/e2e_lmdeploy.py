@@ -153,14 +153,18 @@ def remote_code(model: str) -> bool:
 
 
 def build(kind: str, model: str, prefix: bool, cache: Any = None, eager: bool = True,
-          kv_fraction: float = 0.05, session_len: int = 8192) -> Any:
+          kv_fraction: float = 0.05, session_len: int = 8192, tp: int = 1,
+          mp_engine: bool = False) -> Any:
     """``kv_fraction``: ``cache_max_entry_count``, the share of free GPU memory for the KV cache
-    (0.05 fits the 2B's series; the 26B's 32 clients of (d) need ~0.3)."""
+    (0.05 fits the 2B's series; the 26B's 32 clients of (d) need ~0.3). ``tp`` and ``mp_engine``
+    (lmdeploy's engine in a second process): the same for every engine of a run; featcache then
+    runs in its multi-process mode (one cache per model process, ``cache``'s settings)."""
     from lmdeploy import PytorchEngineConfig
     from lmdeploy import pipeline as plain_pipeline
 
     cfg = PytorchEngineConfig(session_len=session_len, cache_max_entry_count=kv_fraction,
-                              eager_mode=eager, enable_prefix_caching=prefix)
+                              eager_mode=eager, enable_prefix_caching=prefix, tp=tp,
+                              enable_mp_engine=mp_engine)
     kw = dict(backend_config=cfg, log_level="ERROR", trust_remote_code=remote_code(model))
     if kind == "plain":
         return plain_pipeline(model, **kw)
@@ -581,7 +585,7 @@ def real_builder(args: argparse.Namespace) -> Any:
     def b(engine: str, cache: Any) -> Any:
         kind, prefix = ENGINES[engine]
         return build(kind, args.model, prefix, cache, eager=args.eager, kv_fraction=args.kv_fraction,
-                     session_len=args.session_len)
+                     session_len=args.session_len, tp=args.tp, mp_engine=args.mp_engine)
     return b
 
 
@@ -776,6 +780,10 @@ def run_engines(args: argparse.Namespace, builder: Any, mode: str,
                 res["build_s"] = build_s
                 if cache is not None:
                     res["stats"] = cache.stats()
+                if cache is not None and (args.tp > 1 or args.mp_engine):
+                    from featcache.lmdeploy import model_stats
+
+                    res["model_stats"] = model_stats(pipe)  # each model process's cache
                 results[engine] = res
                 results["engines"].append(engine)
             finally:
@@ -1748,6 +1756,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-fraction", type=float, default=0.05,
                         help="cache_max_entry_count (0.05; ~0.3 for the 26B's 32 clients)")
     parser.add_argument("--session-len", type=int, default=8192)
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor parallel, every engine (on CUDA set LMDEPLOY_EXECUTOR_BACKEND=mp: "
+                        "lmdeploy's default executor for tp > 1 is ray)")
+    parser.add_argument("--mp-engine", action="store_true",
+                        help="lmdeploy's engine in a second process (enable_mp_engine), every engine")
     parser.add_argument("--eager", action="store_true", help="bench/breakdown: no CUDA graphs")
     parser.add_argument("--budget", type=float, default=540,
                         help="bench: s for the run; reps that would not fit are skipped, and named")
