@@ -112,6 +112,7 @@ def test_a_repeated_encoded_image_is_neither_decoded_nor_preprocessed(rig, decod
 
     first = rig.cached.prompt(msgs)
     assert decodes == ["bytes"] and len(rig.cached.calls) == 1  # decoded once (by featcache)
+    assert rig.cache.stats()["cache"]["misses"] == 1  # looked up once, by its bytes' key
     ref = first["multimodal"][0][REF_KEY]
     assert ref.key == image_key(raw, namespace=rig.namespace, params={})  # keyed by its bytes
     assert_same_prompt(first, rig.plain.prompt(msgs))

@@ -312,6 +312,8 @@ class Frontend:
                     hit[REF_KEY] = tag
                     hits[index] = hit
                 continue
+            if _keyed_by_bytes(item):  # looked up when its source was resolved: a miss there
+                continue
             lease = self.cache.acquire(key)
             if lease is None:
                 continue
@@ -374,6 +376,12 @@ class Frontend:
                 self.sent.put(key, meta)
             else:
                 output[REF_KEY] = FeatRef(self.cache, key, meta, None)
+
+
+def _keyed_by_bytes(item: dict[str, Any]) -> bool:
+    """Whether the item's image was decoded by ``Frontend._served`` after its bytes' key missed."""
+    info = getattr(item["data"], "info", None)
+    return isinstance(info, dict) and isinstance(info.get(KEY_INFO), bytes)
 
 
 def _image_items(messages: list[dict[str, Any]]) -> list[tuple[int, int, dict[str, Any]]] | None:
