@@ -12,10 +12,12 @@ else passes through untouched, with one log line. See docs/lmdeploy.md.
 Two modes, chosen from the engine config:
 - one process (tp=1, ``enable_mp_engine`` off): the frontend looks each image up, and a hit skips
   preprocessing; its lease rides to the model (``FeatRef``);
-- several processes (``enable_mp_engine=True`` and/or tp > 1): every image is preprocessed and
-  tagged (``FeatTag``); each process that runs the model keeps its own cache (``ranks``) and skips
-  the vision tower for the images every rank holds. ``pipeline()`` turns the engine config into
-  a ``FeatcacheEngineConfig`` (``processes``), which carries featcache into those processes.
+- several processes (``enable_mp_engine=True`` and/or tp > 1): every image is tagged
+  (``FeatTag``); the first time it is preprocessed and sent with its pixels, after that as its
+  bytes (``rebuild`` makes its pixels again where a model process lost it); each process that
+  runs the model keeps its own cache (``ranks``) and skips the vision tower for the images every
+  rank holds. ``pipeline()`` turns the engine config into a ``FeatcacheEngineConfig``
+  (``processes``), which carries featcache into those processes.
 """
 
 from __future__ import annotations
