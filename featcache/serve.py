@@ -16,8 +16,8 @@ featcache's counters are exported on the server's ``/metrics`` (``featcache_*``,
 unless ``--disable-metrics`` is given; in the multi-process mode those are the frontend's, and
 each model process's own cache is exported beside them as ``featcache_model_*{rank}`` (read
 from the engine at every scrape: ``featcache.lmdeploy.model_stats``). ``--dp`` > 1 is
-refused (one server per GPU over a shared cache directory instead), and so is ``--tp`` > 1 on
-TurboMind (featcache's TurboMind path is verified at tp=1 only). The command line is
+refused (one server per GPU over a shared cache directory instead); ``--tp`` > 1 on TurboMind is
+served with a warning (``caveat``: not yet run on GPUs). The command line is
 ``featcache.cli.serving``'s.
 """
 
@@ -47,14 +47,20 @@ def lmdeploy_parser() -> argparse.ArgumentParser:
     return parsers["api_server"]
 
 
-def refusal(args: argparse.Namespace, backend: str | None = None) -> str | None:
-    """Why lmdeploy's parsed ``args`` cannot be served with featcache, or None (``backend``:
-    ``backend_of(args)`` once known)."""
+def refusal(args: argparse.Namespace) -> str | None:
+    """Why lmdeploy's parsed ``args`` cannot be served with featcache, or None."""
     if args.dp > 1:
         return "--dp > 1 starts one engine per process; run one `featcache serve` per GPU instead"
+    return None
+
+
+def caveat(args: argparse.Namespace, backend: str) -> str | None:
+    """What the server should say at start about ``args`` on ``backend``, or None. TurboMind at
+    tp > 1: featcache's part (the prompt path, before the engine) does not depend on TurboMind's
+    tensor parallelism, which stays inside its one process, but it has run at tp=1 only."""
     if args.tp > 1 and backend == "turbomind":
-        return ("featcache's TurboMind path is verified with --tp 1 only; run one `featcache "
-                "serve` per GPU over a shared --cache-dir, or use --backend pytorch for --tp > 1")
+        return ("featcache's TurboMind path has run on GPUs at --tp 1 only; at --tp "
+                f"{args.tp} it works the same way (before the engine) but is not verified yet")
     return None
 
 

@@ -134,7 +134,7 @@ def test_serve_honours_client_image_ids_only_when_told(served, flag, trusted):
     assert frontend.trust_image_ids is trusted
 
 
-def test_serve_turbomind_installs_the_native_path_on_a_host_cache(served, monkeypatch):
+def test_serve_turbomind_installs_the_native_path_on_a_host_cache(served, monkeypatch, capsys):
     """`featcache serve MODEL --backend turbomind`: lmdeploy's handler builds a TurbomindEngineConfig
     (TurboMind itself needs CUDA: the backend choice is answered "turbomind", the engine is the
     stand-in over lmdeploy's real TurboMind prompt path); featcache's native path goes on it with a
@@ -144,10 +144,12 @@ def test_serve_turbomind_installs_the_native_path_on_a_host_cache(served, monkey
 
     monkeypatch.setattr(lmdeploy.archs, "autoget_backend", lambda *a, **k: "turbomind")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (0, 0))  # load_vl_model asks
-    seen = served("--enable-prefix-caching", "--backend", "turbomind")
+    seen = served("--enable-prefix-caching", "--backend", "turbomind", "--tp", "2")
 
-    assert seen["rc"] == 0
+    assert seen["rc"] == 0  # tp > 1 served (TurboMind's tensor parallelism stays in its process)
+    assert "not verified yet" in capsys.readouterr().err  # said at start
     [engine] = StandInEngine.built
+    assert engine.backend_config.tp == 2
     assert engine.kwargs["backend"] == "turbomind"
     assert isinstance(engine.backend_config, TurbomindEngineConfig)
     assert engine.backend_config.enable_prefix_caching is True

@@ -121,6 +121,7 @@ def _serve(args: argparse.Namespace) -> int:
     from ..lmdeploy import counters_cache, default_cache  # lmdeploy: only when serving
     from ..serve import (
         backend_of,
+        caveat,
         engine_process_for,
         lmdeploy_parser,
         multi_process_args,
@@ -138,10 +139,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"featcache serve: error: {why}", file=sys.stderr)
         return EXIT_ERROR
     backend = backend_of(lmdeploy_args)
-    why = refusal(lmdeploy_args, backend)
-    if why:
-        print(f"featcache serve: error: {why}", file=sys.stderr)
-        return EXIT_BAD
+    note = caveat(lmdeploy_args, backend)
+    if note:
+        print(f"featcache serve: warning: {note}", file=sys.stderr)
     engine_process = args.engine_process or engine_process_for(args.trust_client_image_ids)
     sizes = dict(path=args.cache_dir, device_bytes=args.device_bytes, host_bytes=args.host_bytes,
                  disk_bytes=args.disk_bytes, remote_url=args.remote_url)
