@@ -50,7 +50,10 @@ def lmdeploy_parser() -> argparse.ArgumentParser:
 def refusal(args: argparse.Namespace) -> str | None:
     """Why lmdeploy's parsed ``args`` cannot be served with featcache, or None."""
     if args.dp > 1:
-        return "--dp > 1 starts one engine per process; run one `featcache serve` per GPU instead"
+        return ("--dp > 1: lmdeploy then launches one api_server process per data-parallel rank "
+                "(launch_server) over the ray executor, where featcache's server hooks, installed "
+                "in this process, do not reach; run one `featcache serve` per GPU over a shared "
+                "--cache-dir (behind lmdeploy's proxy) instead")
     return None
 
 
