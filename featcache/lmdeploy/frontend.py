@@ -247,13 +247,14 @@ class Frontend:
         before (its metadata remembered), with its encoded bytes to rebuild it from; None where
         it was not sent, or its bytes or options cannot travel (then it is preprocessed)."""
         assert self.sent is not None
-        if self.sent.get(key) is None:
+        meta = self.sent.get(key)
+        if meta is None:
             return None
         if raw is None and source is not None:
             raw = encoded_bytes(source)
         if raw is None:
             return None
-        return self._sourced(key, raw, {"io": io_kwargs}, params)
+        return _sourced(key, meta, raw, {"io": io_kwargs}, params)
 
     def _sent_image_tag(self, key: bytes, item: dict[str, Any]) -> FeatTag | None:
         """Several processes: the tag of an in-memory image (a pipeline's PIL image) sent before,
@@ -263,27 +264,12 @@ class Frontend:
         from PIL import Image
 
         image = item["data"]
-        if (self.sent.get(key) is None or not isinstance(image, Image.Image)
-                or image.mode not in RAW_MODES):
+        meta = self.sent.get(key)
+        if meta is None or not isinstance(image, Image.Image) or image.mode not in RAW_MODES:
             return None
         params = {k: v for k, v in item.items() if k not in ("type", "data")}
         layout = {"pil": {"mode": image.mode, "size": list(image.size)}}
-        return self._sourced(key, image.tobytes(), layout, params)
-
-    def _sourced(self, key: bytes, raw: bytes, decode: dict[str, Any],
-                 params: dict[str, Any]) -> FeatTag | None:
-        meta = self.sent.get(key) if self.sent is not None else None
-        if meta is None:
-            return None
-        try:
-            how = json.dumps(decode, sort_keys=True)
-            values = json.dumps(params, sort_keys=True)
-            if json.loads(how) != decode or json.loads(values) != params:
-                return None  # not plain JSON: the model process could not rebuild the same pixels
-            decode_item(meta)
-        except Exception:
-            return None
-        return FeatTag(key, meta, Source(raw, how, values))
+        return _sourced(key, meta, image.tobytes(), layout, params)
 
     def _preprocess(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         items = _image_items(messages)
@@ -348,9 +334,9 @@ class Frontend:
         return messages
 
     def _key(self, item: dict[str, Any]) -> bytes | None:
-        info = getattr(item["data"], "info", None)
-        if isinstance(info, dict) and isinstance(info.get(KEY_INFO), bytes):
-            return info[KEY_INFO]  # keyed by its encoded bytes before it was decoded
+        if _keyed_by_bytes(item):
+            key: bytes = item["data"].info[KEY_INFO]  # keyed by its encoded bytes before decoding
+            return key
         params = {k: v for k, v in item.items() if k not in ("type", "data")}
         try:
             return image_key(item["data"], namespace=self.namespace, params=params)
@@ -376,6 +362,22 @@ class Frontend:
                 self.sent.put(key, meta)
             else:
                 output[REF_KEY] = FeatRef(self.cache, key, meta, None)
+
+
+def _sourced(key: bytes, meta: bytes, raw: bytes, decode: dict[str, Any],
+             params: dict[str, Any]) -> FeatTag | None:
+    """The tag of an image sent before (``meta``, remembered) carrying ``raw`` and how to read
+    it; None where the options or parameters are not plain JSON (the model process could not
+    rebuild the same pixels) or ``meta`` cannot be read."""
+    try:
+        how = json.dumps(decode, sort_keys=True)
+        values = json.dumps(params, sort_keys=True)
+        if json.loads(how) != decode or json.loads(values) != params:
+            return None
+        decode_item(meta)
+    except Exception:
+        return None
+    return FeatTag(key, meta, Source(raw, how, values))
 
 
 def _keyed_by_bytes(item: dict[str, Any]) -> bool:

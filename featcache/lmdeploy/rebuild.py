@@ -69,7 +69,7 @@ def image(source: Source) -> Any:
 
 def pixels(tag: FeatTag, model: Any, settings: dict[str, Any], device: torch.device) -> torch.Tensor:
     """The image's ``MultiModalData.data`` as lmdeploy's engine would have received it, on
-    ``device``; raises where it cannot be rebuilt (no source, or not what its metadata says)."""
+    ``device``; raises where it cannot be rebuilt (no source; a decode or preprocessing error)."""
     from .frontend import _preprocessed
 
     if tag.source is None:
