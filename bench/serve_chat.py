@@ -106,31 +106,22 @@ def commands(model: str, backend: str, store: str, eager: bool = False,
 
 
 def check_commands(cmds: dict[str, list[str]]) -> dict[str, Any]:
-    """Parse both command lines with featcache's and lmdeploy's own parsers (needs lmdeploy)."""
+    """Parse every command line with featcache's and lmdeploy's own parsers (needs lmdeploy)."""
     from featcache.cli.serving import featcache_parser
     from featcache.serve import lmdeploy_parser
 
-    out: dict[str, Any] = {}
-    plain = lmdeploy_parser().parse_args(cmds["plain"][5:])
-    ours, rest = featcache_parser().parse_known_args(cmds.get("featcache", cmds["plain"][:4])[4:])
-    served = lmdeploy_parser().parse_args(rest) if "featcache" in cmds else None
-    for name, a in [("plain", plain), ("featcache", served)]:
-        if a is None:
-            continue
-        out[name] = {"model_path": a.model_path, "backend": a.backend, "server_port": a.server_port,
-                     "enable_prefix_caching": a.enable_prefix_caching, "session_len": a.session_len,
-                     "cache_max_entry_count": a.cache_max_entry_count}
-    if "featcache" in out:
-        out["featcache"]["cache_dir"] = ours.cache_dir
-    if "featcache_ids" in cmds:
-        ids, rest = featcache_parser().parse_known_args(cmds["featcache_ids"][4:])
-        out["featcache_ids"] = {"trust_client_image_ids": ids.trust_client_image_ids,
-                                "cache_dir": ids.cache_dir,
-                                "server_port": lmdeploy_parser().parse_args(rest).server_port}
-    if "featcache_mp" in cmds:
-        mp, rest = featcache_parser().parse_known_args(cmds["featcache_mp"][4:])
-        out["featcache_mp"] = {"engine_process": mp.engine_process, "cache_dir": mp.cache_dir,
-                               "server_port": lmdeploy_parser().parse_args(rest).server_port}
+    def engine(a: argparse.Namespace) -> dict[str, Any]:
+        return {"model_path": a.model_path, "backend": a.backend, "server_port": a.server_port,
+                "enable_prefix_caching": a.enable_prefix_caching, "session_len": a.session_len,
+                "cache_max_entry_count": a.cache_max_entry_count}
+
+    out: dict[str, Any] = {"plain": engine(lmdeploy_parser().parse_args(cmds["plain"][5:]))}
+    for name in SERVERS[1:]:
+        if name in cmds:
+            ours, rest = featcache_parser().parse_known_args(cmds[name][4:])
+            out[name] = {**engine(lmdeploy_parser().parse_args(rest)), "cache_dir": ours.cache_dir,
+                         "engine_process": ours.engine_process,
+                         "trust_client_image_ids": ours.trust_client_image_ids}
     return out
 
 
