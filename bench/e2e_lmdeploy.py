@@ -40,6 +40,7 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -142,6 +143,49 @@ class PromptLogits:
     def take_last(self) -> list[torch.Tensor]:
         out, self.last = self.last, []
         return out
+
+
+CLOSE_LEFT_BEHIND: list[str] = []  # pipelines whose close() never returned (see close_pipeline)
+
+
+def close_pipeline(pipe: Any, grace: float = 10.0, limit: float = 60.0) -> None:
+    """``pipe.close()`` that cannot hang a benchmark: lmdeploy 0.18's ``Pipeline.close`` at tp > 1
+    on its mp executor never returned on the nvidia-h200-x2 (2026-12-01; plain lmdeploy, no
+    featcache in the pipeline). That executor's output prefetch waits for rank 0's reply on a
+    ``multiprocessing.Event`` in a thread of the event loop's pool, which nothing wakes once the
+    loop stops.
+
+    When ``close`` has not returned within ``grace`` seconds, every thread's stack goes to
+    stderr (where it hangs, for the log), the executor's return-buffer events are set (what its
+    own ``release`` does) and ``close`` gets ``limit`` more seconds. If it still hangs, the
+    engine's model processes are terminated (their GPU memory freed for the next engine) and
+    the pipeline is recorded in ``CLOSE_LEFT_BEHIND``: the script must then leave with
+    ``os._exit``, as the pipeline's event-loop thread would block the interpreter's exit."""
+    closer = threading.Thread(target=pipe.close, daemon=True, name="close-pipeline")
+    closer.start()
+    closer.join(grace)
+    if not closer.is_alive():
+        return
+    import faulthandler
+
+    print(f"[e2e] pipeline close hangs after {grace:.0f} s; threads:", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback(all_threads=True)
+    engine = getattr(getattr(pipe, "async_engine", None), "engine", None)
+    executor = getattr(engine, "executor", None)
+    for buf in getattr(executor, "ret_bufs", ()):
+        for event in buf.notifier.events:
+            event.set()
+    closer.join(limit)
+    if not closer.is_alive():
+        print("[e2e] pipeline closed once the executor's events were set", flush=True)
+        return
+    print("[e2e] pipeline close still hangs; its model processes are terminated", flush=True)
+    faulthandler.dump_traceback(all_threads=True)
+    for proc in getattr(executor, "procs", ()):
+        proc.close()
+    for proc in getattr(executor, "procs", ()):
+        proc.join()
+    CLOSE_LEFT_BEHIND.append(type(pipe).__name__)
 
 
 def remote_code(model: str) -> bool:
@@ -334,7 +378,7 @@ def check(model: str, tier_bytes: int = 12 << 10, configs: tuple[str, ...] = CHE
         pipe = build(kind, model, prefix, cache)
         rows = run_check(pipe, counter, logits)
         stats = cache.stats() if cache is not None else None
-        pipe.close()
+        close_pipeline(pipe)
         if cache is not None:
             cache.close()
         results[name] = dict(rows=rows, stats=stats, seconds=round(time.time() - t, 1),
@@ -787,7 +831,7 @@ def run_engines(args: argparse.Namespace, builder: Any, mode: str,
                 results[engine] = res
                 results["engines"].append(engine)
             finally:
-                pipe.close()
+                close_pipeline(pipe)
                 if cache is not None:
                     cache.close()
         del pipe
@@ -1389,7 +1433,7 @@ def profile(model: str, size: tuple[int, int], n: int) -> dict[str, Any]:
         res.update({f"b_{k}": round(statistics.median(v), 2) for k, v in spent.items() if v})
         if cache is not None:
             res["lmdeploy_stats"] = cache.stats().get("lmdeploy")
-        pipe.close()
+        close_pipeline(pipe)
         if cache is not None:
             cache.close()
         del pipe
@@ -1502,7 +1546,7 @@ def floor(model: str, size: tuple[int, int], n: int) -> dict[str, Any]:
     for k, v in out.items():
         if k.startswith(("text", "image")):
             print(f"[e2e] FLOOR {k}: {json.dumps(v)}", flush=True)
-    pipe.close()
+    close_pipeline(pipe)
     cache.close()
     return out
 
@@ -1824,4 +1868,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    if CLOSE_LEFT_BEHIND:  # a pipeline's loop thread would block the interpreter's exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc or 0)
+    sys.exit(rc)
