@@ -474,6 +474,37 @@ def test_engine_stats_read_the_ranks_sockets_never_lmdeploys_executor(tmp_path):
     engine = types.SimpleNamespace(dist_config=types.SimpleNamespace(world_size=2),
                                    featcache_folder=str(tmp_path), executor=Executor())
     assert processes.engine_stats(engine) == [answer]
+    # tp=1 on lmdeploy's mp executor: the model's one process answers the same way
     one = types.SimpleNamespace(dist_config=types.SimpleNamespace(world_size=1),
                                 featcache_folder=str(tmp_path), executor=Executor())
-    assert processes.engine_stats(one) == [ranks.stats()]  # tp=1: this process is the model's
+    assert processes.engine_stats(one) == [answer]
+    # no model process answered (none ran the hook): this process's counters
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    alone = types.SimpleNamespace(dist_config=types.SimpleNamespace(world_size=1),
+                                  featcache_folder=str(empty), executor=Executor())
+    assert processes.engine_stats(alone) == [ranks.stats()]
+
+
+@pytest.mark.parametrize("settings, env, outside", [
+    ({}, None, False),                                     # lmdeploy's uni executor
+    ({"tp": 2}, None, True),
+    ({"enable_mp_engine": True}, None, True),
+    ({"distributed_executor_backend": "mp"}, None, True),  # tp=1, the model in a rank process
+    ({"distributed_executor_backend": "ray"}, None, True),
+    ({"distributed_executor_backend": "uni"}, "mp", False),  # the config wins over the variable
+    ({}, "mp", True),                                      # LMDEPLOY_EXECUTOR_BACKEND=mp
+    ({}, "uni", False),
+])
+def test_multi_process_mode_follows_where_lmdeploy_runs_the_model(monkeypatch, settings, env,
+                                                                  outside):
+    """An mp or ray executor spawns the model's process even at tp=1: forward inputs are then
+    pickled to it, so the in-process mode (whose leases hold CUDA streams) must not be chosen
+    (seen on the H200: "cannot pickle 'Stream' object" stopped the engine)."""
+    from lmdeploy import PytorchEngineConfig
+    from lmdeploy.pytorch import envs
+
+    from featcache.lmdeploy import multi_process
+
+    monkeypatch.setattr(envs, "executor_backend", env)
+    assert multi_process(PytorchEngineConfig(**settings)) is outside

@@ -224,12 +224,14 @@ def test_serve_runs_lmdeploys_process_model_unless_clients_name_images(served):
 
 @pytest.mark.parametrize("flags, mp", [(("--engine-process", "mp"), True), ((), True),
                                        (("--tp", "2", "--engine-process", "in"), False),
-                                       (("--engine-process", "mp", "--tp", "2"), True)])
+                                       (("--engine-process", "mp", "--tp", "2"), True),
+                                       (("--engine-process", "in", "--distributed-executor-backend",
+                                         "mp"), False)])
 def test_serve_multi_process_mode_tags_images_for_the_model_processes(served, tmp_path, flags, mp):
-    """`featcache serve --engine-process mp` keeps lmdeploy's engine process; --tp 2 puts the
-    model in rank processes: the engine config carries the model processes' cache settings, and
-    the server's frontend tags every image (no cache of its own): preprocessed the first time,
-    sent as its bytes after."""
+    """`featcache serve --engine-process mp` keeps lmdeploy's engine process; --tp 2 (or an mp
+    executor, at tp=1 too) puts the model in rank processes: the engine config carries the model
+    processes' cache settings, and the server's frontend tags every image (no cache of its
+    own): preprocessed the first time, sent as its bytes after."""
     from featcache.lmdeploy.frontend import SECTION
     from featcache.lmdeploy.processes import FeatcacheEngineConfig
     from featcache.lmdeploy.refs import REF_KEY

@@ -12,7 +12,8 @@ else passes through untouched, with one log line. See docs/lmdeploy.md.
 Two modes, chosen from the engine config:
 - one process (tp=1, ``enable_mp_engine`` off): the frontend looks each image up, and a hit skips
   preprocessing; its lease rides to the model (``FeatRef``);
-- several processes (``enable_mp_engine=True`` and/or tp > 1): every image is tagged
+- several processes (``enable_mp_engine=True``, tp > 1, or lmdeploy's mp or ray executor asked
+  for at tp=1, which also spawns the model's process): every image is tagged
   (``FeatTag``); the first time it is preprocessed and sent with its pixels, after that as its
   bytes (``rebuild`` makes its pixels again where a model process lost it); each process that
   runs the model keeps its own cache (``ranks``) and skips the vision tower for the images every
@@ -40,7 +41,7 @@ from .tags import FeatTag
 from .turbomind import install_turbomind
 
 __all__ = ["DEFAULT_DIR", "SECTION", "SPECS", "FeatRef", "FeatTag", "default_cache", "model_stats",
-           "multi_process", "pipeline", "wrap"]
+           "executor_outside", "multi_process", "pipeline", "wrap"]
 
 log = logging.getLogger("featcache")
 
@@ -55,7 +56,8 @@ def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: s
     ``PytorchEngineConfig`` stays on for the supported models (lmdeploy alone turns it off for
     them). ``turbomind`` ("native" or "features") and ``trust_image_ids``: see ``wrap``.
 
-    Several processes (a ``PytorchEngineConfig`` with ``enable_mp_engine=True`` or ``tp > 1``):
+    Several processes (a ``PytorchEngineConfig`` with ``enable_mp_engine=True``, ``tp > 1``, or
+    an mp or ray executor, see ``multi_process``):
     the config is handed to lmdeploy as a ``FeatcacheEngineConfig`` carrying ``cache``'s
     settings (``cache=None``: ``default_cache()``'s, sized in each model process); each process
     that runs the model builds its own cache from them, over the same disk directory. ``cache``
@@ -97,12 +99,27 @@ def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: s
     return pipe
 
 
+def executor_outside(backend: str | None) -> bool:
+    """Whether lmdeploy 0.18's executor runs the model in processes of its own, at any tp:
+    ``backend`` (the engine config's ``distributed_executor_backend``) or, when None,
+    ``LMDEPLOY_EXECUTOR_BACKEND`` as lmdeploy read it at import; "mp" and "ray" spawn the model's
+    processes even at tp=1, only "uni" (lmdeploy's choice at tp=1) runs it in the engine's."""
+    if backend is None:
+        from lmdeploy.pytorch import envs
+
+        backend = envs.executor_backend
+    return backend not in (None, "uni")
+
+
 def multi_process(config: Any) -> bool:
-    """Whether a PyTorch engine config runs the model outside the pipeline's process."""
+    """Whether a PyTorch engine config runs the model outside the pipeline's process: the mp
+    engine, tp > 1, or an executor asked for that spawns the model's processes (``mp`` or
+    ``ray``, also at tp=1)."""
     from lmdeploy import PytorchEngineConfig
 
     return isinstance(config, PytorchEngineConfig) and (
-        bool(config.enable_mp_engine) or config.tp > 1)
+        bool(config.enable_mp_engine) or config.tp > 1
+        or executor_outside(config.distributed_executor_backend))
 
 
 def counters_cache() -> FeatureCache:
@@ -121,7 +138,7 @@ def model_stats(pipe: Any) -> list[dict[str, Any]]:
         stats: list[dict[str, Any]] = engine._collective_rpc("featcache_stats")
         return stats
     if isinstance(engine.input_processor, KeyedInputProcessor) and multi_process(
-            engine.engine_config):  # tp > 1, the driver here
+            engine.engine_config):  # tp > 1 or an mp/ray executor, the driver here
         from .processes import engine_stats
 
         return engine_stats(engine)
@@ -162,12 +179,13 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
         raise ValueError("featcache does not serve dp > 1 (one engine per data-parallel rank, "
                          "each in its own process group); run one pipeline per GPU instead")
     inner = getattr(engine.engine, "input_processor", None)
-    if inner is None or engine.backend_config.tp > 1:  # the model runs in other processes
+    if inner is None or multi_process(engine.backend_config):  # the model in other processes
         from .processes import FeatcacheEngineConfig
 
         if not isinstance(engine.backend_config, FeatcacheEngineConfig):
             raise ValueError(
-                "this pipeline's model runs in other processes (enable_mp_engine or tp > 1), "
+                "this pipeline's model runs in other processes (enable_mp_engine, tp > 1, or "
+                "an mp or ray executor), "
                 "which featcache reaches only through the engine config it was built with: "
                 "build it with featcache.lmdeploy.pipeline(), or pass backend_config="
                 "featcache.lmdeploy.processes.FeatcacheEngineConfig.of(config, settings)")

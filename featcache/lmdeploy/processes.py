@@ -164,14 +164,15 @@ def _module_map(path: str) -> Iterator[None]:
 
 
 def engine_stats(engine: Any) -> list[dict[str, Any]]:
-    """Every model process's counters (``ranks.stats()``), rank order: this process's at tp=1,
-    the ranks' at tp > 1 (each answers on its socket in the engine's hook folder, ``rankstats``;
-    never through lmdeploy's executor, whose return buffers the running engine reads)."""
-    world = getattr(getattr(engine, "dist_config", None), "world_size", 1) or 1
+    """Every model process's counters (``ranks.stats()``), rank order. Each process that ran the
+    rank hook answers on its socket in the engine's hook folder (``rankstats``): the ranks of an
+    mp or ray executor (at tp=1 too: the model then runs in a process of its own), or this one
+    under lmdeploy's in-process executor. Never read through lmdeploy's executor, whose return
+    buffers the running engine reads. Without answers (no hook folder, or no socket opened):
+    this process's counters."""
     folder = getattr(engine, "featcache_folder", None)
-    if world > 1 and folder is not None:
-        return rankstats.gather(folder)
-    return [ranks.stats()]
+    answers = rankstats.gather(folder) if folder is not None else []
+    return answers or [ranks.stats()]
 
 
 def _install() -> None:
