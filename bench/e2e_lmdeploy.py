@@ -151,9 +151,9 @@ CLOSE_LEFT_BEHIND: list[str] = []  # pipelines whose close() never returned (see
 def close_pipeline(pipe: Any, grace: float = 10.0, limit: float = 60.0) -> None:
     """``pipe.close()`` that cannot hang a benchmark: lmdeploy 0.18's ``Pipeline.close`` at tp > 1
     on its mp executor never returned on the nvidia-h200-x2 (2026-12-01; plain lmdeploy, no
-    featcache in the pipeline). That executor's output prefetch waits for rank 0's reply on a
-    ``multiprocessing.Event`` in a thread of the event loop's pool, which nothing wakes once the
-    loop stops.
+    featcache in the pipeline). A likely cause, not confirmed: that executor's output prefetch
+    waits for rank 0's reply on a ``multiprocessing.Event`` in a thread of the event loop's
+    pool, which nothing wakes once the loop stops.
 
     When ``close`` has not returned within ``grace`` seconds, every thread's stack goes to
     stderr (where it hangs, for the log), the executor's return-buffer events are set (what its
