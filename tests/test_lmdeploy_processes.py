@@ -113,6 +113,22 @@ def test_tag_pickles_and_a_corrupt_tag_unpickles_as_invalid():
         FeatTag("str key", b"")  # type: ignore[arg-type]
 
 
+def test_a_one_process_ref_refuses_to_cross_a_process_boundary():
+    """A FeatRef holds this process's lease and tensors: pickled (a process boundary the mode
+    choice missed), it fails with featcache's own message, not lmdeploy's "cannot pickle
+    'Stream' object"; copies within the process share its one lease."""
+    import copy
+
+    from featcache import FeatureCache
+    from featcache.lmdeploy.refs import FeatRef
+
+    with FeatureCache(device="cpu", device_bytes="1MiB", host_bytes=0) as cache:
+        ref = FeatRef(cache, b"k" * 16, b"{}", None)
+        with pytest.raises(TypeError, match="cross a process boundary"):
+            pickle.dumps({"meta": {"featcache": ref}})
+        assert copy.deepcopy({"r": ref})["r"] is ref and copy.copy(ref) is ref
+
+
 # -- the frontend in tag mode --------------------------------------------------------------------
 
 def test_tag_mode_frontend_sends_pixels_once_then_the_images_bytes(frontend, path):

@@ -8,6 +8,11 @@ sequence in its history: preemption and chunked prefill may send it to the model
 Invariant: a hit's lease is held as long as its ``FeatRef`` lives, so its features cannot be evicted
 while any request that was promised them is in flight; the lease is released when the last
 reference to the ``FeatRef`` goes (the request finished, failed or was aborted).
+
+A ``FeatRef`` never leaves its process (its cache, lease and device tensors are this process's):
+pickling one raises a ``TypeError`` that names the cause, the one-process mode used where the
+model runs elsewhere (``featcache.lmdeploy.multi_process`` decides; a process boundary it does not
+know of would otherwise fail inside lmdeploy with "cannot pickle 'Stream' object").
 """
 
 from __future__ import annotations
@@ -36,3 +41,16 @@ class FeatRef:
 
     def __repr__(self) -> str:
         return f"FeatRef({self.key.hex()}, {'hit' if self.hit else 'miss'})"
+
+    def __copy__(self) -> FeatRef:
+        return self  # one lease, however many copies of the request hold it
+
+    def __deepcopy__(self, memo: dict[int, object]) -> FeatRef:
+        return self
+
+    def __reduce__(self) -> tuple[object, ...]:
+        raise TypeError(
+            "featcache: a FeatRef (one-process mode) was about to cross a process boundary: this "
+            "engine runs the model in another process, which featcache.lmdeploy.multi_process "
+            "did not foresee; build the pipeline with featcache.lmdeploy.pipeline() and an engine "
+            "config that says so (enable_mp_engine, tp, distributed_executor_backend)")
