@@ -188,6 +188,16 @@ def close_pipeline(pipe: Any, grace: float = 10.0, limit: float = 60.0) -> None:
     CLOSE_LEFT_BEHIND.append(type(pipe).__name__)
 
 
+def exit_after_close(rc: int) -> None:
+    """Leave a benchmark script with ``rc``: through ``os._exit`` when a pipeline's close was
+    left behind (``close_pipeline``), whose event-loop thread would block the interpreter's exit."""
+    if CLOSE_LEFT_BEHIND:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    sys.exit(rc)
+
+
 def remote_code(model: str) -> bool:
     """Whether the checkpoint brings its own config classes (``auto_map``: legacy InternVL2)."""
     import os
@@ -1868,9 +1878,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    rc = main()
-    if CLOSE_LEFT_BEHIND:  # a pipeline's loop thread would block the interpreter's exit
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc or 0)
-    sys.exit(rc)
+    exit_after_close(main())

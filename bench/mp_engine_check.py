@@ -33,8 +33,13 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import e2e_lmdeploy  # noqa: E402
-from e2e_lmdeploy import check_requests, close_pipeline, image, remote_code  # noqa: E402
+from e2e_lmdeploy import (  # noqa: E402
+    check_requests,
+    close_pipeline,
+    exit_after_close,
+    image,
+    remote_code,
+)
 
 DISTINCT = 5  # images a..e of check_requests()
 
@@ -166,9 +171,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    rc = main()
-    if e2e_lmdeploy.CLOSE_LEFT_BEHIND:  # a pipeline's loop thread would block the interpreter's exit
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc or 0)
-    sys.exit(rc)
+    exit_after_close(main())

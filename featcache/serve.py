@@ -32,7 +32,7 @@ from typing import Any
 
 from .cache import FeatureCache
 from .config import ENGINE_PROCESSES
-from .lmdeploy import SPECS, executor_outside, keep_prefix_caching, multi_process, wrap
+from .lmdeploy import SPECS, keep_prefix_caching, multi_process, wrap
 
 log = logging.getLogger("featcache")
 
@@ -79,9 +79,12 @@ def multi_process_args(args: argparse.Namespace, backend: str, engine_process: s
     mode): the PyTorch engine with ``engine_process`` "mp", ``--tp`` > 1, or an executor that
     spawns the model's processes (``--distributed-executor-backend`` or
     ``LMDEPLOY_EXECUTOR_BACKEND`` mp or ray, also at tp=1)."""
-    return backend == "pytorch" and (
-        engine_process == "mp" or args.tp > 1
-        or executor_outside(getattr(args, "distributed_executor_backend", None)))
+    from lmdeploy import PytorchEngineConfig
+
+    # the engine config's settings that decide it, judged by the one rule (``multi_process``)
+    return backend == "pytorch" and multi_process(PytorchEngineConfig(
+        tp=args.tp, enable_mp_engine=engine_process == "mp",
+        distributed_executor_backend=getattr(args, "distributed_executor_backend", None)))
 
 
 def backend_of(args: argparse.Namespace) -> str:

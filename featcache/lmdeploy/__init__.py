@@ -41,7 +41,7 @@ from .tags import FeatTag
 from .turbomind import install_turbomind
 
 __all__ = ["DEFAULT_DIR", "SECTION", "SPECS", "FeatRef", "FeatTag", "default_cache", "model_stats",
-           "executor_outside", "multi_process", "pipeline", "wrap"]
+           "multi_process", "pipeline", "wrap"]
 
 log = logging.getLogger("featcache")
 
@@ -99,7 +99,7 @@ def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: s
     return pipe
 
 
-def executor_outside(backend: str | None) -> bool:
+def _executor_outside(backend: str | None) -> bool:
     """Whether lmdeploy 0.18's executor runs the model in processes of its own, at any tp:
     ``backend`` (the engine config's ``distributed_executor_backend``) or, when None,
     ``LMDEPLOY_EXECUTOR_BACKEND`` as lmdeploy read it at import; "mp" and "ray" spawn the model's
@@ -119,7 +119,7 @@ def multi_process(config: Any) -> bool:
 
     return isinstance(config, PytorchEngineConfig) and (
         bool(config.enable_mp_engine) or config.tp > 1
-        or executor_outside(config.distributed_executor_backend))
+        or _executor_outside(config.distributed_executor_backend))
 
 
 def counters_cache() -> FeatureCache:
