@@ -535,7 +535,9 @@ def test_default_dir_is_where_the_lmdeploy_integration_keeps_its_store(monkeypat
 
     from featcache.cli.command import store_dir
 
-    lmdeploy_integration = pytest.importorskip("featcache.lmdeploy")
+    import _lmdeploy_stack
+
+    lmdeploy_integration = _lmdeploy_stack.need("featcache.lmdeploy", stack=False)
     assert config.DEFAULT_DIR == lmdeploy_integration.DEFAULT_DIR
     monkeypatch.delenv("FEATCACHE_DIR", raising=False)
     assert store_dir(argparse.Namespace(dir=None)) == config.DEFAULT_DIR

@@ -5,8 +5,9 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("lmdeploy", minversion="0.18",
-                    reason="lmdeploy is not installed (requirements/lmdeploy-cpu.txt)")
+import _lmdeploy_stack
+
+_lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
 
 from featcache.lmdeploy import default_cache  # noqa: E402
 

@@ -51,8 +51,10 @@ from featcache.store import layout
 from featcache.tiers.disk import DiskOp, DiskTier
 
 try:
+    import _lmdeploy_stack
     import _reliability as rel
 except ImportError:  # tests/ became a package
+    from tests import _lmdeploy_stack
     from tests import _reliability as rel
 
 PIL_MODES = ["1", "L", "P", "RGB", "RGBA", "CMYK", "YCbCr", "LAB", "HSV", "I", "F", "LA", "PA",
@@ -607,7 +609,7 @@ def test_huge_disk_budgets_open_or_raise_store_open_error_never_anything_else(tm
 
 def test_a_bad_disk_bytes_on_the_command_line_is_one_line_not_a_traceback(tmp_path, capsys,
                                                                           monkeypatch):
-    pytest.importorskip("lmdeploy")  # serve and warm are lmdeploy's commands (absent on the GPU box)
+    _lmdeploy_stack.need("lmdeploy")  # serve and warm are lmdeploy's commands (absent on the GPU box)
     from featcache.cli import main as cli
 
     with pytest.raises(SystemExit) as exited:  # argparse's one-line usage error

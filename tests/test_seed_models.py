@@ -35,10 +35,9 @@ import types
 import pytest
 import torch
 
-_SKIP = ("lmdeploy is not installed; for these tests: "
-         "pip install --no-deps lmdeploy==0.18.0 -r requirements/lmdeploy-cpu.txt")
-pytest.importorskip("lmdeploy", minversion="0.18", reason=_SKIP)
-pytest.importorskip("lmdeploy.vl.engine", reason=_SKIP)
+import _lmdeploy_stack
+
+_lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
 
 import lmdeploy_tiny as tiny  # noqa: E402
 import turbomind_binding  # noqa: E402

@@ -13,6 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+import _lmdeploy_stack
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -34,7 +36,7 @@ def test_dry_run_builds_both_servers_for_turbomind(capsys, tmp_path):
     assert sc.main(["--dry-run", "--backend", "turbomind", "--model", "/m/x", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "featcache warm" not in out  # its keys are the PyTorch engine's
-    pytest.importorskip("lmdeploy")
+    _lmdeploy_stack.need("lmdeploy")
     assert '"backend": "turbomind"' in out and "not parsed" not in out
     parsed = sc.check_commands(cmds)
     assert parsed["featcache"]["cache_dir"] == str(tmp_path / "store")
@@ -86,7 +88,7 @@ class Fake(BaseHTTPRequestHandler):
 
 
 def test_client_reads_token_ids_cached_tokens_and_counters():
-    pytest.importorskip("openai")
+    _lmdeploy_stack.need("openai", stack=False)
     sc = load()
     server = ThreadingHTTPServer(("127.0.0.1", 0), Fake)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -115,7 +117,7 @@ def test_client_reads_token_ids_cached_tokens_and_counters():
 def test_image_ids_send_the_bytes_once_then_the_id(tmp_path):
     """--image-ids: a third server trusting ids; each image's bytes go out with its id on the
     first turn it appears in, afterwards (later turns, later chats) the id alone."""
-    pytest.importorskip("openai")
+    _lmdeploy_stack.need("openai", stack=False)
     sc = load()
     cmds = sc.commands("/m/x", "pytorch", str(tmp_path / "store"), image_ids=True)
     ids = cmds["featcache_ids"]

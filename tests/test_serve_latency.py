@@ -10,6 +10,8 @@ from http.server import ThreadingHTTPServer
 
 import pytest
 
+import _lmdeploy_stack
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -68,7 +70,7 @@ def test_dry_run_prints_the_plan_and_a_table(capsys):
 
 @pytest.fixture
 def fake_server():
-    pytest.importorskip("openai")
+    _lmdeploy_stack.need("openai", stack=False)
     from test_serve_chat import Fake
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Fake)

@@ -13,6 +13,8 @@ import os
 
 import pytest
 
+import _lmdeploy_stack
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -104,7 +106,7 @@ def test_timers_charge_executor_work_to_its_request(tmp_path_factory):
     """A miss then a hit of one data URL through lmdeploy's prompt path with featcache's frontend:
     the hit is keyed and looked up, never decoded nor preprocessed; the work on the executors
     lands in the request's record."""
-    pytest.importorskip("lmdeploy.vl.engine", reason="needs lmdeploy 0.18")
+    _lmdeploy_stack.need("lmdeploy.vl.engine")
     import lmdeploy_tiny as tiny
     import numpy as np
     import torch

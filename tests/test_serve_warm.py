@@ -14,9 +14,9 @@ import types
 
 import pytest
 
-pytest.importorskip("lmdeploy")
-pytest.importorskip("fastapi")
-pytest.importorskip("prometheus_client")
+import _lmdeploy_stack
+
+_lmdeploy_stack.require("fastapi", "prometheus_client")  # a skip naming the missing module; CI fails
 
 import lmdeploy_tiny as tiny  # noqa: E402
 import torch  # noqa: E402
@@ -426,7 +426,6 @@ def test_serve_remote_url_reaches_the_cache_and_its_password_stays_out_of_logs(s
                                                                              caplog):
     import _redis
 
-    pytest.importorskip("redis")
     srv = _redis.RedisServer(_redis.redis_binary(), tmp_path, None, "--requirepass", "s3cret")
     try:
         url = srv.url.replace("redis://", "redis://:s3cret@")
