@@ -393,10 +393,12 @@ def install(sink: Sink, allow_loopback_media: bool = False) -> list[str]:
            "featcache encoded_bytes")
     _patch(frontend, "fetched_bytes", lambda f: timed(f, "fc_source_bytes"), done,
            "featcache fetched_bytes (lmdeploy's fetcher inside)")
-    _patch(frontend, "image_key", lambda f: timed(f, "fc_key"), done, "featcache image_key")
+    _patch(frontend.Frontend, "_bytes_key", lambda f: timed(f, "fc_key"), done,
+           "featcache Frontend._bytes_key (an encoded image's key)")
     _patch(frontend.DataUrlKeys, "ident", lambda f: timed(f, "fc_key"), done,
-           "featcache DataUrlKeys.ident (a data URL seen before: keyed by its text)", kind="static")
-    _patch(frontend, "client_image_key", lambda f: timed(f, "fc_key"), done, "featcache client_image_key")
+           "featcache DataUrlKeys.ident (a data URL seen before: keyed by its text)")
+    _patch(frontend.Frontend, "_id_key", lambda f: timed(f, "fc_key"), done,
+           "featcache Frontend._id_key (a client id's key)")
     _patch(FeatureCache, "acquire", lambda f: timed(f, "fc_acquire"), done, "FeatureCache.acquire")
     _patch(fc_engine.KeyedInputProcessor, "preprocess_input",
            lambda f: engine_timed(f, "fc_input_processor"), done, "featcache KeyedInputProcessor")

@@ -44,7 +44,7 @@ import os
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -57,6 +57,8 @@ from .copier import make_copier
 from .demoter import Demoter
 from .entrymeta import recorded
 from .errors import FeatCacheError
+from .keys import ImageKey, KeyHasher
+from .keysecret import hasher_for
 from .lease import Lease, NoLease
 from .lookup import Lookup
 from .singleflight import SingleFlight
@@ -91,6 +93,8 @@ class FeatureCache:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._closed = False
+        # how keys are made, under the store's secret: kept across fork (the store's file, read once)
+        self.hasher: KeyHasher = hasher_for(self.config)
         self._build()
 
     def _build(self) -> None:
@@ -114,6 +118,18 @@ class FeatureCache:
         self._finalizer = weakref.finalize(self, forks.release, self._forks, self._chain, self._demoter)
 
     # -- public API ----------------------------------------------------------------------------
+    def image_key(self, image: Any, *, namespace: str = "",
+                  params: Mapping[str, Any] | None = None) -> ImageKey:
+        """The key of ``image`` for model ``namespace`` and preprocessing ``params``
+        (``featcache.image_key``'s arguments), under this cache's key secret: the key every
+        process sharing its store (servers, ``featcache warm``, pipelines) makes for the image."""
+        return self.hasher.image_key(image, namespace=namespace, params=params)
+
+    def client_key(self, image_id: str, *, namespace: str = "",
+                   params: Mapping[str, Any] | None = None) -> ImageKey:
+        """The key of the image a trusted client names ``image_id``, under this cache's secret."""
+        return self.hasher.client_key(image_id, namespace=namespace, params=params)
+
     def put(self, key: bytes, features: torch.Tensor, meta: bytes | None = None, *,
             namespace: str | None = None) -> None:
         """Store ``features`` under ``key``; returns at once (lower tiers fill in the background).

@@ -1,6 +1,7 @@
 """The store's settings: one frozen dataclass, validated at construction, units in the names; and
 the defaults, in tables: ``DEFAULTS`` (a cache's options), ``SERVING_BUDGETS`` (the tier budgets a
-serving process takes from the machine), the default store directory.
+serving process takes from the machine), ``MEDIA_DEFAULTS`` (what a server reads of a request's
+images), the default store directory.
 
 Invariant: each default is written here once; ``CacheConfig.create`` (and so ``FeatureCache``),
 the lmdeploy integration, ``featcache serve``/``warm`` and the CLI take theirs from these tables
@@ -44,6 +45,10 @@ DEFAULTS: dict[str, int | str | bool | None] = {
     "remote_tls_ca_file": None,
     "remote_tls_cert_file": None,
     "remote_tls_key_file": None,
+    # How keys are made (featcache.keysecret): keyed blake3 under the store's (or the remote
+    # tier's, or key_secret_file's) random secret; "xxh3_128" is an opt-in for one trusted tenant.
+    "key_algorithm": "blake3",
+    "key_secret_file": None,
 }
 
 # URL schemes of the remote tier: one server (redis-py's own forms) or a Redis Cluster (any node).
@@ -53,6 +58,24 @@ REMOTE_SCHEMES = ("redis", "rediss", "unix", "redis-cluster", "rediss-cluster")
 # "mp" lmdeploy's own engine process (what `lmdeploy serve api_server` does), "in" the server's
 # process (the default with client image ids: an id alone gives the engine process no bytes).
 ENGINE_PROCESSES = ("mp", "in")
+
+# `featcache serve --trust-client-image-ids [verify]`: "on" trusts ids as given, "verify" checks
+# the bytes that come with an id (featcache.lmdeploy.sources).
+ID_MODES = ("on", "verify")
+
+# `featcache serve --key-algorithm`: keyed blake3 (the default) or unkeyed xxh3 for one trusted
+# tenant (featcache.keysecret; keys.ALGORITHMS also has blake2b for the Python API).
+KEY_ALGORITHMS = ("blake3", "xxh3_128")
+
+# What featcache reads of the image a request names (featcache.lmdeploy.media.MediaPolicy;
+# `featcache serve --max-image-bytes`, `--allowed-local-media-path`): at most max_image_bytes of
+# any source (a file, a data URL, an http body): a 4K RGBA PNG stored uncompressed is 32 MiB, a
+# camera JPEG ~10 MiB. Local files only under allowed_local_media_path (None: none; the Python
+# pipeline()/wrap() API, one trusted user, reads any file: media.LOCAL_FILES).
+MEDIA_DEFAULTS: dict[str, str | None] = {
+    "max_image_bytes": "64MiB",
+    "allowed_local_media_path": None,
+}
 
 # Where a store lives when none is named (the CLI, featcache.lmdeploy.default_cache()).
 ENV_DIR = "FEATCACHE_DIR"
@@ -128,6 +151,8 @@ class CacheConfig:
     remote_tls_ca_file: str | None  # rediss: CA bundle to verify the server with
     remote_tls_cert_file: str | None  # rediss: client certificate (mutual TLS)
     remote_tls_key_file: str | None  # rediss: the client certificate's key
+    key_algorithm: str  # the keys' digest: "blake3" (keyed), "blake2b" (keyed), "xxh3_128"
+    key_secret_file: str | None  # the key secret's file (None: the remote tier's, else the store's)
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -142,6 +167,11 @@ class CacheConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         self._check_remote()
+        from .keys import ALGORITHMS
+
+        if self.key_algorithm not in ALGORITHMS:
+            raise ValueError(f"key_algorithm must be one of {', '.join(ALGORITHMS)}, not "
+                             f"{self.key_algorithm!r}")
         import torch
 
         try:

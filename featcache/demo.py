@@ -22,7 +22,6 @@ from torch import nn
 
 from .cache import FeatureCache
 from .config import DEMO_TURNS
-from .keys import image_key
 from .sizes import format_bytes
 
 TILE = 448
@@ -89,7 +88,7 @@ def run_chat(cache: FeatureCache, model: nn.Module, images: list[np.ndarray], dt
         before = cache.stats()
         t0 = time.perf_counter()
         for image in images[: k + 1]:
-            key = image_key(image, namespace=identity, params={"tile": TILE})
+            key = cache.image_key(image, namespace=identity, params={"tile": TILE})
             feats = cache.get(key)
             if feats is None:
                 with torch.inference_mode():
@@ -111,7 +110,7 @@ def check_bit_identical(cache: FeatureCache, model: nn.Module, images: list[np.n
     """Re-encode every image and compare with what the cache serves; returns mismatches."""
     bad = 0
     for image in images:
-        served = cache.get(image_key(image, namespace=identity, params={"tile": TILE}))
+        served = cache.get(cache.image_key(image, namespace=identity, params={"tile": TILE}))
         with torch.inference_mode():
             fresh = model(preprocess(image, cache.device, dtype))
         bad += served is None or not torch.equal(served, fresh)
@@ -152,7 +151,7 @@ def run(turns: int = TURNS, cache_dir: str | None = None, device: str | None = N
     identity = model.identity
     try:
         with FeatureCache(device=dev, disk_path=path, **budgets) as cache:
-            stored = sum(image_key(image, namespace=identity, params={"tile": TILE}) in cache
+            stored = sum(cache.image_key(image, namespace=identity, params={"tile": TILE}) in cache
                          for image in images)  # from an earlier run on the same --cache-dir
             first = run_chat(cache, model, images, dtype, identity)
             cache.flush()

@@ -38,5 +38,15 @@ class LruMap(Generic[K, V]):
             while len(self._items) > self.capacity:
                 self._items.popitem(last=False)
 
+    def setdefault(self, key: K, value: V) -> V:
+        """The value held for ``key`` (made the most recent), else ``value``, put."""
+        with self._lock:
+            held = self._items.get(key)
+            if held is not None:
+                self._items.move_to_end(key)
+                return held
+        self.put(key, value)
+        return value
+
     def __len__(self) -> int:
         return len(self._items)

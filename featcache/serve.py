@@ -10,7 +10,11 @@ featcache installed on the engine the server builds. Differences, logged at star
   frontend that looks images up sits next to the model (the default with client image ids,
   ``engine_process_for``). ``--tp`` > 1 always runs in the multi-process mode (the ranks are
   processes of their own), in either engine process;
-- ``--enable-prefix-caching`` stays on for the supported VLMs (lmdeploy alone turns it off).
+- ``--enable-prefix-caching`` stays on for the supported VLMs (lmdeploy alone turns it off);
+- featcache reads every image source a request names, under a ``MediaPolicy``
+  (``featcache.lmdeploy.media``): local files only under ``--allowed-local-media-path`` (none
+  without it), regular files only, at most ``--max-image-bytes`` of any source; lmdeploy reads
+  none itself.
 
 featcache's counters are exported on the server's ``/metrics`` (``featcache_*``, beside lmdeploy's)
 unless ``--disable-metrics`` is given; in the multi-process mode those are the frontend's, and
@@ -33,6 +37,7 @@ from typing import Any
 from .cache import FeatureCache
 from .config import ENGINE_PROCESSES
 from .lmdeploy import SPECS, keep_prefix_caching, multi_process, wrap
+from .lmdeploy.media import MediaPolicy
 
 log = logging.getLogger("featcache")
 
@@ -99,11 +104,13 @@ def backend_of(args: argparse.Namespace) -> str:
 
 def run_server(args: argparse.Namespace, cache: FeatureCache, namespace: str | None,
                trust_image_ids: bool = False, engine_process: str = ENGINE_PROCESSES[0],
-               model_cache: dict[str, Any] | None = None) -> None:
+               model_cache: dict[str, Any] | None = None,
+               media_policy: MediaPolicy | None = None) -> None:
     """Run lmdeploy's ``api_server`` handler for ``args`` (parsed by ``lmdeploy_parser``) until it
     stops, with featcache on its engine and, unless ``--disable-metrics``, on its ``/metrics``.
-    The caller owns ``cache`` (and closes it). ``engine_process`` and ``model_cache`` (the
-    multi-process mode's model-side cache settings): see ``featcache_engine``."""
+    The caller owns ``cache`` (and closes it). ``engine_process``, ``model_cache`` (the
+    multi-process mode's model-side cache settings) and ``media_policy``: see
+    ``featcache_engine``."""
     from lmdeploy.cli.serve import SubCliServe
 
     engines: list[Any] = []  # the engine, once built, where the model runs in other processes
@@ -112,7 +119,7 @@ def run_server(args: argparse.Namespace, cache: FeatureCache, namespace: str | N
         collector = export_metrics(cache, lambda: model_processes(engines))
     try:
         with featcache_engine(cache, namespace, trust_image_ids, engine_process, model_cache,
-                              engines):
+                              engines, media_policy):
             SubCliServe.api_server(args)  # lmdeploy's handler: builds the server, runs uvicorn
     finally:
         if collector is not None:
@@ -152,7 +159,8 @@ def export_metrics(cache: FeatureCache,
 def featcache_engine(cache: FeatureCache, namespace: str | None,
                      trust_image_ids: bool = False, engine_process: str = ENGINE_PROCESSES[0],
                      model_cache: dict[str, Any] | None = None,
-                     engines: list[Any] | None = None) -> Iterator[None]:
+                     engines: list[Any] | None = None,
+                     media_policy: MediaPolicy | None = None) -> Iterator[None]:
     """While active, the engine lmdeploy's api_server builds has featcache.
 
     The hook is ``get_task`` as imported by ``lmdeploy.serve.openai.api_server``: its second value
@@ -161,7 +169,9 @@ def featcache_engine(cache: FeatureCache, namespace: str | None,
     engine runs in this process (``enable_mp_engine`` off); "mp": where lmdeploy puts it. In the
     multi-process mode (``multi_process``) the engine config becomes a ``FeatcacheEngineConfig``
     with ``model_cache`` as its model processes' cache settings, and the engine built is appended
-    to ``engines`` (``model_processes`` reads its counters).
+    to ``engines`` (``model_processes`` reads its counters). ``media_policy``: what the server
+    reads of the images requests name (None: ``MediaPolicy()``, no local files, the default
+    byte cap; unlike the Python API's default, which reads any file).
     """
     if engine_process not in ENGINE_PROCESSES:
         raise ValueError(f"engine_process is one of {ENGINE_PROCESSES}, not {engine_process!r}")
@@ -169,6 +179,7 @@ def featcache_engine(cache: FeatureCache, namespace: str | None,
     from lmdeploy.serve.openai import api_server
 
     original = api_server.get_task
+    media = MediaPolicy() if media_policy is None else media_policy
 
     def get_task(*a: Any, **k: Any) -> tuple[str, Any]:
         task, engine_class = original(*a, **k)
@@ -193,7 +204,7 @@ def featcache_engine(cache: FeatureCache, namespace: str | None,
             if elsewhere and engines is not None:
                 engines.append(engine)
             wrap(types.SimpleNamespace(async_engine=engine), cache, namespace=namespace,
-                 trust_image_ids=trust_image_ids)
+                 trust_image_ids=trust_image_ids, media_policy=media)
             engine.featcache = cache
             return engine
 

@@ -95,9 +95,10 @@ class PromptPath:
 
         self.model.preprocess = preprocess
 
-    def prompt(self, msgs: list[dict[str, Any]]) -> dict[str, Any]:
-        """What ``VLAsyncEngine`` hands the engine for ``msgs``: prompt, input_ids, per-image dicts."""
-        return asyncio.run(self.processor.get_prompt_input(msgs, do_preprocess=True))
+    def prompt(self, msgs: list[dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
+        """What ``VLAsyncEngine`` hands the engine for ``msgs``: prompt, input_ids, per-image dicts
+        (``kwargs``: a request's options, e.g. ``media_io_kwargs``)."""
+        return asyncio.run(self.processor.get_prompt_input(msgs, do_preprocess=True, **kwargs))
 
     def close(self) -> None:
         self.encoder.executor.shutdown(wait=True)

@@ -16,7 +16,8 @@ def rgb(seed=0, size=(32, 24)):
 def test_equal_inputs_equal_keys_and_digest_sizes():
     a = rgb()
     assert image_key(a) == image_key(a.copy())
-    assert len(image_key(a)) == 16
+    assert len(image_key(a)) == 32  # blake3 by default
+    assert len(image_key(a, algorithm="xxh3_128")) == 16
     assert len(image_key(a, algorithm="blake2b")) == 32
     pil = Image.fromarray(a)
     assert image_key(pil) == image_key(Image.fromarray(a.copy()))
@@ -81,12 +82,19 @@ def test_encoded_bytes_are_hashed_as_given():
     assert image_key(png.getvalue()) != image_key(bmp.getvalue())
 
 
-def test_keyed_mode_depends_on_the_secret():
+@pytest.mark.parametrize("algorithm", ["blake3", "blake2b"])
+def test_keyed_mode_depends_on_the_secret(algorithm):
     a = rgb()
-    k1 = image_key(a, algorithm="blake2b", secret=b"s" * 32)
-    k2 = image_key(a, algorithm="blake2b", secret=b"t" * 32)
-    assert len({k1, k2, image_key(a, algorithm="blake2b")}) == 3
-    assert KeyHasher("blake2b", b"s" * 32).image_key(a) == k1
+    k1 = image_key(a, algorithm=algorithm, secret=b"s" * 32)
+    k2 = image_key(a, algorithm=algorithm, secret=b"t" * 32)
+    assert len({k1, k2, image_key(a, algorithm=algorithm)}) == 3
+    assert KeyHasher(algorithm, b"s" * 32).image_key(a) == k1
+    assert KeyHasher(algorithm, b"u" * 20).image_key(a) not in (k1, k2)  # any 16-64 byte secret
+
+
+def test_the_secret_is_never_shown():
+    hasher = KeyHasher("blake3", bytes(range(32)))
+    assert bytes(range(32)).hex() not in repr(hasher) and "secret" not in repr(hasher)
 
 
 @pytest.mark.parametrize(
@@ -113,7 +121,9 @@ def test_bad_params_and_settings_raise():
         image_key(a, params={1: 2})
     with pytest.raises(ValueError, match="unknown key algorithm"):
         image_key(a, algorithm="md5")
-    with pytest.raises(ValueError, match="blake2b"):
-        image_key(a, secret=b"s" * 32)
+    with pytest.raises(ValueError, match="keyed MAC"):
+        image_key(a, algorithm="xxh3_128", secret=b"s" * 32)
     with pytest.raises(ValueError, match="16 to 64"):
         image_key(a, algorithm="blake2b", secret=b"short")
+    with pytest.raises(ValueError, match="16 to 64"):
+        image_key(a, secret=b"x" * 65)

@@ -51,6 +51,14 @@ class Rig:
         self.plain = tiny.PromptPath(path)
         self.cached = tiny.PromptPath(path)
         install_frontend(self.cached.model, self.cache, self.namespace, self.cached.processor)
+        self.frontend = self.cached.model.preprocess.frontend
+
+    def bytes_key(self, raw: bytes, params: dict | None = None, io: dict | None = None) -> bytes:
+        """The key the frontend gives an encoded image (its cache's secret, params, options)."""
+        return self.frontend._bytes_key(raw, params or {}, io or {})
+
+    def id_key(self, image_id: str) -> bytes:
+        return self.frontend._id_key(image_id, {}, {})
 
     def close(self) -> None:
         self.plain.close()
@@ -113,7 +121,7 @@ def test_a_repeated_encoded_image_is_neither_decoded_nor_preprocessed(rig, decod
     assert decodes == ["bytes"] and len(rig.cached.calls) == 1  # decoded once (by featcache)
     assert rig.cache.stats()["cache"]["misses"] == 1  # looked up once, by its bytes' key
     ref = first["multimodal"][0][REF_KEY]
-    assert ref.key == image_key(raw, namespace=rig.namespace, params={})  # keyed by its bytes
+    assert ref.key == rig.bytes_key(raw)  # keyed by its bytes
     assert_same_prompt(first, rig.plain.prompt(msgs))
     rig.store(first)
     decodes.clear()
@@ -152,7 +160,7 @@ def test_a_failure_after_resolving_still_serves_the_request(rig, monkeypatch):
     assert rig.counters()["frontend_errors"] == 1
     del out
     gc.collect()
-    assert not rig.cache._chain.top._books.pinned(image_key(raw, namespace=rig.namespace, params={}))
+    assert not rig.cache._chain.top._books.pinned(rig.bytes_key(raw))
 
 
 @pytest.fixture
@@ -196,7 +204,7 @@ def test_an_http_image_is_fetched_once_keyed_by_its_bytes_and_a_hit_never_decode
     first = rig.cached.prompt(msgs)
     assert gets == ["/a.png"] and decodes == ["bytes"]  # fetched once, decoded once (by featcache)
     ref = first["multimodal"][0][REF_KEY]
-    assert ref.key == image_key(raw, namespace=rig.namespace, params={})
+    assert ref.key == rig.bytes_key(raw)
     rig.store(first)
     decodes.clear()
 
@@ -303,12 +311,15 @@ def test_remembered_data_urls_are_bounded():
     from featcache.lmdeploy.urlkeys import DataUrlKeys
 
     urls = DataUrlKeys(capacity=2)
-    idents = [DataUrlKeys.ident(f"data:image/png;base64,{i}", {}) for i in range(3)]
+    idents = [urls.ident(f"data:image/png;base64,{i}", {}, {}) for i in range(3)]
     for i, ident in enumerate(idents):
         urls.put(ident, key_of(bytes([i]), namespace="t"))
     assert len(urls) == 2 and urls.get(idents[0]) is None
     assert urls.get(idents[2]) == key_of(bytes([2]), namespace="t")
-    assert DataUrlKeys.ident("data:x", {"a": 1}) != DataUrlKeys.ident("data:x", {})
+    assert urls.ident("data:x", {"a": 1}, {}) != urls.ident("data:x", {}, {})
+    assert urls.ident("data:x", {}, {"image_mode": "L"}) != urls.ident("data:x", {}, {})
+    assert urls.ident("data:x", {}, {}) != DataUrlKeys().ident("data:x", {}, {})  # keyed per map
+    assert urls.ident("data:x", {"f": object()}, {}) is None  # not JSON: not remembered
     with pytest.raises(ValueError):
         DataUrlKeys(capacity=0)
 
@@ -337,8 +348,8 @@ def test_a_trusted_id_is_sent_once_with_its_image_then_alone(trusted, decodes):
     with_image = tiny.messages(id_item("sku-1234", data_url(raw)))
     first = rig.cached.prompt(with_image)
     ref = first["multimodal"][0][REF_KEY]
-    assert not ref.hit and ref.key == client_image_key("sku-1234", namespace=rig.namespace)
-    assert ref.key != image_key(raw, namespace=rig.namespace, params={})  # keyed by the id
+    assert not ref.hit and ref.key == rig.id_key("sku-1234")
+    assert ref.key != rig.bytes_key(raw)  # keyed by the id
     plain = rig.plain.prompt(tiny.messages(url_item(data_url(raw))))
     assert_same_prompt(first, plain)
     rig.store(first)
@@ -377,7 +388,7 @@ def test_without_trust_an_id_alone_is_refused_and_an_id_beside_the_image_is_igno
 
     raw = png(tiny.noise_image(64, 48, seed=12))
     out = rig.cached.prompt(tiny.messages(id_item("sku-1", data_url(raw))))
-    assert out["multimodal"][0][REF_KEY].key == image_key(raw, namespace=rig.namespace, params={})
+    assert out["multimodal"][0][REF_KEY].key == rig.bytes_key(raw)
     rig.store(out)
     with pytest.raises(ImageIdError, match="does not take image ids .*--trust-client-image-ids"):
         rig.cached.prompt(tiny.messages(id_item("sku-1")))
@@ -409,4 +420,4 @@ def test_an_id_only_hit_that_cannot_be_served_fails_with_a_message_not_a_crash(t
     monkeypatch.setattr(Frontend, "_preprocess", broken)
     with pytest.raises(ImageIdError, match="could not be served and the image was not sent"):
         rig.cached.prompt(tiny.messages(id_item("sku-9")))
-    assert not rig.cache._chain.top._books.pinned(client_image_key("sku-9", namespace=rig.namespace))
+    assert not rig.cache._chain.top._books.pinned(rig.id_key("sku-9"))

@@ -12,7 +12,8 @@ import logging
 import os
 import sys
 
-from ..config import ENGINE_PROCESSES, SERVING_BUDGETS, STORE_DIR_HELP
+from ..config import ENGINE_PROCESSES, ID_MODES, KEY_ALGORITHMS, SERVING_BUDGETS, STORE_DIR_HELP
+from ..config import MEDIA_DEFAULTS
 from ..errors import FeatCacheError
 from ..sizes import parse_bytes
 from ..warm import IMAGE_SUFFIXES, collect, parse_params
@@ -81,16 +82,37 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    "redis-cluster://node:port (default: none; docs/tuning.md)")
     g.add_argument("--namespace", metavar="NS",
                    help="key namespace (default: derived from the model, its dtype and version)")
+    g.add_argument("--allowed-local-media-path", metavar="DIR",
+                   help="let requests name image files (a path or file:// URL) under DIR, as "
+                   "vLLM's option of this name; regular files only, no link out of DIR. Default: "
+                   "no local files (images come as data URLs or http(s) URLs); the fast path for "
+                   "images on the server's disk needs it (docs/cli.md)")
+    g.add_argument("--max-image-bytes", type=_bytes, metavar="N",
+                   help="the most bytes read of one image a request names (a file, a data URL, an "
+                   "http body), e.g. 32MiB; larger ones are answered 400 (default: "
+                   f"{MEDIA_DEFAULTS['max_image_bytes']})")
     g.add_argument("--engine-process", choices=ENGINE_PROCESSES, default=None,
                    help="where the PyTorch engine runs: 'mp', lmdeploy's own engine process (the "
                    "default, as lmdeploy serve api_server runs it), or 'in' the server's process "
                    "(the default with --trust-client-image-ids). A resent image skips decoding, "
                    "preprocessing and the vision model in both; --tp > 1 works with both "
                    "(docs/multi-gpu.md)")
-    g.add_argument("--trust-client-image-ids", action="store_true",
+    g.add_argument("--trust-client-image-ids", nargs="?", const="on", choices=ID_MODES,
+                   default=None, metavar="verify",
                    help="honour the ids clients give their images (\"uuid\" beside image_url), so a "
                    "later request may send the id without the image. Only when every client may "
-                   "read every other client's images: an id is all it takes (docs/cli.md)")
+                   "read every other client's images: an id is all it takes. An id sent again "
+                   "with other bytes keeps its first image's features; with 'verify', an image "
+                   "sent with an id is served from its own bytes, and the id alone names the first "
+                   "image it came with (docs/cli.md)")
+    g.add_argument("--key-secret-file", metavar="FILE",
+                   help="the file of the secret keys are made with (hex; created if missing). "
+                   "Default: the remote tier's (--remote-url), else the store's, made at first "
+                   "use; processes that share a store agree on it (docs/design.md, Keys)")
+    g.add_argument("--key-algorithm", choices=KEY_ALGORITHMS, default=None,
+                   help="the keys' digest: blake3 (keyed, the default) or xxh3_128 (faster, "
+                   "unkeyed: a client able to craft colliding images can change another's "
+                   "answer; only for a single trusted tenant)")
 
 
 def featcache_parser() -> argparse.ArgumentParser:
@@ -134,6 +156,13 @@ def _serve(args: argparse.Namespace) -> int:
     if why:
         print(f"featcache serve: error: {why}", file=sys.stderr)
         return EXIT_BAD
+    from ..lmdeploy.media import MediaPolicy
+
+    try:
+        media = MediaPolicy.create(args.allowed_local_media_path, args.max_image_bytes)
+    except (TypeError, ValueError) as e:  # not a directory, a cap of 0
+        print(f"featcache serve: error: {e}", file=sys.stderr)
+        return EXIT_BAD
     why = model_problem(lmdeploy_args.model_path)
     if why:
         print(f"featcache serve: error: {why}", file=sys.stderr)
@@ -142,9 +171,12 @@ def _serve(args: argparse.Namespace) -> int:
     note = caveat(lmdeploy_args, backend)
     if note:
         print(f"featcache serve: warning: {note}", file=sys.stderr)
-    engine_process = args.engine_process or engine_process_for(args.trust_client_image_ids)
+    trust_ids: bool | str = {None: False, "on": True}.get(args.trust_client_image_ids,
+                                                            args.trust_client_image_ids)
+    engine_process = args.engine_process or engine_process_for(bool(trust_ids))
     sizes = dict(path=args.cache_dir, device_bytes=args.device_bytes, host_bytes=args.host_bytes,
-                 disk_bytes=args.disk_bytes, remote_url=args.remote_url)
+                 disk_bytes=args.disk_bytes, remote_url=args.remote_url,
+                 key_algorithm=args.key_algorithm, key_secret_file=args.key_secret_file)
     model_cache = None
     try:
         if multi_process_args(lmdeploy_args, backend, engine_process):
@@ -158,8 +190,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"featcache serve: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     try:
-        run_server(lmdeploy_args, cache, args.namespace, args.trust_client_image_ids,
-                   engine_process, model_cache)
+        run_server(lmdeploy_args, cache, args.namespace, trust_ids, engine_process, model_cache,
+                   media)
     finally:
         cache.close()
     return EXIT_OK

@@ -36,25 +36,29 @@ from .identity import model_identity
 from .models import SPECS, patch_model_class
 from .prefix import install_prefix_hook
 from .refs import FeatRef
+from .media import LOCAL_FILES, MediaPolicy
+from .sources import SourceGuard, install_sources, set_media_policy
 from .sources import trust_image_ids as trust_image_ids_on
 from .tags import FeatTag
 from .turbomind import install_turbomind
 
-__all__ = ["DEFAULT_DIR", "SECTION", "SPECS", "FeatRef", "FeatTag", "default_cache", "model_stats",
-           "multi_process", "pipeline", "wrap"]
+__all__ = ["DEFAULT_DIR", "SECTION", "SPECS", "FeatRef", "FeatTag", "MediaPolicy", "default_cache",
+           "model_stats", "multi_process", "pipeline", "wrap"]
 
 log = logging.getLogger("featcache")
 
 
 def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: str | None = None,
              turbomind: str = "native", trust_image_ids: bool = False,
+             media_policy: MediaPolicy | None = None,
              **pipeline_kwargs: Any) -> Any:
     """``lmdeploy.pipeline(model_path, **pipeline_kwargs)`` with featcache wrapped in.
 
     Same arguments and return type. ``cache=None`` builds ``default_cache()`` (closed with the
     pipeline; ``host_only`` when the backend is TurboMind). ``enable_prefix_caching=True`` in a
     ``PytorchEngineConfig`` stays on for the supported models (lmdeploy alone turns it off for
-    them). ``turbomind`` ("native" or "features") and ``trust_image_ids``: see ``wrap``.
+    them). ``turbomind`` ("native" or "features"), ``trust_image_ids`` and ``media_policy``: see
+    ``wrap``.
 
     Several processes (a ``PytorchEngineConfig`` with ``enable_mp_engine=True``, ``tp > 1``, or
     an mp or ray executor, see ``multi_process``):
@@ -87,7 +91,8 @@ def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: s
         except BaseException:
             pipe.close()
             raise
-    wrap(pipe, cache, namespace=namespace, turbomind=turbomind, trust_image_ids=trust_image_ids)
+    wrap(pipe, cache, namespace=namespace, turbomind=turbomind, trust_image_ids=trust_image_ids,
+         media_policy=media_policy)
     if owned:
         close = pipe.close
 
@@ -146,7 +151,8 @@ def model_stats(pipe: Any) -> list[dict[str, Any]]:
 
 
 def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
-         turbomind: str = "native", trust_image_ids: bool = False) -> Any:
+         turbomind: str = "native", trust_image_ids: bool = False,
+         media_policy: MediaPolicy | None = None) -> Any:
     """Install featcache on a pipeline built by ``lmdeploy.pipeline``; returns ``pipe``.
 
     A pipeline built without featcache has had prefix caching switched off by lmdeploy for these
@@ -155,9 +161,14 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
     ``"features"`` (InternVL-HF) vision features: see ``featcache.lmdeploy.turbomind``.
     ``trust_image_ids``: honour the ids clients give their images (``"uuid"``, see
     ``featcache.lmdeploy.sources``); only where every client may read every image.
+    ``media_policy``: where local image files may lie and how many bytes any image source may
+    have (``featcache.lmdeploy.media.MediaPolicy``); default ``media.LOCAL_FILES``, any file of
+    the caller's, at most ``MEDIA_DEFAULTS["max_image_bytes"]``. featcache reads every image
+    source under it, for an architecture it does not cache too (lmdeploy reads none).
     """
     from lmdeploy import PytorchEngineConfig
 
+    media = LOCAL_FILES if media_policy is None else media_policy
     engine = pipe.async_engine
     encoder = getattr(engine, "vl_encoder", None)
     if encoder is None or encoder.model is None:
@@ -169,9 +180,12 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
     if not isinstance(engine.backend_config, PytorchEngineConfig):  # TurboMind: turbomind.py
         install_turbomind(pipe, cache, arch, namespace, turbomind)
         trust_image_ids_on(engine.prompt_processor, trust_image_ids)
+        _read_sources_under(engine.prompt_processor, media)
         return pipe
     if spec is None or getattr(hf_config, "flash_mode", None):
-        log.warning("featcache: architecture %s is not cached; it passes through untouched", arch)
+        log.warning("featcache: architecture %s is not cached; it passes through untouched (its "
+                    "image sources read under the media policy)", arch)
+        _read_sources_under(engine.prompt_processor, media)
         return pipe
     namespace = namespace or model_identity(
         encoder.model.model_path, arch, encoder.mm_feature_dtype, extra={})
@@ -189,8 +203,12 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
                 "which featcache reaches only through the engine config it was built with: "
                 "build it with featcache.lmdeploy.pipeline(), or pass backend_config="
                 "featcache.lmdeploy.processes.FeatcacheEngineConfig.of(config, settings)")
-        install_frontend(encoder.model, cache, namespace, engine.prompt_processor, tags=True)
+        from .processes import settings_hasher
+
+        install_frontend(encoder.model, cache, namespace, engine.prompt_processor, tags=True,
+                         hasher=settings_hasher(engine.backend_config.featcache_cache))
         trust_image_ids_on(engine.prompt_processor, trust_image_ids)
+        _read_sources_under(engine.prompt_processor, media)
         pipe.featcache = cache
         log.info("featcache: caching %s image features in the model processes (namespace %s)",
                  arch, namespace)
@@ -198,6 +216,7 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
     patch_model_class(spec)
     install_frontend(encoder.model, cache, namespace, engine.prompt_processor)
     trust_image_ids_on(engine.prompt_processor, trust_image_ids)
+    _read_sources_under(engine.prompt_processor, media)
     engine.engine.input_processor = KeyedInputProcessor(inner)
     if engine.backend_config.enable_prefix_caching:  # matches may end inside held images
         remove_prefix_hook = install_prefix_hook()
@@ -214,3 +233,12 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
     pipe.featcache = cache
     log.info("featcache: caching %s image features (namespace %s)", arch, namespace)
     return pipe
+
+
+def _read_sources_under(prompt_processor: Any, media: MediaPolicy) -> None:
+    """featcache reads the prompt path's image sources under ``media``: through its frontend, or,
+    where none is installed (an architecture it does not cache), a ``SourceGuard`` alone."""
+    if getattr(prompt_processor.async_parse_multimodal_item, "frontend", None) is None:
+        install_sources(prompt_processor, SourceGuard(media))
+    else:
+        set_media_policy(prompt_processor, media)

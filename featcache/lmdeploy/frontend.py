@@ -36,9 +36,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ..cache import FeatureCache
-from ..keys import client_image_key, image_key
+from ..keys import KeyHasher
 from ..lrumap import LruMap
 from .entry_meta import decode_item, encode_item
+from .media import LOCAL_FILES, MediaError, MediaPolicy
 from .refs import REF_KEY, FeatRef
 from .sources import (
     ID_FIELD,
@@ -47,6 +48,7 @@ from .sources import (
     ImageIdError,
     encoded_bytes,
     fetched_bytes,
+    guarded,
     image_parts,
     install_sources,
     is_data_url,
@@ -64,14 +66,17 @@ Preprocess = Callable[[list[dict[str, Any]]], list[dict[str, Any]]]
 
 
 def install_frontend(vision_model: Any, cache: FeatureCache, namespace: str,
-                     prompt_processor: Any = None, *, tags: bool = False) -> None:
+                     prompt_processor: Any = None, *, tags: bool = False,
+                     hasher: KeyHasher | None = None) -> None:
     """Replace ``vision_model.preprocess`` (an instance attribute shadowing the method) and, given
     lmdeploy's ``MultimodalProcessor``, resolve encoded image sources before it decodes them.
-    ``tags``: tag every image for a model in another process, look nothing up (``FeatTag``)."""
+    ``tags``: tag every image for a model in another process, look nothing up (``FeatTag``).
+    ``hasher``: how keys are made (default: ``cache.hasher``; with ``tags``, the model
+    processes' store's, ``processes.settings_hasher``)."""
     original: Preprocess = vision_model.preprocess
     if getattr(original, "_featcache", False):
         raise RuntimeError("featcache is already installed on this pipeline")
-    frontend = Frontend(cache, original, namespace, tags=tags)
+    frontend = Frontend(cache, original, namespace, tags=tags, hasher=hasher)
     if prompt_processor is not None:
         install_sources(prompt_processor, frontend)
 
@@ -86,16 +91,24 @@ def install_frontend(vision_model: Any, cache: FeatureCache, namespace: str,
 
 class Frontend:
     def __init__(self, cache: FeatureCache, original: Preprocess, namespace: str,
-                 tags: bool = False) -> None:
+                 tags: bool = False, hasher: KeyHasher | None = None) -> None:
         self.cache = cache
         self.original = original
         self.namespace = namespace
+        self.hasher = hasher if hasher is not None else cache.hasher
         self.tags = tags  # several processes: tag every image (``FeatTag``)
         # several processes: key -> metadata of the images tagged for the model processes (their
         # features computed there); a resent encoded image is then not preprocessed again
         self.sent: LruMap[bytes, bytes] | None = LruMap(SENT_IMAGES) if tags else None
-        self.trust_image_ids = False  # client image ids ("uuid"): featcache serve --trust-client-image-ids
+        # client image ids ("uuid"): featcache serve --trust-client-image-ids [verify]; False, True
+        # or "verify" (``ID_MODES``)
+        self.trust_image_ids: bool | str = False
+        # "verify": the content key each id was first sent with (ids: the keys ``client_key`` makes)
+        self.id_contents: LruMap[bytes, bytes] = LruMap(SENT_IMAGES)
         self.data_urls = DataUrlKeys()  # data URLs keyed before: a repeat is not base64-decoded
+        # what image sources are read (``media``): featcache serve's --allowed-local-media-path
+        # and --max-image-bytes; any local file for the Python API (``sources.set_media_policy``)
+        self.media: MediaPolicy = LOCAL_FILES
         self._logged = False
 
     def __call__(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -117,17 +130,29 @@ class Frontend:
                         allowed_media_domains: list[str] | None = None) -> list[dict[str, Any]]:
         """Key data-URL, file and http(s) images by their encoded bytes; hits become
         ``CachedImage`` items (no decode), misses are decoded here and carry their key. Returns new
-        messages (the caller's are left as they are); on any failure, the original messages
-        (lmdeploy decodes them). ``allowed_media_domains``: lmdeploy's, for the http fetches."""
-        io_kwargs = media_io_kwargs.get("image", {})
+        messages (the caller's are left as they are); on any failure, the original messages,
+        their images read here without the cache. Either way no source is left for lmdeploy to
+        read that the media policy (``self.media``) refuses (``sources.guarded``): a refusal is a
+        ``MediaError`` (counted, ``media_refused``). ``allowed_media_domains``: lmdeploy's, for
+        the http fetches. Decode options that are not what lmdeploy's ``ImageMediaIO`` takes raise
+        ``MediaOptionError`` (a ``ValueError``: the client's request is answered 400)."""
+        io_kwargs = image_io_options(media_io_kwargs) if _has_image_items(messages) else {}
         try:
-            return [self._resolve_message(m, io_kwargs, allowed_media_domains) for m in messages]
+            resolved = [self._resolve_message(m, io_kwargs, allowed_media_domains) for m in messages]
         except ImageIdError:
             self.cache.count(SECTION, "image_id_refused")
             raise  # the client's to fix: lmdeploy answers it with a 400 and this message
+        except MediaError:
+            self.cache.count(SECTION, "media_refused")
+            raise  # likewise
         except Exception:
-            self._failed("resolving encoded image sources failed; lmdeploy decodes them")
-            return messages
+            self._failed("resolving encoded image sources failed; featcache reads them uncached")
+            resolved = messages
+        try:  # what is still a source (unresolved, or all of them after a failure): read here
+            return guarded(resolved, io_kwargs, allowed_media_domains, self.media)
+        except MediaError:
+            self.cache.count(SECTION, "media_refused")
+            raise
 
     def _resolve_message(self, message: Any, io_kwargs: dict[str, Any], domains: Any) -> Any:
         content = message.get("content") if isinstance(message, dict) else None
@@ -136,15 +161,18 @@ class Frontend:
         return dict(message, content=[self._resolve_item(x, io_kwargs, domains) for x in content])
 
     def _source_bytes(self, source: str, domains: Any) -> bytes | None:
-        """The encoded image behind ``source`` (data URL, file, http(s) URL), or None where
-        featcache cannot read it: lmdeploy then reads it, and reports what is wrong with it. An
-        http(s) URL is fetched once, here, by lmdeploy's own fetcher (its address, domain and
-        redirect checks) and never again by lmdeploy."""
+        """The encoded image behind ``source`` (data URL, file, http(s) URL), read under
+        ``self.media``, or None where featcache cannot read it (``sources.guarded`` then tries
+        once more and reports what is wrong with it); ``MediaError`` where the policy refuses
+        it. An http(s) URL is fetched here with lmdeploy's address, domain and redirect checks
+        (``media.fetch_http``), never by lmdeploy."""
         if not is_http(source):
-            return encoded_bytes(source)
+            return encoded_bytes(source, self.media)
         try:
-            return fetched_bytes(source, domains)
-        except Exception:  # blocked, unreachable, ...: lmdeploy's fetch raises its own error
+            return fetched_bytes(source, domains, self.media)
+        except MediaError:
+            raise  # over the byte cap: refused, not fetched again
+        except Exception:  # blocked, unreachable, ...: reported by guarded's fetch
             self.cache.count(SECTION, "fetch_failed")
             return None
 
@@ -154,12 +182,14 @@ class Frontend:
             return item
         source, params = parts
         image_id = item.get(ID_FIELD)
-        if image_id is not None and (self.trust_image_ids or not isinstance(source, str)):
+        if image_id is not None and (self.trust_image_ids is True or not isinstance(source, str)):
             return self._resolve_id(image_id, source, params, io_kwargs, domains)
         if not isinstance(source, str):
             return item
-        ident = DataUrlKeys.ident(source, params) if is_data_url(source) else None
+        ident = self.data_urls.ident(source, params, io_kwargs) if is_data_url(source) else None
         if ident is not None and (known := self.data_urls.get(ident)) is not None:
+            if image_id is not None:
+                self._check_id(image_id, params, io_kwargs, known)
             # keyed without decoding the base64 again; decoded below only on a miss
             self.cache.count(SECTION, "source_keyed")
             self.cache.count(SECTION, "data_url_remembered")
@@ -169,13 +199,43 @@ class Frontend:
         if raw is None:
             return item
         try:
-            key = image_key(raw, namespace=self.namespace, params=params)
+            key = self._bytes_key(raw, params, io_kwargs)
         except (TypeError, ValueError):
             return item  # not keyable here: lmdeploy decodes it, the frontend decides
         if ident is not None:
             self.data_urls.put(ident, key)
+        if image_id is not None:
+            self._check_id(image_id, params, io_kwargs, key)
         self.cache.count(SECTION, "source_keyed")
         return self._served(key, raw, params, io_kwargs)
+
+    def _bytes_key(self, raw: bytes, params: dict[str, Any], io: dict[str, Any]) -> bytes:
+        """The key of an encoded image: its bytes, the model, its per-image parameters and the
+        request's decode options (which change the decoded pixels: issue 26)."""
+        return self.hasher.image_key(raw, namespace=self.namespace,
+                                     params={"item": params, "io": io})
+
+    def _id_key(self, image_id: Any, params: dict[str, Any], io: dict[str, Any]) -> bytes:
+        try:
+            return self.hasher.client_key(image_id, namespace=self.namespace,
+                                          params={"item": params, "io": io})
+        except (TypeError, ValueError) as e:
+            raise ImageIdError(f"bad image uuid: {e}") from None
+
+    def _check_id(self, image_id: Any, params: dict[str, Any], io: dict[str, Any],
+                  content: bytes) -> None:
+        """``--trust-client-image-ids verify``: an id sent with its image is served by the
+        image's own key (``content``), and remembered with the first one it came with, so a
+        later request naming the id alone gets that image; an id sent again with other bytes
+        keeps its first image (counted, ``image_id_mismatch``) and this request is answered
+        from its own bytes."""
+        if self.trust_image_ids != "verify":
+            return
+        key = self._id_key(image_id, params, io)
+        first = self.id_contents.setdefault(key, content)
+        self.cache.count(SECTION, "image_id_verified")
+        if first != content:
+            self.cache.count(SECTION, "image_id_mismatch")
 
     def _resolve_id(self, image_id: Any, source: Any, params: dict[str, Any],
                     io_kwargs: dict[str, Any], domains: Any = None) -> Any:
@@ -186,10 +246,14 @@ class Frontend:
             raise ImageIdError("this server does not take image ids (uuid) without the image: send "
                                "the image itself (its operator can allow ids with featcache serve "
                                "--trust-client-image-ids)")
-        try:
-            key = client_image_key(image_id, namespace=self.namespace, params=params)
-        except (TypeError, ValueError) as e:
-            raise ImageIdError(f"bad image uuid: {e}") from None
+        key = self._id_key(image_id, params, io_kwargs)
+        if self.trust_image_ids == "verify":  # (an id alone: the image it was first sent with)
+            content = self.id_contents.get(key)
+            if content is None:
+                raise ImageIdError(f"image uuid {image_id!r} is not known to this server (never "
+                                   "sent with its image, or forgotten since): send the image again "
+                                   "with this uuid")
+            key = content
         raw = self._source_bytes(source, domains) if isinstance(source, str) else None
         if isinstance(source, str) and raw is None:
             raise ImageIdError(f"image uuid {image_id!r}: its image could not be read: send it "
@@ -218,7 +282,7 @@ class Frontend:
         if self.tags:
             tag = self._sent_tag(key, raw, params, io_kwargs, source)
             if tag is not None:
-                data: Any = CachedImage(tag, raw, io_kwargs, image_id, source)
+                data: Any = CachedImage(tag, raw, io_kwargs, image_id, source, self.media)
                 return {"type": "image_data", "image_data": {"data": data, **params}}
         lease = None if self.tags else self.cache.acquire(key)
         if lease is not None:
@@ -229,10 +293,10 @@ class Frontend:
                 self.cache.count(SECTION, "unreadable_meta")
             else:
                 ref = FeatRef(self.cache, key, lease.meta, lease)
-                data = CachedImage(ref, raw, io_kwargs, image_id, source)
+                data = CachedImage(ref, raw, io_kwargs, image_id, source, self.media)
                 return {"type": "image_data", "image_data": {"data": data, **params}}
         if raw is None and source is not None:
-            raw = encoded_bytes(source)
+            raw = encoded_bytes(source, self.media)
         if raw is None:
             return None
         from lmdeploy.vl.media.image import ImageMediaIO
@@ -251,7 +315,7 @@ class Frontend:
         if meta is None:
             return None
         if raw is None and source is not None:
-            raw = encoded_bytes(source)
+            raw = encoded_bytes(source, self.media)
         if raw is None:
             return None
         return _sourced(key, meta, raw, {"io": io_kwargs}, params)
@@ -339,7 +403,7 @@ class Frontend:
             return key
         params = {k: v for k, v in item.items() if k not in ("type", "data")}
         try:
-            return image_key(item["data"], namespace=self.namespace, params=params)
+            return self.hasher.image_key(item["data"], namespace=self.namespace, params=params)
         except (TypeError, ValueError) as e:
             self.cache.count(SECTION, "uncacheable")
             log.debug("featcache: image not cached (%s)", e)
@@ -364,6 +428,49 @@ class Frontend:
                 output[REF_KEY] = FeatRef(self.cache, key, meta, None)
 
 
+class MediaOptionError(ValueError):
+    """A request's decode options (``media_io_kwargs``) are not what lmdeploy's image reader
+    takes; the message tells the client which (lmdeploy answers a ``ValueError`` with a 400)."""
+
+
+def image_io_options(media_io_kwargs: Any) -> dict[str, Any]:
+    """The image decode options of a request (``media_io_kwargs["image"]``, lmdeploy's
+    ``ImageMediaIO`` arguments), checked: a JSON object whose ``image_mode``, when given, is a
+    mode PIL converts an RGB image to. Raises ``MediaOptionError`` otherwise; so does lmdeploy,
+    later and for every request, when it decodes with them."""
+    if media_io_kwargs is None:
+        return {}
+    if not isinstance(media_io_kwargs, dict):
+        raise MediaOptionError(f"media_io_kwargs must be an object, not {type(media_io_kwargs).__name__}")
+    options = media_io_kwargs.get("image", {})
+    if options is None:
+        return {}
+    if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+        raise MediaOptionError("media_io_kwargs.image must be an object of named options")
+    try:
+        json.dumps(options, allow_nan=False)
+    except (TypeError, ValueError):
+        raise MediaOptionError("media_io_kwargs.image must hold JSON values only") from None
+    mode = options.get("image_mode", "RGB")
+    if not (isinstance(mode, str) and _convertible(mode)):
+        raise MediaOptionError(f"media_io_kwargs.image.image_mode {mode!r:.40} is not an image mode "
+                               "images can be converted to (e.g. 'RGB', 'L', 'RGBA')")
+    return options
+
+
+@functools.lru_cache(maxsize=64)
+def _convertible(mode: str) -> bool:
+    if not 0 < len(mode) <= 16:
+        return False
+    from PIL import Image
+
+    try:
+        Image.new("RGB", (1, 1)).convert(mode)
+    except (ValueError, TypeError, KeyError, OSError):
+        return False
+    return True
+
+
 def _sourced(key: bytes, meta: bytes, raw: bytes, decode: dict[str, Any],
              params: dict[str, Any]) -> FeatTag | None:
     """The tag of an image sent before (``meta``, remembered) carrying ``raw`` and how to read
@@ -378,6 +485,12 @@ def _sourced(key: bytes, meta: bytes, raw: bytes, decode: dict[str, Any],
     except Exception:
         return None
     return FeatTag(key, meta, Source(raw, how, values))
+
+
+def _has_image_items(messages: list[Any]) -> bool:
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list)
+               and any(isinstance(x, dict) and image_parts(x) is not None for x in m["content"])
+               for m in messages)
 
 
 def _keyed_by_bytes(item: dict[str, Any]) -> bool:

@@ -41,6 +41,7 @@ from typing import Any
 
 from lmdeploy.messages import PytorchEngineConfig
 
+from ..keys import KeyHasher
 from . import ranks, rankstats
 from .engine import KeyedInputProcessor
 from .models import SPECS, patch_model_class
@@ -78,6 +79,27 @@ def cache_settings(cache: Any) -> dict[str, Any]:
     values = dataclasses.asdict(cache.config)
     values.pop("device", None)
     return {"feature_cache": values}
+
+
+def settings_hasher(settings: dict[str, Any] | None) -> KeyHasher:
+    """The ``KeyHasher`` of the caches built from ``featcache_cache`` settings (``ranks``): the
+    frontend of the multi-process mode keys with the model processes' store's secret, so that
+    its keys are theirs across restarts (``featcache.keysecret``)."""
+    from ..config import CacheConfig, default_store_dir
+    from ..keysecret import hasher_for
+
+    if settings is not None and "feature_cache" in settings:
+        values = dict(settings["feature_cache"])
+    else:
+        options = dict((settings or {}).get("default_cache", {}))
+        values = {"disk_path": options.get("path") or default_store_dir(),
+                  "remote_url": options.get("remote_url")}
+        values.update({k: options[k] for k in ("key_algorithm", "key_secret_file") if k in options})
+    keep = {"disk_path", "remote_url", "remote_prefix", "remote_timeout_ms", "remote_tls_ca_file",
+            "remote_tls_cert_file", "remote_tls_key_file", "key_algorithm", "key_secret_file"}
+    disk_path = values.pop("disk_path", None)
+    options = {k: v for k, v in values.items() if k in keep}
+    return hasher_for(CacheConfig.create("cpu", 0, 0, disk_path, **options))
 
 
 # -- the rank hook file --------------------------------------------------------------------------

@@ -20,6 +20,14 @@ bytes (lmdeploy does not fetch it again). A URL featcache cannot fetch is left t
 fetches it and raises its own error. The same picture sent as a PIL image and as encoded bytes gets
 two keys (two entries), never a wrong answer.
 
+Every source is read under the frontend's ``MediaPolicy`` (``media``: local files only under
+``allowed_local_media_path``, regular files only, at most ``max_image_bytes`` of a file, a data
+URL or an http body), and lmdeploy is never left to read one itself: an image item whose source
+featcache did not turn into ``image_data`` (a source it could not key, a failure while resolving)
+is read here under the policy and decoded (``guarded``), and the local file of another medium
+(video, audio) is checked against it before lmdeploy reads it. A refusal is a ``MediaError``
+(a ``ValueError``: a 400 with its message, which names the server option).
+
 Client image ids (a server started with ``--trust-client-image-ids``; vLLM's request shape): an
 image item may carry ``"uuid": ID`` beside its ``image_url``. The image is then keyed by
 ``client_image_key(ID, namespace, params)`` instead of its bytes, and a later request may send the
@@ -34,19 +42,30 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import functools
-import os
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
+from .media import (
+    LOCAL_FILES,
+    MediaError,
+    MediaPolicy,
+    check_base64_length,
+    check_decoded,
+    check_local,
+    fetch_http,
+    read_local,
+    shown,
+)
 from .refs import FeatRef
 from .tags import FeatTag
 
 KEY_INFO = "featcache_key"  # image.info entry carrying the bytes' key of a decoded miss
 ID_FIELD = "uuid"  # an image item's client-supplied id (vLLM's name for it)
 _IMAGE_TYPES = ("image_url", "image")
+# the items lmdeploy 0.18's parser reads a source for (``_parse_multimodal_item``): images above,
+# and media featcache leaves to lmdeploy, whose local files it checks first
+_OTHER_MEDIA = ("video_url", "video", "audio_url", "audio", "time_series_url", "time_series")
 
 
 class ImageIdError(ValueError):
@@ -56,15 +75,17 @@ class ImageIdError(ValueError):
 class CachedImage:
     """An image whose features are cached: stands in for the decoded image until preprocessing."""
 
-    __slots__ = ("image_id", "media_io_kwargs", "raw", "ref", "source")
+    __slots__ = ("image_id", "media", "media_io_kwargs", "raw", "ref", "source")
 
     def __init__(self, ref: FeatRef | FeatTag, raw: bytes | None, media_io_kwargs: dict[str, Any],
-                 image_id: str | None = None, source: str | None = None) -> None:
+                 image_id: str | None = None, source: str | None = None,
+                 media: MediaPolicy | None = None) -> None:
         self.ref = ref
         self.raw = raw  # None: not read (a remembered data URL: ``source``) or not sent (an id)
         self.media_io_kwargs = media_io_kwargs
         self.image_id = image_id
         self.source = source
+        self.media = media  # the policy ``source`` is read under (None: ``LOCAL_FILES``)
 
     def decode(self) -> Any:
         """The PIL image lmdeploy would have decoded (for a fallback to plain preprocessing);
@@ -72,7 +93,7 @@ class CachedImage:
         from lmdeploy.vl.media.image import ImageMediaIO
 
         if self.raw is None and self.source is not None:
-            self.raw = encoded_bytes(self.source)
+            self.raw = encoded_bytes(self.source, self.media)
         if self.raw is None:
             lease = getattr(self.ref, "lease", None)  # (a FeatTag holds none)
             if lease is not None:  # the request is refused: it needs the features no more
@@ -82,27 +103,30 @@ class CachedImage:
         return ImageMediaIO(**self.media_io_kwargs).load_bytes(self.raw)
 
 
-def encoded_bytes(source: str) -> bytes | None:
-    """The encoded image behind a base64 data URL or a local file, or None for anything else
-    (http URLs, malformed data URLs: lmdeploy handles and reports those itself).
+def encoded_bytes(source: str, media: MediaPolicy | None = None) -> bytes | None:
+    """The encoded image behind a base64 data URL or a local file, read under ``media`` (None:
+    ``LOCAL_FILES``, any file); None for an http(s) URL, a malformed data URL or a file that
+    cannot be opened (``read_source`` reports those). ``MediaError`` for a source the policy
+    refuses. Any source other than http(s) and data URLs is a local file, named as lmdeploy
+    names it (a path, or a ``file:`` URL).
 
     A data URL is split by hand, not by ``urlparse``: on a ~5 MB URL ``urlparse`` costs ~2 ms
     (it scans and copies the whole string, and its LRU cache keeps the last 128 URLs alive), and
     this runs on every hit (issue 16, ``bench/hit_path_costs.py``)."""
+    media = LOCAL_FILES if media is None else media
     if is_data_url(source):
-        return _data_url_bytes(source[5:])
+        return _data_url_bytes(source, 5, media)
     spec = urlparse(source)
     if spec.scheme.startswith("http"):
         return None
     if spec.scheme == "data":  # (leading blanks or controls, which urlparse strips)
-        return _data_url_bytes(spec.path or "")
-    if spec.scheme == "file" or os.path.exists(source) or os.path.exists(spec.path):
-        path = Path(url2pathname((spec.netloc or "") + (spec.path or "")))
-        try:
-            return path.read_bytes()
-        except OSError:
-            return None  # lmdeploy will raise its own error for it
-    return None
+        return _data_url_bytes(spec.path or "", 0, media)
+    try:
+        return read_local(url2pathname((spec.netloc or "") + (spec.path or "")), media, source)
+    except MediaError:
+        raise
+    except OSError:
+        return None  # missing, unreadable: read_source says so
 
 
 def is_data_url(source: str) -> bool:
@@ -113,39 +137,47 @@ def is_http(source: str) -> bool:
     return source[:7].lower() == "http://" or source[:8].lower() == "https://"
 
 
-@functools.cache
-def _raw_image_io() -> type:
-    """An ``ImageMediaIO`` (so lmdeploy picks its image fetch timeout) whose ``load_bytes`` keeps
-    the bytes; made on first use, when lmdeploy is imported."""
-    from lmdeploy.vl.media.image import ImageMediaIO
-
-    class RawImageIO(ImageMediaIO):
-        def load_bytes(self, data: bytes) -> Any:
-            return bytes(data)
-
-    return RawImageIO
+def fetched_bytes(url: str, allowed_media_domains: list[str] | None = None,
+                  media: MediaPolicy | None = None) -> bytes:
+    """The bytes behind an http(s) image URL, fetched with lmdeploy's checks, headers and image
+    timeout (``media.fetch_http``), at most ``media``'s ``max_image_bytes`` of them, not
+    decoded. Raises what lmdeploy's fetch raises (a blocked address: ``ValueError``), and
+    ``MediaError`` for a body over the cap."""
+    return fetch_http(url, allowed_media_domains, LOCAL_FILES if media is None else media)
 
 
-def fetched_bytes(url: str, allowed_media_domains: list[str] | None = None) -> bytes:
-    """The bytes behind an http(s) image URL, fetched by lmdeploy's ``load_from_url`` exactly as
-    lmdeploy would fetch them (same checks, headers and image timeout) but not decoded. Raises
-    what lmdeploy's fetch raises (a blocked address: ``ValueError``)."""
-    from lmdeploy.vl.media.connection import load_from_url
+def read_source(source: str, media: MediaPolicy, allowed_media_domains: list[str] | None = None
+                ) -> bytes:
+    """The encoded image behind any string source, read under ``media``; raises for every
+    source it cannot give (a ``ValueError`` with a message for the client, as lmdeploy's parser
+    raises for it, or ``MediaError``), never returns None."""
+    if is_http(source) or urlparse(source).scheme.startswith("http"):
+        return fetched_bytes(source, allowed_media_domains, media)
+    raw = encoded_bytes(source, media)
+    if raw is not None:
+        return raw
+    if is_data_url(source) or urlparse(source).scheme == "data":
+        raise ValueError(f"invalid data URL {shown(source)!r}: only base64 data URLs "
+                         "(data:image/png;base64,...) are read")
+    raise ValueError(f"cannot read image file {shown(source)!r}: no such file, or not readable "
+                     "by the server")
 
-    raw = load_from_url(url, _raw_image_io()(), allowed_media_domains)
-    if not isinstance(raw, bytes):
-        raise TypeError(f"lmdeploy's fetcher gave {type(raw).__name__}, not bytes")
-    return raw
 
-
-def _data_url_bytes(rest: str) -> bytes | None:
-    """The bytes of a data URL's part after ``data:`` (``MEDIA;base64,DATA``), or None when it is
-    not base64 (lmdeploy reports that). The same bytes lmdeploy's non-validating decoder gives:
-    the strict decoder first (several times faster), the lenient one when it refuses (line
-    breaks, missing padding...); invalid base64 raises as lmdeploy's decoding would."""
-    head, comma, data = rest.partition(",")
-    if not comma or not data or head.partition(";")[2] != "base64":
+def _data_url_bytes(text: str, start: int, media: MediaPolicy) -> bytes | None:
+    """The bytes of a data URL's part from ``start`` on, after ``data:`` (``MEDIA;base64,DATA``),
+    or None when it is not base64 (``read_source`` reports that). The same bytes lmdeploy's
+    non-validating decoder gives: the strict decoder first (several times faster), the lenient
+    one when it refuses (line breaks, missing padding...); invalid base64 raises as lmdeploy's
+    decoding would. Text that would decode to more than ``media.max_image_bytes`` is refused
+    before it is decoded or copied (its length is all it takes)."""
+    comma = text.find(",", start)
+    if comma < 0 or comma == len(text) - 1 or text[start:comma].partition(";")[2] != "base64":
         return None
+    check_base64_length(len(text) - comma - 1, media)
+    return check_decoded(_b64decode(text[comma + 1:]), media)
+
+
+def _b64decode(data: str) -> bytes:
     try:
         import pybase64
     except ImportError:
@@ -162,8 +194,12 @@ def _data_url_bytes(rest: str) -> bytes | None:
 def image_parts(item: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
     """(source, per-image params) of an ``image_url``/``image`` item, as lmdeploy's parser reads
     them (the source None when the item carries none: an id alone), or None for other items."""
+    return _parts(item, _IMAGE_TYPES)
+
+
+def _parts(item: dict[str, Any], kinds: tuple[str, ...]) -> tuple[Any, dict[str, Any]] | None:
     kind = item.get("type")
-    if kind not in _IMAGE_TYPES:
+    if kind not in kinds:
         return None
     value = item.get(kind, {})
     if isinstance(value, dict):
@@ -182,13 +218,75 @@ def source_of(item: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
     return parts if parts is not None and isinstance(parts[0], str) else None
 
 
+def guarded(messages: list[Any], io_kwargs: dict[str, Any], allowed_media_domains: Any,
+            media: MediaPolicy) -> list[Any]:
+    """``messages`` with nothing left for lmdeploy's parser to read that ``media`` refuses: an
+    image item whose source is still a string (one featcache did not resolve) is read here under
+    the policy and decoded as lmdeploy would decode it (an ``image_data`` item); another
+    medium's local file is checked (``media.check_local``) and left to lmdeploy, as are its
+    http(s) and data URLs. Raises ``MediaError`` for a refused source, and what lmdeploy's
+    parser would raise for one it cannot read or decode. New messages; the caller's untouched."""
+    return [_guarded_message(m, io_kwargs, allowed_media_domains, media) for m in messages]
+
+
+def _guarded_message(message: Any, io_kwargs: dict[str, Any], domains: Any,
+                     media: MediaPolicy) -> Any:
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list) or message.get("role") not in ("user", "tool"):
+        return message  # (lmdeploy's parser reads nothing of these)
+    items = [_guarded_item(x, io_kwargs, domains, media) for x in content]
+    return message if all(a is b for a, b in zip(items, content)) else dict(message, content=items)
+
+
+def _guarded_item(item: Any, io_kwargs: dict[str, Any], domains: Any, media: MediaPolicy) -> Any:
+    if not isinstance(item, dict):
+        return item
+    parts = _parts(item, _IMAGE_TYPES)
+    if parts is not None and isinstance(parts[0], str):
+        from lmdeploy.vl.media.image import ImageMediaIO
+
+        source, params = parts
+        image = ImageMediaIO(**io_kwargs).load_bytes(read_source(source, media, domains))
+        return {"type": "image_data", "image_data": {"data": image, **params}}
+    parts = _parts(item, _OTHER_MEDIA)
+    if parts is not None and isinstance(parts[0], str):
+        source = parts[0]
+        spec = urlparse(source)
+        if not (spec.scheme.startswith("http") or spec.scheme == "data" or is_data_url(source)):
+            try:
+                check_local(url2pathname((spec.netloc or "") + (spec.path or "")), media, source)
+            except MediaError:
+                raise
+            except OSError:
+                pass  # missing, unreadable: lmdeploy's parser reports it
+    return item
+
+
+class SourceGuard:
+    """What ``install_sources`` calls where featcache does not cache the model (an architecture
+    it does not serve): the media policy alone (``guarded``), so lmdeploy still reads no source
+    the policy refuses."""
+
+    def __init__(self, media: MediaPolicy | None = None) -> None:
+        self.media = LOCAL_FILES if media is None else media
+        self.trust_image_ids = False  # (ids are never honoured here: lmdeploy refuses an id alone)
+
+    def resolve_sources(self, messages: list[Any], media_io_kwargs: dict[str, Any],
+                        allowed_media_domains: list[str] | None = None) -> list[Any]:
+        return guarded(messages, media_io_kwargs.get("image", {}), allowed_media_domains,
+                       self.media)
+
+
 def install_sources(prompt_processor: Any, frontend: Any) -> None:
     """Wrap ``prompt_processor.async_parse_multimodal_item`` (an instance attribute shadowing
-    lmdeploy's static method) so encoded sources are resolved before lmdeploy parses them."""
+    lmdeploy's static method) so encoded sources are resolved before lmdeploy parses them.
+    ``frontend``: a ``Frontend``, or a ``SourceGuard`` (the media policy only)."""
     original = prompt_processor.async_parse_multimodal_item
 
     async def async_parse_multimodal_item(messages: Any, media_io_kwargs: Any = None,
                                           allowed_media_domains: Any = None) -> Any:
+        if isinstance(messages, dict):  # (lmdeploy's parser takes one message too)
+            messages = [messages]
         if isinstance(messages, list):
             loop = asyncio.get_running_loop()
             messages = await loop.run_in_executor(
@@ -205,3 +303,14 @@ def trust_image_ids(prompt_processor: Any, trusted: bool) -> None:
     if frontend is None:
         raise ValueError("featcache is not installed on this prompt processor")
     frontend.trust_image_ids = trusted
+
+
+def set_media_policy(prompt_processor: Any, media: MediaPolicy) -> None:
+    """Read image sources under ``media`` on the prompt path ``install_sources`` wrapped."""
+    frontend = getattr(prompt_processor.async_parse_multimodal_item, "frontend", None)
+    if frontend is None:
+        raise ValueError("featcache is not installed on this prompt processor")
+    if not isinstance(media, MediaPolicy):
+        raise TypeError(f"media_policy must be a featcache.lmdeploy.media.MediaPolicy, not "
+                        f"{type(media).__name__}")
+    frontend.media = media

@@ -20,6 +20,7 @@ the same directory may be open in this process while these run.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterable
 from typing import Literal
 
@@ -135,3 +136,29 @@ def compact(view: StoreView, dest: str | os.PathLike[str]) -> None:
             raise os_error(target, e) from e
     view.copy_to(target)
     os.chmod(os.path.join(target, DATA_FILE), 0o600)  # as the disk tier creates its files
+    _copy_key_secret(view.path, target)
+
+
+def _copy_key_secret(source: str, target: str) -> None:
+    """The store's key secret goes with its entries: without it the copy's keys would all miss
+    (``featcache.keysecret``; copied as bytes, 0600, never printed)."""
+    from ..keysecret import SECRET_FILE
+
+    path = os.path.join(source, SECRET_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return  # a store of a cache keyed otherwise (xxh3, or a secret file named elsewhere)
+    except OSError as e:
+        raise os_error(source, e) from e
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StoreOpenError(f"{path!r} is not a regular file: its key secret is not copied")
+        text = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    out = os.open(os.path.join(target, SECRET_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(out, text)
+    finally:
+        os.close(out)

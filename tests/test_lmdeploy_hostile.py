@@ -1,0 +1,240 @@
+"""Many clients, one cache: nothing one client sends changes what another is answered (issue 26).
+
+Runs lmdeploy's real prompt path (MultimodalProcessor + ImageEncoder) on the tiny checkpoints, with
+featcache's frontend as ``featcache.lmdeploy.wrap`` installs it (one process, and the tag mode of
+several processes), against plain lmdeploy's answer for the same request.
+"""
+
+from __future__ import annotations
+
+import base64
+import gc
+import io
+
+import pytest
+import torch
+
+import _lmdeploy_stack
+
+_lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
+
+import lmdeploy_tiny as tiny  # noqa: E402
+
+from featcache import FeatureCache  # noqa: E402
+from featcache.lmdeploy import counters_cache  # noqa: E402
+from featcache.lmdeploy.frontend import SECTION, MediaOptionError, install_frontend  # noqa: E402
+from featcache.lmdeploy.refs import REF_KEY  # noqa: E402
+from featcache.lmdeploy.sources import ImageIdError, trust_image_ids  # noqa: E402
+
+HIDDEN = 256
+GREY = {"image": {"image_mode": "L"}}
+
+
+def png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(raw: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(raw).decode()
+
+
+def url_item(url: str, **extra) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}, **extra}
+
+
+class Rig:
+    def __init__(self, path: str, tags: bool = False) -> None:
+        self.cache = counters_cache() if tags else FeatureCache(device="cpu", device_bytes="64MiB",
+                                                                host_bytes=0)
+        self.plain = tiny.PromptPath(path)
+        self.cached = tiny.PromptPath(path)
+        install_frontend(self.cached.model, self.cache, "test:hostile", self.cached.processor,
+                         tags=tags)
+        self.frontend = self.cached.model.preprocess.frontend
+
+    def close(self) -> None:
+        self.plain.close()
+        self.cached.close()
+        gc.collect()
+        self.cache.close()
+
+    def store(self, out: dict) -> None:
+        """What the model does with the features of the misses."""
+        for item in out["multimodal"]:
+            ref = item[REF_KEY]
+            if not ref.hit:
+                self.cache.put(ref.key, torch.randn(int(item["image_tokens"]), HIDDEN), meta=ref.meta)
+
+    def counters(self) -> dict[str, int]:
+        return {k: v for k, v in self.cache.stats().get(SECTION, {}).items() if v}
+
+
+@pytest.fixture(params=[tiny.INTERNVL, tiny.QWEN2VL], ids=["internvl_hf", "qwen2vl"])
+def path(request, tmp_path_factory):
+    return tiny.checkpoint(request.param, tmp_path_factory)
+
+
+@pytest.fixture
+def rig(path):
+    r = Rig(path)
+    yield r
+    r.close()
+
+
+def sources(raw: bytes, tmp_path) -> dict[str, str]:
+    (tmp_path / "img.png").write_bytes(raw)
+    return {"data_url": data_url(raw), "file": str(tmp_path / "img.png")}
+
+
+# -- 1. decode options are part of the key -----------------------------------------------------------
+@pytest.mark.parametrize("sent_as", ["data_url", "file"])
+def test_the_same_bytes_with_other_decode_options_get_their_own_features(rig, tmp_path, sent_as):
+    raw = png(tiny.noise_image(100, 80, seed=21))
+    source = sources(raw, tmp_path)[sent_as]
+    msgs = tiny.messages(url_item(source))
+    first = rig.cached.prompt(msgs)  # RGB, the default: stored
+    rig.store(first)
+    again = rig.cached.prompt(msgs)
+    assert again["multimodal"][0][REF_KEY].hit  # the same request: a hit (data URL remembered)
+
+    grey = rig.cached.prompt(msgs, media_io_kwargs=GREY)  # another client's options
+    plain = rig.plain.prompt(msgs, media_io_kwargs=GREY)
+    ref = grey["multimodal"][0][REF_KEY]
+    assert not ref.hit and ref.key != first["multimodal"][0][REF_KEY].key
+    assert torch.equal(grey["multimodal"][0]["pixel_values"], plain["multimodal"][0]["pixel_values"])
+    rgb = rig.plain.prompt(msgs)["multimodal"][0]["pixel_values"]
+    assert not torch.equal(plain["multimodal"][0]["pixel_values"], rgb)  # the option matters
+    rig.store(grey)
+    # and the first client keeps getting its own
+    assert rig.cached.prompt(msgs)["multimodal"][0][REF_KEY].key == first["multimodal"][0][REF_KEY].key
+    assert rig.cached.prompt(msgs, media_io_kwargs=GREY)["multimodal"][0][REF_KEY].key == ref.key
+
+
+def test_an_option_that_changes_nothing_still_gets_its_own_key(rig):
+    """Options lmdeploy's reader keeps but does not use are keyed too: never a shared entry
+    between requests whose decoding could differ."""
+    raw = png(tiny.noise_image(64, 48, seed=22))
+    msgs = tiny.messages(url_item(data_url(raw)))
+    a = rig.cached.prompt(msgs)["multimodal"][0][REF_KEY].key
+    b = rig.cached.prompt(msgs, media_io_kwargs={"image": {"fmt": "x"}})["multimodal"][0][REF_KEY].key
+    assert a != b
+
+
+@pytest.mark.parametrize("options, why", [
+    ({"image": {"image_mode": "NOPE"}}, "image_mode"),
+    ({"image": {"image_mode": ["RGB"]}}, "image_mode"),
+    ({"image": "RGB"}, "object of named options"),
+    ("RGB", "must be an object"),
+])
+def test_bad_decode_options_are_the_clients_error_with_a_reason(rig, options, why):
+    msgs = tiny.messages(url_item(data_url(png(tiny.noise_image(32, 32, seed=23)))))
+    with pytest.raises(MediaOptionError, match=why):
+        rig.cached.prompt(msgs, media_io_kwargs=options)
+    assert issubclass(MediaOptionError, ValueError)  # lmdeploy answers a ValueError with a 400
+    assert rig.cached.prompt(msgs)["multimodal"]  # and the next request is answered
+
+
+def test_options_do_not_matter_to_a_text_only_request(rig):
+    out = rig.cached.prompt([{"role": "user", "content": "hi"}], media_io_kwargs={"image": "junk"})
+    assert out["input_ids"]
+
+
+def test_several_processes_key_decode_options_too(path):
+    """The tag mode: an image sent before with other options is preprocessed, not sent without
+    pixels under the first options' key (a model process that lost it would rebuild it wrongly)."""
+    rig = Rig(path, tags=True)
+    try:
+        raw = png(tiny.noise_image(100, 80, seed=24))
+        msgs = tiny.messages(url_item(data_url(raw)))
+        first = rig.cached.prompt(msgs)
+        again = rig.cached.prompt(msgs)
+        assert again["multimodal"][0][REF_KEY].source is not None  # sent without pixels
+        assert len(rig.cached.calls) == 1
+        grey = rig.cached.prompt(msgs, media_io_kwargs=GREY)
+        tag = grey["multimodal"][0][REF_KEY]
+        assert len(rig.cached.calls) == 2 and tag.source is None  # preprocessed, with pixels
+        assert tag.key != first["multimodal"][0][REF_KEY].key
+        plain = rig.plain.prompt(msgs, media_io_kwargs=GREY)
+        assert torch.equal(grey["multimodal"][0]["pixel_values"],
+                           plain["multimodal"][0]["pixel_values"])
+        resent = rig.cached.prompt(msgs, media_io_kwargs=GREY)  # and resent: its own options
+        source = resent["multimodal"][0][REF_KEY].source
+        assert source is not None and '"image_mode": "L"' in source.decode
+    finally:
+        rig.close()
+
+
+# -- 2. keys under the cache's secret ---------------------------------------------------------------
+def test_the_frontend_keys_with_its_caches_secret(path, tmp_path):
+    raw = png(tiny.noise_image(64, 48, seed=25))
+    keys = []
+    for store in ("a", "b"):
+        cache = FeatureCache(device="cpu", device_bytes="16MiB", host_bytes=0,
+                             disk_path=tmp_path / store, disk_bytes="16MiB")
+        prompts = tiny.PromptPath(path)
+        install_frontend(prompts.model, cache, "test:hostile", prompts.processor)
+        try:
+            out = prompts.prompt(tiny.messages(url_item(data_url(raw))))
+            keys.append(out["multimodal"][0][REF_KEY].key)
+            assert keys[-1] == cache.image_key(raw, namespace="test:hostile",
+                                               params={"item": {}, "io": {}})
+        finally:
+            prompts.close()
+            gc.collect()
+            cache.close()
+    assert keys[0] != keys[1]  # unpredictable: each store has its own secret
+
+
+def test_the_tag_mode_keys_with_the_model_processes_store_secret(tmp_path):
+    from featcache.lmdeploy.processes import settings_hasher
+
+    with FeatureCache(device="cpu", host_bytes=0, disk_path=tmp_path / "s", disk_bytes="16MiB") as c:
+        want = c.image_key(b"image bytes")
+        settings = {"feature_cache": {k: v for k, v in vars(c.config).items() if k != "device"}}
+    assert settings_hasher(settings).image_key(b"image bytes") == want
+    assert settings_hasher({"default_cache": {"path": str(tmp_path / "s")}}).image_key(
+        b"image bytes") == want
+    assert settings_hasher({"default_cache": {"path": str(tmp_path / "t")}}).image_key(
+        b"image bytes") != want
+
+
+# -- 5. client ids, verified -------------------------------------------------------------------------
+@pytest.fixture
+def verifying(rig):
+    trust_image_ids(rig.cached.processor, "verify")
+    return rig
+
+
+def test_verify_an_id_resent_with_other_bytes_is_answered_from_those_bytes(verifying):
+    rig = verifying
+    a = png(tiny.noise_image(100, 80, seed=26))
+    b = png(tiny.noise_image(100, 80, seed=27))
+    first = rig.cached.prompt(tiny.messages(url_item(data_url(a), uuid="sku-1")))
+    rig.store(first)
+    other = rig.cached.prompt(tiny.messages(url_item(data_url(b), uuid="sku-1")))
+    plain = rig.plain.prompt(tiny.messages(url_item(data_url(b))))
+    ref = other["multimodal"][0][REF_KEY]
+    assert not ref.hit and ref.key != first["multimodal"][0][REF_KEY].key
+    assert torch.equal(other["multimodal"][0]["pixel_values"], plain["multimodal"][0]["pixel_values"])
+    assert rig.counters()["image_id_mismatch"] == 1
+    rig.store(other)
+    alone = rig.cached.prompt(tiny.messages({"type": "image_url", "uuid": "sku-1"}))
+    hit = alone["multimodal"][0][REF_KEY]
+    assert hit.hit and hit.key == first["multimodal"][0][REF_KEY].key  # the id names its first image
+
+
+def test_verify_an_id_never_sent_with_its_image_is_refused(verifying):
+    with pytest.raises(ImageIdError, match="not known to this server"):
+        verifying.cached.prompt(tiny.messages({"type": "image_url", "uuid": "never"}))
+
+
+def test_trusted_ids_keep_vllms_semantics_the_first_image_wins(rig):
+    trust_image_ids(rig.cached.processor, True)
+    a = png(tiny.noise_image(100, 80, seed=28))
+    b = png(tiny.noise_image(100, 80, seed=29))
+    first = rig.cached.prompt(tiny.messages(url_item(data_url(a), uuid="sku-2")))
+    rig.store(first)
+    other = rig.cached.prompt(tiny.messages(url_item(data_url(b), uuid="sku-2")))
+    assert other["multimodal"][0][REF_KEY].hit  # documented: an id names one image, as in vLLM
