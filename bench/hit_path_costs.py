@@ -11,7 +11,8 @@ string object each time, so no per-object cache, ``urlsplit``'s LRU included, an
   base64 decoding (``pybase64``, as lmdeploy); PNG decoding; ``convert("RGB")`` (a copy when the
   image is RGB already: lmdeploy's ``ImageMediaIO.load_bytes`` always calls it); keying the decoded
   pixels (what a hit costs featcache when lmdeploy decoded the image: http URLs);
-- featcache's: keying the encoded bytes (xxh3_128, framed); ``encoded_bytes`` of the data URL
+- featcache's: keying the encoded bytes (keyed blake3, framed; ``key_*`` rows: keyed blake3
+  against xxh3_128 on a 5 MB encoded image, a 13-tile image's pixels, a data URL's text); ``encoded_bytes`` of the data URL
   (base64 decoding and the parsing around it); ``Frontend.resolve_sources`` on a hit, with a
   real ``FeatureCache`` (CPU device tier) holding the image: the whole of featcache's share of a
   hit before the engine;
@@ -60,8 +61,10 @@ def measure(repeats: int) -> dict[str, Any]:
     from chat import data_url
     from PIL import Image
 
-    from featcache import FeatureCache, image_key
+    from featcache import FeatureCache
+    from featcache.keys import KeyHasher
 
+    keyed = KeyHasher("blake3", os.urandom(32))  # what a FeatureCache keys with (its store's secret)
     url = data_url(None, 1)
     raw = base64.b64decode(url.split(",", 1)[1])
     body = json.dumps({"model": "m", "stream": True, "max_tokens": 8, "messages": [
@@ -77,11 +80,12 @@ def measure(repeats: int) -> dict[str, Any]:
         "b64decode_pybase64": timed(lambda u: pybase64.b64decode(u.split(",", 1)[1]), repeats, fresh(url)),
         "b64decode_stdlib": timed(lambda: base64.b64decode(url.split(",", 1)[1]), repeats),
         "xxh3_128_of_bytes": timed(lambda: xxhash.xxh3_128_digest(raw), repeats),
-        "image_key_of_bytes": timed(lambda: image_key(raw, namespace=ns, params={}), repeats),
+        "image_key_of_bytes": timed(lambda: keyed.image_key(raw, namespace=ns, params={}), repeats),
         "png_decode": timed(lambda: Image.open(io.BytesIO(raw)).load(), repeats),
         "convert_rgb_copy": timed(lambda: decoded.convert("RGB"), repeats),
-        "image_key_of_pixels": timed(lambda: image_key(decoded, namespace=ns, params={}), repeats),
+        "image_key_of_pixels": timed(lambda: keyed.image_key(decoded, namespace=ns, params={}), repeats),
     }
+    rows.update(key_rows(url, decoded, repeats))
     try:
         from lmdeploy.serve.openai.protocol import ChatCompletionRequest
 
@@ -102,12 +106,45 @@ def measure(repeats: int) -> dict[str, Any]:
             "repeats": repeats, "median_ms": rows}
 
 
+def key_rows(url: str, decoded: Any, repeats: int) -> dict[str, float]:
+    """What keying costs per image, the default (keyed blake3 under a cache's secret, issue 26)
+    against the xxh3_128 keys before it, on what a hit keys: a 5 MB encoded image (a file, or a
+    data URL's bytes on its first sight), a data URL's text (the memo of a data URL seen before),
+    the decoded pixels of a 13-tile image (a pipeline's PIL image) and, for the record, the
+    preprocessed 13-tile pixel tensor (bf16, 13x3x448x448: never keyed on a hit)."""
+    import numpy as np
+    import torch
+    import xxhash
+
+    from featcache.keys import KeyHasher
+
+    keyed, fast = KeyHasher("blake3", os.urandom(32)), KeyHasher("xxh3_128")
+    five_mb = os.urandom(5_000_000)
+    tiles = torch.randn(13, 3, 448, 448).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    pixels = np.asarray(decoded)
+    text = url.encode()
+    secret = os.urandom(32)
+    rows: dict[str, float] = {}
+    for name, hasher in (("blake3_keyed", keyed), ("xxh3", fast)):
+        rows[f"key_{name}_5MB_encoded"] = timed(lambda h=hasher: h.image_key(five_mb, namespace="n"), repeats)
+        rows[f"key_{name}_13tile_decoded_pixels"] = timed(lambda h=hasher: h.image_key(pixels, namespace="n"), repeats)
+        rows[f"key_{name}_13tile_pixel_tensor"] = timed(lambda h=hasher: h.image_key(tiles, namespace="n"), repeats)
+    try:
+        import blake3
+
+        rows["memo_blake3_keyed_data_url_text"] = timed(
+            lambda: blake3.blake3(text, key=secret, max_threads=blake3.blake3.AUTO).digest(), repeats)
+    except ImportError:
+        pass
+    rows["memo_xxh3_data_url_text"] = timed(lambda: xxhash.xxh3_128_digest(text), repeats)
+    return rows
+
+
 def featcache_rows(url: str, raw: bytes, repeats: int, cache_class: Any) -> dict[str, float]:
     """featcache's share of a hit: ``encoded_bytes`` and the whole ``resolve_sources`` (needs
     lmdeploy for the frontend's imports)."""
     import torch
 
-    from featcache import image_key
     from featcache.lmdeploy.entry_meta import encode_item
     from featcache.lmdeploy.frontend import Frontend
     from featcache.lmdeploy.sources import CachedImage, encoded_bytes
@@ -117,8 +154,8 @@ def featcache_rows(url: str, raw: bytes, repeats: int, cache_class: Any) -> dict
     try:
         meta = encode_item({"pixel_values": torch.zeros(1, 3, 448, 448), "image_tokens": 256,
                             "image_token_id": 1, "offset": 0}, ns)
-        cache.put(image_key(raw, namespace=ns, params={}), torch.zeros(256, 64), meta=meta)
         frontend = Frontend(cache, lambda m: m, ns)
+        cache.put(frontend._bytes_key(raw, {}, {}), torch.zeros(256, 64), meta=meta)
 
         def resolve(source: str) -> None:
             msgs = [{"role": "user", "content": [

@@ -19,6 +19,7 @@ WHEELS=(
   termcolor==3.3.0 pybase64==1.5.1 pyzmq==27.3.0 shortuuid==1.0.13
   xgrammar==0.2.9 apache-tvm-ffi==0.1.11     # lmdeploy/pytorch/engine/guided_process.py
   lmdb==3.0.0                                # featcache's disk tier
+  blake3==1.0.11                             # featcache's keys
   ${EXTRA_WHEELS:-}
 )
 PLAT=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
