@@ -69,3 +69,27 @@ def test_pybase64_missing_fails_the_lmdeploy_tests_under_the_ci_switch(tmp_path)
     assert failed.returncode != 0
     assert "module 'pybase64' is not installed" in failed.stdout
     assert "FEATCACHE_REQUIRE_LMDEPLOY=1" in failed.stdout
+
+
+# -- item 2: a thread's crash fails its test ------------------------------------------------------
+CRASHING_THREAD = '''
+import threading
+
+
+def test_a_thread_raises():
+    t = threading.Thread(target=lambda: 1 / 0)
+    t.start()
+    t.join()
+'''
+
+
+def test_an_exception_in_a_tests_thread_fails_the_test(tmp_path):
+    """The project's pytest configuration turns pytest's ``PytestUnhandledThreadExceptionWarning``
+    (a thread's unhandled exception, which used to pass as a warning) into a failure."""
+    (tmp_path / "test_crash.py").write_text(CRASHING_THREAD)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c",
+         os.path.join(ROOT, "pyproject.toml"), "--rootdir", str(tmp_path), str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "1 failed" in run.stdout and "ZeroDivisionError" in run.stdout
