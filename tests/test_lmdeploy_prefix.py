@@ -15,6 +15,7 @@ lmdeploy's ``strategies.ar.sequence`` imports the engine's guided decoding, whic
 
 from __future__ import annotations
 
+import hashlib
 import types
 
 import numpy as np
@@ -40,7 +41,8 @@ from lmdeploy.pytorch.strategies.ar.sequence import ARSequenceStrategy  # noqa: 
 from test_lmdeploy_engine import CLASSES  # noqa: E402
 
 from featcache.lmdeploy import prefix  # noqa: E402
-from featcache.lmdeploy.refs import REF_KEY  # noqa: E402
+from featcache.lmdeploy.refs import REF_KEY, FeatRef  # noqa: E402
+from featcache.lmdeploy.tags import FeatTag  # noqa: E402
 
 MROPE = (tiny.QWEN2VL, "Qwen2_5_VLForConditionalGeneration")  # the architectures with M-RoPE
 TAIL = [11, 12]  # text after the prompt's template (stands in for the next turn's first words)
@@ -212,6 +214,76 @@ def test_a_miss_keeps_lmdeploys_clamp(rig, hooked):
     assert seq.num_history_ids == (start // engine.block) * engine.block  # rewound before the image
     assert prefix.partial_image(seq) is None
     assert seq.get_input_multimodals()["image"][0].start == start  # the whole image, as lmdeploy
+
+
+class OthersHashes:
+    """The rig's input processor with each image's ``content_hash`` not ``featcache:<its key>``
+    but another hash (as if another user of the engine had hashed the image), the same on every
+    turn: the trie matches blocks inside the image, blocks never keyed by featcache's features."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def preprocess_input(self, *args, **kwargs):
+        result = self.inner.preprocess_input(*args, **kwargs)
+        for data in result.input_multimodals.get("image", ()):
+            data.content_hash = "other:" + hashlib.sha256(data.meta[REF_KEY].key).hexdigest()
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_hit_whose_content_hash_is_not_its_key_is_not_held_and_is_rewound(rig, hooked):
+    """A hit ``FeatRef`` on an image whose ``content_hash`` is not ``featcache:<its key>``: the
+    blocks the match reached inside it hold KV of whatever that hash keyed, not of featcache's
+    features, so the image is not held (``prefix.is_held``) and the match rewinds before it, as
+    lmdeploy's own clamp does."""
+    rig.processor = OthersHashes(rig.processor)
+    a = tiny.noise_image(**IMAGE)
+    engine = Engine(rig, block_for(rig, a))
+    _turn_one(rig, engine, a, TAIL)
+    rig.seed(a)
+    again, mm = _prompt(rig, a, tail=TAIL)
+    assert mm[0][REF_KEY].hit
+    asked = []  # the matches the trie asks the clamp about
+
+    def clamp(seq, step):
+        asked.append(step)
+        return prefix.clamp_prefix_cache_match_step(seq, step)
+
+    hook = SchedulerSequence.clamp_prefix_cache_match_step
+    SchedulerSequence.clamp_prefix_cache_match_step = clamp  # until the hook's remover runs: not
+    try:  # monkeypatch, whose undo would come after it and put the hook back for later tests
+        seq = engine.request(again, mm)
+    finally:
+        SchedulerSequence.clamp_prefix_cache_match_step = hook
+
+    start, _ = _span(seq)
+    assert seq.num_history_ids == (start // engine.block) * engine.block  # rewound before the image
+    assert prefix.partial_image(seq) is None
+    (data,) = seq.history_multimodals.multimodals["image"]
+    assert data.meta[REF_KEY].hit and data.content_hash.startswith("other:")
+    assert not prefix.is_held(data)
+    data.content_hash = "featcache:" + data.meta[REF_KEY].key.hex()
+    assert prefix.is_held(data)  # the hash alone makes the difference
+    assert max(asked) > start  # and the trie did match blocks inside it: the clamp undid that
+
+
+def test_is_held_wants_the_content_hash_of_its_own_key():
+    key, other = b"k" * 16, b"o" * 16
+    lease = types.SimpleNamespace(release=lambda: None)
+    ref = FeatRef(None, key, b"", lease)
+    tag = FeatTag(key, b"")
+    pixels = torch.zeros(4, 3)
+    for meta in ({REF_KEY: ref}, {REF_KEY: tag}):
+        for content_hash, held in (("featcache:" + key.hex(), True), ("featcache:" + other.hex(), False),
+                                   (key.hex(), False), (None, False), ("0" * 64, False)):
+            data = types.SimpleNamespace(meta=meta, data=pixels, content_hash=content_hash)
+            assert prefix.is_held(data) is held, (meta, content_hash)
+    miss = FeatRef(None, key, b"", None)
+    assert not prefix.is_held(types.SimpleNamespace(meta={REF_KEY: miss}, data=pixels,
+                                                    content_hash="featcache:" + key.hex()))
 
 
 def test_without_the_hook_a_held_image_is_rewound_too(rig):

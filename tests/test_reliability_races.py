@@ -115,6 +115,39 @@ def test_disk_read_does_not_undo_a_put_or_discard_in_host_or_device(tmp_path, ch
         assert _same(got, B) if change == "put" else got is None
 
 
+@pytest.mark.parametrize("below", ["host", "disk"])
+def test_clear_during_a_promotion_leaves_nothing_behind(tmp_path, below):
+    """``clear()`` while a read of K from a lower tier is in flight (the host tier's promotion
+    copy held, or the disk read done and not yet installed): the read returns what it read but
+    installs nothing, so no tier holds K afterwards (issue 32 item 3: ``clear`` must invalidate
+    every read in flight, as a put or discard does its key's)."""
+    disk = {"disk_path": tmp_path, "disk_bytes": "64MiB"} if below == "disk" else {}
+    host_bytes = MB + 4096 if below == "disk" else 8 * MB  # disk: the host tier keeps only OTHER
+    with FeatureCache(device="cpu", device_bytes=MB, host_bytes=host_bytes, **disk) as cache:
+        cache.put(K, A.clone())
+        cache.flush()
+        cache.put(K2, OTHER.clone())  # evicts K from the device tier (and, for disk, the host's)
+        cache.flush()
+        assert not cache._chain.top.contains(K)
+        assert cache._chain.staging.contains(K) == (below == "host")
+        if below == "host":
+            entered, release = _hold(cache._copier, "to_device")
+        else:
+            entered, release = _hold(rel.tier_slot(cache, "disk").tier, "get", after=True)
+        got = []
+        reader = _start(lambda: got.append(cache.get(K)))
+        assert entered.wait(30)
+        assert cache.clear() == 2
+        release.set()
+        reader.join(30)
+        assert not reader.is_alive() and _same(got[0], A)  # the read returns what it read
+        cache.flush()
+        assert not cache._chain.top.contains(K) and not cache._chain.staging.contains(K)
+        assert cache.get(K) is None and len(cache) == 0
+        # refused: the device install, and for a disk read the host tier's too
+        assert cache.stats()["cache"]["stale_promotions"] == (1 if below == "host" else 2)
+
+
 def test_a_value_on_its_way_down_does_not_undo_a_newer_put():
     with FeatureCache(device="cpu", device_bytes=MB, host_bytes=8 * MB) as cache:
         held_copy, let_copy = _hold(cache._copier, "to_host")  # A's demotion stays pending
