@@ -127,3 +127,21 @@ def test_bad_params_and_settings_raise():
         image_key(a, algorithm="blake2b", secret=b"short")
     with pytest.raises(ValueError, match="16 to 64"):
         image_key(a, secret=b"x" * 65)
+
+
+def test_images_crafted_to_collide_under_xxh3_get_different_keys_by_default():
+    """Issue 26: with xxh3-128, two BMPs differing in a few bytes share a key under a server's
+    namespace; the default (blake3, keyed in a cache) gives them different keys."""
+    import io
+
+    from _collide import xxh3_twins
+
+    namespace = "InternVLChatModel:" + "0123456789abcdef" * 2  # the shape of a model identity
+    a, b = xxh3_twins(namespace, {})
+    pa, pb = (Image.open(io.BytesIO(x)) for x in (a, b))
+    assert pa.size == pb.size == (64, 64) and pa.tobytes() != pb.tobytes()  # two real images
+    assert image_key(a, namespace=namespace, algorithm="xxh3_128") == \
+        image_key(b, namespace=namespace, algorithm="xxh3_128")  # the attack works on xxh3
+    assert image_key(a, namespace=namespace) != image_key(b, namespace=namespace)
+    keyed = KeyHasher("blake3", b"k" * 32)
+    assert keyed.image_key(a, namespace=namespace) != keyed.image_key(b, namespace=namespace)

@@ -36,8 +36,8 @@ def png(image) -> bytes:
     return buf.getvalue()
 
 
-def data_url(raw: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(raw).decode()
+def data_url(raw: bytes, kind: str = "png") -> str:
+    return f"data:image/{kind};base64," + base64.b64encode(raw).decode()
 
 
 def url_item(url: str, **extra) -> dict:
@@ -238,3 +238,31 @@ def test_trusted_ids_keep_vllms_semantics_the_first_image_wins(rig):
     rig.store(first)
     other = rig.cached.prompt(tiny.messages(url_item(data_url(b), uuid="sku-2")))
     assert other["multimodal"][0][REF_KEY].hit  # documented: an id names one image, as in vLLM
+
+
+@pytest.mark.parametrize("algorithm", ["blake3", "xxh3_128"])
+def test_a_crafted_collision_changes_no_answer_by_default(path, algorithm):
+    """Two BMPs built to share an xxh3 key under the server's namespace and parameters: with the
+    default keys the second gets its own features; with the xxh3 opt-in it gets the first's
+    (why xxh3 is for a single trusted tenant only)."""
+    from _collide import xxh3_twins
+
+    rig = Rig(path)
+    rig.cache.close()
+    rig.cache = FeatureCache(device="cpu", device_bytes="64MiB", host_bytes=0, key_algorithm=algorithm)
+    rig.frontend.cache, rig.frontend.hasher = rig.cache, rig.cache.hasher
+    try:
+        a, b = xxh3_twins("test:hostile", {"item": {}, "io": {}})
+        first = rig.cached.prompt(tiny.messages(url_item(data_url(a, "bmp"))))
+        rig.store(first)
+        second = rig.cached.prompt(tiny.messages(url_item(data_url(b, "bmp"))))
+        ref = second["multimodal"][0][REF_KEY]
+        if algorithm == "xxh3_128":
+            assert ref.hit and ref.key == first["multimodal"][0][REF_KEY].key  # poisoned
+        else:
+            plain = rig.plain.prompt(tiny.messages(url_item(data_url(b, "bmp"))))
+            assert not ref.hit
+            assert torch.equal(second["multimodal"][0]["pixel_values"],
+                               plain["multimodal"][0]["pixel_values"])
+    finally:
+        rig.close()
