@@ -266,3 +266,29 @@ def test_a_crafted_collision_changes_no_answer_by_default(path, algorithm):
                                plain["multimodal"][0]["pixel_values"])
     finally:
         rig.close()
+
+
+def test_request_processor_options_cannot_change_a_cached_answer(rig):
+    """``mm_processor_kwargs`` (a request field) reaches only new-API preprocessors in lmdeploy
+    0.18; the models featcache serves have the legacy one, which never sees it. A hit for a
+    request carrying it must equal plain lmdeploy's answer to that request (if lmdeploy ever
+    honoured it for these models, the token counts here would differ)."""
+    raw = png(tiny.noise_image(160, 120, seed=30))
+    msgs = tiny.messages(url_item(data_url(raw)))
+    rig.store(rig.cached.prompt(msgs))
+    options = {"max_dynamic_patch": 1, "min_pixels": 28 * 28, "max_pixels": 56 * 56}
+    hit = rig.cached.prompt(msgs, mm_processor_kwargs=options)
+    plain = rig.plain.prompt(msgs, mm_processor_kwargs=options)
+    assert hit["multimodal"][0][REF_KEY].hit
+    assert hit["input_ids"] == plain["input_ids"]
+    assert int(hit["multimodal"][0]["image_tokens"]) == int(plain["multimodal"][0]["image_tokens"])
+    assert not rig.cached.encoder._uses_new_preprocess  # the premise: a legacy preprocessor
+
+
+def test_a_preprocessor_that_takes_request_options_is_refused():
+    class NewApi:
+        def preprocess(self, messages, input_prompt=None, mm_processor_kwargs=None):
+            return messages
+
+    with counters_cache() as cache, pytest.raises(ValueError, match="legacy preprocess"):
+        install_frontend(NewApi(), cache, "test:hostile")

@@ -29,6 +29,7 @@ request (counted as ``frontend_errors``): a failure is a miss, never a failed re
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import logging
 import traceback
@@ -76,6 +77,11 @@ def install_frontend(vision_model: Any, cache: FeatureCache, namespace: str,
     original: Preprocess = vision_model.preprocess
     if getattr(original, "_featcache", False):
         raise RuntimeError("featcache is already installed on this pipeline")
+    if "mm_processor_kwargs" in inspect.signature(original).parameters:
+        # lmdeploy's new-API preprocess takes a request's processor options, which change the
+        # pixels: this hook would neither see nor key them
+        raise ValueError(f"featcache keys lmdeploy's legacy preprocess(messages) only; "
+                         f"{type(vision_model).__name__} takes per-request processor options")
     frontend = Frontend(cache, original, namespace, tags=tags, hasher=hasher)
     if prompt_processor is not None:
         install_sources(prompt_processor, frontend)
