@@ -282,7 +282,7 @@ def _body(response: Any, url: str, cap: int, deadline: float, timeout: int) -> b
         raise _too_large(what, cap)
     chunks: list[bytes] = []
     total = 0
-    for chunk in response.iter_content(chunk_size=_CHUNK):
+    for chunk in _chunks(response):
         chunks.append(chunk)
         total += len(chunk)
         if total > cap:  # (a chunk is at most _CHUNK bytes: never far past the cap)
@@ -292,3 +292,15 @@ def _body(response: Any, url: str, cap: int, deadline: float, timeout: int) -> b
                              "(LMDEPLOY_IMAGE_FETCH_TIMEOUT): send it as a data URL, or from a "
                              "faster server")
     return b"".join(chunks)
+
+
+def _chunks(response: Any) -> Any:
+    """The body's chunks as they arrive (decoded: gzip and the like), each at most ``_CHUNK``
+    bytes: one socket read each (urllib3 2's ``read1``; requests' ``iter_content`` waits to fill
+    a whole chunk, so a body dripped slowly would pass the deadline unseen)."""
+    raw = response.raw
+    if not hasattr(raw, "read1"):  # urllib3 1.x: small chunks instead
+        yield from response.iter_content(chunk_size=1 << 16)
+        return
+    while chunk := raw.read1(_CHUNK, decode_content=True):
+        yield chunk

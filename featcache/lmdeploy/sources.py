@@ -13,12 +13,12 @@ up *before* lmdeploy's parser runs (on the event loop's default executor, as lmd
   as an ``image_data`` PIL image that carries its key in ``image.info``, so its features are
   stored under the bytes' key.
 
-http(s) URLs are fetched here, once, by lmdeploy's own fetcher (``load_from_url``: public
-addresses only, ``allowed_media_domains``, at most 3 redirects, its timeout) with a reader that
-keeps the bytes instead of decoding them; a hit is then never decoded, a miss is decoded from those
-bytes (lmdeploy does not fetch it again). A URL featcache cannot fetch is left to lmdeploy, which
-fetches it and raises its own error. The same picture sent as a PIL image and as encoded bytes gets
-two keys (two entries), never a wrong answer.
+http(s) URLs are fetched here, once, with lmdeploy's own checks (``media.fetch_http``: public
+addresses only, ``allowed_media_domains``, at most 3 redirects, its timeout and messages) by a
+reader that keeps the bytes instead of decoding them; a hit is then never decoded, a miss is
+decoded from those bytes (lmdeploy does not fetch it again). A URL featcache cannot fetch is
+fetched once more by ``guarded``, which raises lmdeploy's error for it. The same picture sent as a
+PIL image and as encoded bytes gets two keys (two entries), never a wrong answer.
 
 Every source is read under the frontend's ``MediaPolicy`` (``media``: local files only under
 ``allowed_local_media_path``, regular files only, at most ``max_image_bytes`` of a file, a data
