@@ -395,6 +395,38 @@ def test_other_media_files_are_checked_before_lmdeploy_reads_them(rig, disk):
             rig.path.prompt([{"role": "user", "content": [{"type": "text", "text": "x"}, item]}])
 
 
+def test_wrap_reads_sources_under_its_policy_for_an_architecture_it_does_not_cache_too(
+        model, disk, monkeypatch):
+    """``wrap(pipe, cache, media_policy=...)``: the frontend of a cached model reads under it;
+    a model featcache does not cache still has its image sources read by featcache under it."""
+    from lmdeploy import PytorchEngineConfig
+    from lmdeploy.serve.processors import multimodal
+
+    import featcache.lmdeploy as fl
+
+    real = multimodal.load_from_url
+    monkeypatch.setattr(multimodal, "load_from_url", lambda url, io, domains=None: (
+        pytest.fail(f"lmdeploy read {url!r}") if isinstance(io, ImageMediaIO) else real(url, io, domains)))
+    monkeypatch.delitem(fl.SPECS, tiny.INTERNVL)  # an architecture featcache does not cache
+    path = tiny.PromptPath(model)
+    cache = FeatureCache(device="cpu", device_bytes="1MiB", host_bytes=0)
+    try:
+        engine = types.SimpleNamespace(vl_encoder=path.encoder, prompt_processor=path.processor,
+                                       backend_config=PytorchEngineConfig(),
+                                       engine=types.SimpleNamespace(input_processor=object()))
+        fl.wrap(types.SimpleNamespace(async_engine=engine), cache, media_policy=disk.policy)
+        assert not getattr(path.model.preprocess, "_featcache", False)  # not cached
+        out = path.prompt(tiny.messages(url_item(str(disk.allowed / "good.png"))))
+        assert len(out["multimodal"]) == 1
+        with pytest.raises(MediaError, match="--allowed-local-media-path"):
+            path.prompt(tiny.messages(url_item(str(disk.outside / "secret.png"))))
+        with pytest.raises(MediaError, match="FIFO"):
+            path.prompt(tiny.messages(url_item(str(disk.allowed / "fifo"))))
+    finally:
+        path.close()
+        cache.close()
+
+
 # -- featcache serve, end to end ---------------------------------------------------------------
 class StandInEngine:
     """What the server instantiates in place of ``VLAsyncEngine``: lmdeploy's real prompt path for

@@ -185,7 +185,7 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
     if spec is None or getattr(hf_config, "flash_mode", None):
         log.warning("featcache: architecture %s is not cached; it passes through untouched (its "
                     "image sources read under the media policy)", arch)
-        _read_sources_under(engine.prompt_processor, media)
+        _read_sources_under(getattr(engine, "prompt_processor", None), media)
         return pipe
     namespace = namespace or model_identity(
         encoder.model.model_path, arch, encoder.mm_feature_dtype, extra={})
@@ -237,7 +237,10 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
 
 def _read_sources_under(prompt_processor: Any, media: MediaPolicy) -> None:
     """featcache reads the prompt path's image sources under ``media``: through its frontend, or,
-    where none is installed (an architecture it does not cache), a ``SourceGuard`` alone."""
+    where none is installed (an architecture it does not cache), a ``SourceGuard`` alone. (No
+    prompt processor: an engine that parses no request here.)"""
+    if prompt_processor is None:
+        return
     if getattr(prompt_processor.async_parse_multimodal_item, "frontend", None) is None:
         install_sources(prompt_processor, SourceGuard(media))
     else:
