@@ -13,7 +13,6 @@ CUDA) is a stand-in answering "ok".
 from __future__ import annotations
 
 import base64
-import functools
 import gc
 import http.server
 import importlib
