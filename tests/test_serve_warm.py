@@ -125,13 +125,25 @@ def test_serve_builds_lmdeploys_server_with_featcache_in_process(served, tmp_pat
         cache.put(b"k" * 16, torch.zeros(1))
 
 
-@pytest.mark.parametrize("flag, trusted", [((), False), (("--trust-client-image-ids",), True)])
+@pytest.mark.parametrize("flag, trusted", [((), False), (("--trust-client-image-ids",), True),
+                                           (("--trust-client-image-ids", "verify"), "verify")])
 def test_serve_honours_client_image_ids_only_when_told(served, flag, trusted):
     seen = served("--enable-prefix-caching", *flag)
     assert seen["rc"] == 0
     [engine] = StandInEngine.built
     frontend = engine.prompt_processor.async_parse_multimodal_item.frontend
     assert frontend.trust_image_ids is trusted
+
+
+def test_serve_keys_with_the_secret_file_it_is_given(served, tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text(bytes(range(32)).hex())
+    seen = served("--enable-prefix-caching", "--engine-process", "in", "--key-secret-file", str(secret))
+    assert seen["rc"] == 0
+    [engine] = StandInEngine.built
+    frontend = engine.prompt_processor.async_parse_multimodal_item.frontend
+    assert frontend.hasher.secret == bytes(range(32)) and frontend.hasher.algorithm == "blake3"
+    assert engine.featcache.config.key_secret_file == str(secret)
 
 
 def test_serve_turbomind_installs_the_native_path_on_a_host_cache(served, monkeypatch, capsys):
@@ -246,7 +258,7 @@ def test_serve_multi_process_mode_tags_images_for_the_model_processes(served, tm
     assert config.enable_mp_engine is mp and config.enable_prefix_caching is True
     assert config.featcache_cache == {"default_cache": dict(
         path=str(tmp_path / "store"), device_bytes=None, host_bytes=32 << 20,
-        disk_bytes=64 << 20, remote_url=None)}
+        disk_bytes=64 << 20, remote_url=None, key_algorithm=None, key_secret_file=None)}
     assert engine.engine.__dict__.get("input_processor") in (None, engine.inner)  # untouched here
     cache = engine.featcache  # this process only counts
     assert cache.config.device == "cpu" and cache.config.disk_path is None
