@@ -5,7 +5,8 @@ import torch
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs CUDA (run on the GPU machine)")
+    skip = pytest.mark.skip(
+        reason="needs CUDA: on the GPU run list (docs/benchmarks.md, 'The GPU run list')")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -1,5 +1,6 @@
-"""The real CUDA paths: the D2H side stream, events, pinned memory. Skipped without CUDA; run on the GPU
-machine with ``pytest -m gpu``."""
+"""The real CUDA paths: the D2H side stream, events, pinned memory. Skipped without CUDA; they run
+on the GPU machine, on the GPU run list (docs/benchmarks.md, "The GPU run list"), whenever a change
+touches what they cover."""
 
 import pytest
 import torch
