@@ -92,7 +92,7 @@ PLAIN_SKIPS = {"dev_zero": "takes all of plain lmdeploy's memory (issue 26): not
 
 def commands(model: str, media: str, store: str, servers: list[str]) -> dict[str, list[str]]:
     py = sys.executable
-    common = server_flags("pytorch", True, [])
+    common = server_flags("pytorch", True, ["--logprobs-mode", "raw_logprobs"])
     ours = ["--allowed-local-media-path", media, "--max-image-bytes", CAP]
     cmds = {
         "plain": [py, "-m", "lmdeploy", "serve", "api_server", model, "--server-port",
@@ -106,8 +106,9 @@ def commands(model: str, media: str, store: str, servers: list[str]) -> dict[str
 
 
 def ask(client: Any, model: str, url: str, extra: dict[str, Any] | None = None,
-        timeout: float = 120) -> dict[str, Any]:
-    """One greedy request with the image at ``url``: status, seconds, token ids, logprobs."""
+        timeout: float = 120, logprobs: bool = False) -> dict[str, Any]:
+    """One greedy request with the image at ``url``: status, seconds, token ids and (``logprobs``:
+    the servers run with --logprobs-mode raw_logprobs) each token's logprob."""
     import openai
 
     messages = [{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
@@ -116,8 +117,8 @@ def ask(client: Any, model: str, url: str, extra: dict[str, Any] | None = None,
     t = time.perf_counter()
     try:
         r = client.with_options(timeout=timeout).chat.completions.create(
-            model=model, messages=messages, max_tokens=4, temperature=0, logprobs=True,
-            top_logprobs=1, extra_body=body)
+            model=model, messages=messages, max_tokens=4, temperature=0, extra_body=body,
+            **({"logprobs": True, "top_logprobs": 1} if logprobs else {}))
     except openai.APIStatusError as e:
         return {"status": e.status_code, "s": round(time.perf_counter() - t, 3),
                 "message": str(e)[:300]}
@@ -160,7 +161,7 @@ def run_server(name: str, cmd: list[str], cases: dict[str, str], good: str, out:
         for label, extra in (("default", None), ("grey", {"media_io_kwargs": GREY}),
                              ("default_again", None), ("grey_again", {"media_io_kwargs": GREY}),
                              ("bad_mode", {"media_io_kwargs": {"image": {"image_mode": "NOPE"}}})):
-            row = {"request": label, **ask(client, model, good, extra)}
+            row = {"request": label, **ask(client, model, good, extra, logprobs=True)}
             res["options"].append(row)
             print(f"[{name}] options {label}: {row['status']} {row.get('output_ids')}", flush=True)
         res["chat"] = run_chat(base, good, 3, model=model, max_tokens=8)
