@@ -721,7 +721,7 @@ def test_store_directory_and_files_are_private(tmp_path):
         cache.put(b"k", torch.ones(2))
     assert stat.S_IMODE(store.stat().st_mode) == 0o700
     files = sorted(p.name for p in store.iterdir())
-    assert files == ["data.mdb", "lock.mdb"]
+    assert files == ["data.mdb", "key-secret", "lock.mdb"]  # the key secret: featcache.keysecret
     for p in store.iterdir():
         assert stat.S_IMODE(p.stat().st_mode) == 0o600, p.name
 

@@ -45,7 +45,8 @@ def test_store_is_private_whatever_the_umask(tmp_path, umask):
             cache.flush()
     finally:
         os.umask(old)
-    assert modes(store) == {"store": 0o700, "data.mdb": 0o600, "lock.mdb": 0o600}
+    assert modes(store) == {"store": 0o700, "data.mdb": 0o600, "lock.mdb": 0o600,
+                            "key-secret": 0o600}  # featcache.keysecret
 
 
 def _ro_mount(tmp_path: Path) -> Path:
