@@ -523,3 +523,74 @@ def test_multi_process_mode_follows_where_lmdeploy_runs_the_model(monkeypatch, s
 
     monkeypatch.setattr(envs, "executor_backend", env)
     assert multi_process(PytorchEngineConfig(**settings)) is outside
+
+
+# -- an image that cannot be rebuilt fails its own request, never the engine -----------------------
+
+def _png_bytes(seed: int = 40) -> bytes:
+    return png(tiny.noise_image(32, 24, seed=seed))
+
+
+@pytest.mark.parametrize("source, why", [
+    (Source(b"\x89PNG not an image at all", '{"io": {}}', "{}"), "not an image"),
+    (Source(b"", '{"io": {}}', "{}"), "no bytes"),
+    (Source(b"x", "{not json", "{}"), "not JSON"),
+    (Source(b"x", '{"io": {}}', "[1]"), "not what the frontend sends"),
+    (Source(b"x", '{"io": {}, "pil": {}}', "{}"), "not what the frontend sends"),
+    (Source(b"\0" * 11, '{"pil": {"mode": "RGB", "size": [2, 2]}}', "{}"), "do not match"),
+    (Source(b"\0" * 12, '{"pil": {"mode": "P", "size": [2, 2]}}', "{}"), "do not match"),
+])
+def test_a_source_that_cannot_rebuild_is_found_without_decoding(source, why):
+    from featcache.lmdeploy.rebuild import problem
+
+    assert why in problem(source)
+
+
+def test_a_source_the_frontend_sends_can_rebuild():
+    from featcache.lmdeploy.rebuild import problem
+
+    assert problem(Source(_png_bytes(), '{"io": {}}', "{}")) is None
+    assert problem(Source(b"\0" * 12, '{"pil": {"mode": "RGB", "size": [2, 2]}}',
+                          '{"max_dynamic_patch": 6}')) is None
+
+
+def test_the_engine_answers_a_request_with_an_unservable_image_alone():
+    """lmdeploy's own ``Engine._on_add_message`` (as featcache wraps it), on a stand-in engine:
+    the request whose image came without pixels and cannot be rebuilt gets an error response;
+    the others are processed and scheduled as before."""
+    import types
+
+    from lmdeploy.messages import ResponseType
+    from lmdeploy.pytorch.engine.engine import Engine
+
+    import featcache.lmdeploy.processes  # noqa: F401  (what installs the engine hooks)
+    from featcache.lmdeploy.engine import KeyedInputProcessor
+
+    processed, responses, scheduled = [], [], []
+
+    class Inner:
+        def preprocess_input(self, input_ids, input_multimodals, **kwargs):
+            processed.append(input_ids)
+            return types.SimpleNamespace(input_ids=input_ids, input_multimodals={"image": []})
+
+    engine = types.SimpleNamespace(
+        scheduler=None, input_processor=KeyedInputProcessor(Inner()),
+        engine_config=types.SimpleNamespace(language_model_only=False),
+        cache_config=types.SimpleNamespace(enable_prefix_caching=False),
+        _response=lambda resp, kind, data=None, err_msg="": responses.append((resp, kind, err_msg)),
+        _add_message=lambda reqs: scheduled.extend(r.resp for r in reqs))
+    empty = torch.empty(0, 3, 448, 448)
+    good = FeatTag(b"k" * 16, b"{}", Source(_png_bytes(), '{"io": {}}', "{}"))
+    bad = FeatTag(b"j" * 16, b"{}", Source(b"garbage", '{"io": {}}', "{}"))
+
+    def request(name, tag, tokens):
+        return types.SimpleNamespace(resp=name, data={
+            "session_id": 1, "token_ids": tokens,
+            "input_multimodals": [{"pixel_values": empty, REF_KEY: tag}]})
+
+    Engine._on_add_message(engine, [request("a", good, [1]), request("b", bad, [2]),
+                                    request("c", good, [3])])
+    assert scheduled == ["a", "c"] and processed == [[1], [3]]
+    [(resp, kind, message)] = responses
+    assert resp == "b" and kind == ResponseType.INTERNAL_ENGINE_ERROR
+    assert "cannot be rebuilt: its bytes are not an image" in message

@@ -17,7 +17,10 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from .refs import REF_KEY
+from .tags import FeatTag
 
 log = logging.getLogger("featcache")
 
@@ -45,6 +48,32 @@ class KeyedInputProcessor:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def unservable(input_multimodals: Any) -> str | None:
+    """Why a request's images cannot all be served, or None: an image sent without pixels (the
+    multi-process mode) whose tag is damaged or whose source could not rebuild it
+    (``rebuild.problem``). The frontend never sends one (an image travels without pixels only
+    after it was decoded and preprocessed from the same bytes, options and parameters, all in its
+    key); this keeps a damaged one from reaching a model process's step, where it would stop the
+    engine for every request."""
+    from .rebuild import problem
+
+    for item in input_multimodals or ():
+        tag = item.get(REF_KEY) if isinstance(item, dict) else None
+        if not isinstance(tag, FeatTag):
+            continue
+        pixels = item.get("pixel_values")
+        if isinstance(pixels, torch.Tensor) and pixels.numel() > 0:
+            continue  # computed from its pixels if need be
+        if not tag.valid:
+            return "featcache: an image came without pixels and with a damaged tag"
+        if tag.source is None:
+            return "featcache: an image came without pixels or the bytes to rebuild them"
+        why = problem(tag.source)
+        if why is not None:
+            return f"featcache: an image sent without pixels cannot be rebuilt: {why}"
+    return None
 
 
 @contextlib.contextmanager

@@ -39,11 +39,11 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.messages import PytorchEngineConfig, ResponseType
 
 from ..keys import KeyHasher
 from . import ranks, rankstats
-from .engine import KeyedInputProcessor
+from .engine import KeyedInputProcessor, unservable
 from .models import SPECS, patch_model_class
 from .prefix import install_prefix_hook
 
@@ -233,6 +233,29 @@ def _install() -> None:
     __init__._featcache = True  # type: ignore[attr-defined]
     __init__.__wrapped__ = original  # type: ignore[attr-defined]
     cls.__init__ = __init__  # type: ignore[method-assign]
+
+    add_message = cls._on_add_message
+
+    def _on_add_message(self: Any, reqs: list[Any], **kwargs: Any) -> Any:
+        """lmdeploy's, for the requests whose images can be served; a request with an image
+        that cannot (``unservable``) is answered with an error alone, before it is scheduled."""
+        if isinstance(getattr(self, "input_processor", None), KeyedInputProcessor):
+            kept = []
+            for req in reqs:
+                why = unservable((getattr(req, "data", None) or {}).get("input_multimodals"))
+                if why is None:
+                    kept.append(req)
+                    continue
+                log.error("%s; the request fails, the engine goes on", why)
+                ranks_cache = ranks.local_cache()
+                if ranks_cache is not None:
+                    ranks_cache.count("lmdeploy", "unservable_requests")
+                self._response(req.resp, ResponseType.INTERNAL_ENGINE_ERROR, err_msg=why)
+            reqs = kept
+        return add_message(self, reqs, **kwargs)
+
+    _on_add_message.__wrapped__ = add_message  # type: ignore[attr-defined]
+    cls._on_add_message = _on_add_message  # type: ignore[method-assign]
 
     def featcache_stats(self: Any) -> list[dict[str, Any]]:
         """featcache's counters of every model process (an RPC method of the mp engine)."""

@@ -16,7 +16,11 @@ process would have made them, and the step computes the image like any miss:
 
 Invariant: the same bytes, options and settings give the same pixels on every rank and in the
 frontend's process (decoding and preprocessing are deterministic), so a rebuilt image's features
-equal the ones the model computed the first time; each rank makes the same vision call.
+equal the ones the model computed the first time; each rank makes the same vision call. An image
+travels without pixels only after the frontend decoded and preprocessed the same bytes with the
+same options and parameters (all three are in its key); the engine still checks each such
+source before scheduling its request (``problem``, without decoding), so a damaged one fails
+its own request, not a model process's step.
 """
 
 from __future__ import annotations
@@ -65,6 +69,46 @@ def image(source: Source) -> Any:
     from lmdeploy.vl.media.image import ImageMediaIO
 
     return ImageMediaIO(**how["io"]).load_bytes(source.raw)
+
+
+# the bytes per pixel of the PIL modes an in-memory image may travel in (frontend.RAW_MODES)
+_BYTES_PER_PIXEL = {"RGB": 3, "RGBA": 4, "L": 1}
+
+
+def problem(source: Source) -> str | None:
+    """Why ``source`` could not rebuild its image, found without decoding it (its options and
+    parameters, the pixel layout, the encoded image's header), or None. The engine asks this of
+    every image sent without pixels before it schedules the request (``engine.unservable``):
+    an image that cannot be rebuilt fails its own request, never a model process's step."""
+    import io
+
+    try:
+        how = json.loads(source.decode)
+        params = json.loads(source.params)
+    except ValueError:
+        return "its decode options or parameters are not JSON"
+    if not isinstance(how, dict) or len(how) != 1 or not isinstance(params, dict):
+        return "its decode options or parameters are not what the frontend sends"
+    if not source.raw:
+        return "it has no bytes"
+    if "pil" in how:
+        layout = how["pil"]
+        mode, size = (layout.get("mode"), layout.get("size")) if isinstance(layout, dict) else (None, None)
+        if (mode not in _BYTES_PER_PIXEL or not isinstance(size, list) or len(size) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in size)
+                or len(source.raw) != size[0] * size[1] * _BYTES_PER_PIXEL[mode]):
+            return "its pixel bytes do not match their layout"
+        return None
+    if not isinstance(how.get("io"), dict):
+        return "its decode options are not what the frontend sends"
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(source.raw)) as image:  # the header only: no decoding
+            image.size  # noqa: B018
+    except Exception as e:  # PIL raises several kinds for bytes that are no image
+        return f"its bytes are not an image ({type(e).__name__})"
+    return None
 
 
 def pixels(tag: FeatTag, model: Any, settings: dict[str, Any], device: torch.device) -> torch.Tensor:
