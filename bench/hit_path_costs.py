@@ -12,10 +12,10 @@ string object each time, so no per-object cache, ``urlsplit``'s LRU included, an
   image is RGB already: lmdeploy's ``ImageMediaIO.load_bytes`` always calls it); keying the decoded
   pixels (what a hit costs featcache when lmdeploy decoded the image: http URLs);
 - featcache's: keying the encoded bytes (keyed blake3, framed; ``key_*`` rows: keyed blake3
-  against xxh3_128 on a 5 MB encoded image, a 13-tile image's pixels, a data URL's text); ``encoded_bytes`` of the data URL
-  (base64 decoding and the parsing around it); ``Frontend.resolve_sources`` on a hit, with a
-  real ``FeatureCache`` (CPU device tier) holding the image: the whole of featcache's share of a
-  hit before the engine;
+  against xxh3_128 on a 5 MB encoded image, a 13-tile image's pixels, a data URL's text);
+  ``encoded_bytes`` of the data URL (base64 decoding and the parsing around it);
+  ``Frontend.resolve_sources`` on a hit, with a real ``FeatureCache`` (CPU device tier) holding
+  the image: the whole of featcache's share of a hit before the engine;
 - the client's: the ``openai`` client sending the image request (and a one-line text request) to
   a loopback socket server that answers at once: what a data URL costs before the server starts.
 """
@@ -125,10 +125,11 @@ def key_rows(url: str, decoded: Any, repeats: int) -> dict[str, float]:
     text = url.encode()
     secret = os.urandom(32)
     rows: dict[str, float] = {}
+    inputs = {"5MB_encoded": five_mb, "13tile_decoded_pixels": pixels, "13tile_pixel_tensor": tiles}
     for name, hasher in (("blake3_keyed", keyed), ("xxh3", fast)):
-        rows[f"key_{name}_5MB_encoded"] = timed(lambda h=hasher: h.image_key(five_mb, namespace="n"), repeats)
-        rows[f"key_{name}_13tile_decoded_pixels"] = timed(lambda h=hasher: h.image_key(pixels, namespace="n"), repeats)
-        rows[f"key_{name}_13tile_pixel_tensor"] = timed(lambda h=hasher: h.image_key(tiles, namespace="n"), repeats)
+        for what, data in inputs.items():
+            rows[f"key_{name}_{what}"] = timed(
+                lambda h=hasher, d=data: h.image_key(d, namespace="n"), repeats)
     try:
         import blake3
 

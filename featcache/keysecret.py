@@ -79,7 +79,7 @@ def read_secret(path: str) -> bytes | None:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
-    except OSError as e:
+    except OSError:
         if os.path.islink(path):
             raise ValueError(f"the key secret file {path!r} is a symbolic link: name the file "
                              "itself") from None

@@ -533,9 +533,9 @@ def test_python_m_reads_a_store_this_process_holds_open(tmp_path):
 def test_default_dir_is_where_the_lmdeploy_integration_keeps_its_store(monkeypatch):
     import argparse
 
-    from featcache.cli.command import store_dir
-
     import _lmdeploy_stack
+
+    from featcache.cli.command import store_dir
 
     lmdeploy_integration = _lmdeploy_stack.need("featcache.lmdeploy", stack=False)
     assert config.DEFAULT_DIR == lmdeploy_integration.DEFAULT_DIR

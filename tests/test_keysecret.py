@@ -6,10 +6,10 @@ import os
 import stat
 from pathlib import Path
 
+import _redis
 import pytest
 import torch
 
-import _redis
 from featcache import FeatureCache, image_key
 from featcache.keys import KeyHasher
 from featcache.keysecret import SECRET_FILE, read_secret

@@ -2,10 +2,8 @@
 
 import os
 
-import pytest
-import torch
-
 import _lmdeploy_stack
+import torch
 
 _lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
 

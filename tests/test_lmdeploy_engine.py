@@ -21,12 +21,11 @@ from __future__ import annotations
 import gc
 import types
 
+import _lmdeploy_stack
 import numpy as np
 import pytest
 import torch
 from torch import nn
-
-import _lmdeploy_stack
 
 _lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
 

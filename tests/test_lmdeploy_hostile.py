@@ -11,22 +11,21 @@ import base64
 import gc
 import io
 
+import _lmdeploy_stack
 import pytest
 import torch
-
-import _lmdeploy_stack
 
 _lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
 
 import lmdeploy_tiny as tiny  # noqa: E402
+from test_lmdeploy_sources import Rig as SourcesRig  # noqa: E402
 
 from featcache import FeatureCache  # noqa: E402
 from featcache.lmdeploy import counters_cache  # noqa: E402
-from featcache.lmdeploy.frontend import SECTION, MediaOptionError, install_frontend  # noqa: E402
+from featcache.lmdeploy.frontend import MediaOptionError, install_frontend  # noqa: E402
 from featcache.lmdeploy.refs import REF_KEY  # noqa: E402
 from featcache.lmdeploy.sources import ImageIdError, trust_image_ids  # noqa: E402
 
-HIDDEN = 256
 GREY = {"image": {"image_mode": "L"}}
 
 
@@ -44,31 +43,19 @@ def url_item(url: str, **extra) -> dict:
     return {"type": "image_url", "image_url": {"url": url}, **extra}
 
 
-class Rig:
+class Rig(SourcesRig):
+    """test_lmdeploy_sources' rig (plain and featcache prompt paths, ``store``, ``counters``),
+    with the tag mode of several processes as an option."""
+
     def __init__(self, path: str, tags: bool = False) -> None:
         self.cache = counters_cache() if tags else FeatureCache(device="cpu", device_bytes="64MiB",
                                                                 host_bytes=0)
+        self.namespace = "test:hostile"
         self.plain = tiny.PromptPath(path)
         self.cached = tiny.PromptPath(path)
-        install_frontend(self.cached.model, self.cache, "test:hostile", self.cached.processor,
+        install_frontend(self.cached.model, self.cache, self.namespace, self.cached.processor,
                          tags=tags)
         self.frontend = self.cached.model.preprocess.frontend
-
-    def close(self) -> None:
-        self.plain.close()
-        self.cached.close()
-        gc.collect()
-        self.cache.close()
-
-    def store(self, out: dict) -> None:
-        """What the model does with the features of the misses."""
-        for item in out["multimodal"]:
-            ref = item[REF_KEY]
-            if not ref.hit:
-                self.cache.put(ref.key, torch.randn(int(item["image_tokens"]), HIDDEN), meta=ref.meta)
-
-    def counters(self) -> dict[str, int]:
-        return {k: v for k, v in self.cache.stats().get(SECTION, {}).items() if v}
 
 
 @pytest.fixture(params=[tiny.INTERNVL, tiny.QWEN2VL], ids=["internvl_hf", "qwen2vl"])

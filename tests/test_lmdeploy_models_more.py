@@ -34,11 +34,10 @@ import json
 import os
 import types
 
+import _lmdeploy_stack
 import pytest
 import torch
 from torch import nn
-
-import _lmdeploy_stack
 
 _lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
 

@@ -18,11 +18,10 @@ from __future__ import annotations
 import hashlib
 import types
 
+import _lmdeploy_stack
 import numpy as np
 import pytest
 import torch
-
-import _lmdeploy_stack
 
 _lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
 

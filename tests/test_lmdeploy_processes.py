@@ -28,10 +28,9 @@ import pickle
 import subprocess
 import sys
 
+import _lmdeploy_stack
 import pytest
 import torch
-
-import _lmdeploy_stack
 
 _lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
 

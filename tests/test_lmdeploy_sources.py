@@ -12,10 +12,9 @@ import copy
 import gc
 import io
 
+import _lmdeploy_stack
 import pytest
 import torch
-
-import _lmdeploy_stack
 
 _lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
 
@@ -341,7 +340,6 @@ def trusted(rig):
 
 
 def test_a_trusted_id_is_sent_once_with_its_image_then_alone(trusted, decodes):
-    from featcache.keys import client_image_key
 
     rig = trusted
     raw = png(tiny.noise_image(100, 80, seed=11))
@@ -407,7 +405,6 @@ def test_ids_of_different_models_and_contents_never_meet():
 def test_an_id_only_hit_that_cannot_be_served_fails_with_a_message_not_a_crash(trusted, monkeypatch):
     """The frontend failing after an id-only hit cannot fall back to decoding (no bytes were
     sent): the request gets the message, and the entry is unpinned at once."""
-    from featcache.keys import client_image_key
     from featcache.lmdeploy.sources import ImageIdError
 
     rig = trusted

@@ -20,10 +20,9 @@ import subprocess
 import sys
 import types
 
+import _lmdeploy_stack
 import pytest
 import torch
-
-import _lmdeploy_stack
 
 # a skip naming the missing module (CI fails instead); lmdeploy.turbomind.turbomind imports shortuuid
 _lmdeploy_stack.require("shortuuid")

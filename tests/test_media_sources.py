@@ -22,9 +22,8 @@ import threading
 import time
 import types
 
-import pytest
-
 import _lmdeploy_stack
+import pytest
 
 _lmdeploy_stack.require("fastapi")  # a skip naming the missing module; CI fails instead
 

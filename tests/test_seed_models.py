@@ -32,10 +32,9 @@ import os
 import sys
 import types
 
+import _lmdeploy_stack
 import pytest
 import torch
-
-import _lmdeploy_stack
 
 _lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
 

@@ -11,8 +11,6 @@ import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import pytest
-
 import _lmdeploy_stack
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -8,9 +8,8 @@ import os
 import threading
 from http.server import ThreadingHTTPServer
 
-import pytest
-
 import _lmdeploy_stack
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

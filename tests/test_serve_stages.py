@@ -11,9 +11,8 @@ import io
 import json
 import os
 
-import pytest
-
 import _lmdeploy_stack
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -12,9 +12,8 @@ import json
 import os
 import types
 
-import pytest
-
 import _lmdeploy_stack
+import pytest
 
 _lmdeploy_stack.require("fastapi", "prometheus_client")  # a skip naming the missing module; CI fails
 

@@ -7,9 +7,8 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 import _lmdeploy_stack
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -12,8 +12,14 @@ import logging
 import os
 import sys
 
-from ..config import ENGINE_PROCESSES, ID_MODES, KEY_ALGORITHMS, SERVING_BUDGETS, STORE_DIR_HELP
-from ..config import MEDIA_DEFAULTS
+from ..config import (
+    ENGINE_PROCESSES,
+    ID_MODES,
+    KEY_ALGORITHMS,
+    MEDIA_DEFAULTS,
+    SERVING_BUDGETS,
+    STORE_DIR_HELP,
+)
 from ..errors import FeatCacheError
 from ..sizes import parse_bytes
 from ..warm import IMAGE_SUFFIXES, collect, parse_params

@@ -33,10 +33,10 @@ from .budgets import default_cache
 from .engine import KeyedInputProcessor, keep_prefix_caching
 from .frontend import SECTION, install_frontend
 from .identity import model_identity
+from .media import LOCAL_FILES, MediaPolicy
 from .models import SPECS, patch_model_class
 from .prefix import install_prefix_hook
 from .refs import FeatRef
-from .media import LOCAL_FILES, MediaPolicy
 from .sources import SourceGuard, install_sources, set_media_policy
 from .sources import trust_image_ids as trust_image_ids_on
 from .tags import FeatTag

@@ -235,7 +235,8 @@ def _guarded_message(message: Any, io_kwargs: dict[str, Any], domains: Any,
     if not isinstance(content, list) or message.get("role") not in ("user", "tool"):
         return message  # (lmdeploy's parser reads nothing of these)
     items = [_guarded_item(x, io_kwargs, domains, media) for x in content]
-    return message if all(a is b for a, b in zip(items, content)) else dict(message, content=items)
+    unchanged = all(a is b for a, b in zip(items, content, strict=True))
+    return message if unchanged else dict(message, content=items)
 
 
 def _guarded_item(item: Any, io_kwargs: dict[str, Any], domains: Any, media: MediaPolicy) -> Any:
