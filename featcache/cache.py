@@ -53,7 +53,7 @@ from . import forks
 from .chain import KINDS, MAX_KEY_BYTES, build_chain
 from .codec import check_meta, check_storable
 from .config import CacheConfig
-from .copier import make_copier
+from .copier import dense_copy, make_copier
 from .demoter import Demoter
 from .entrymeta import recorded
 from .errors import FeatCacheError
@@ -406,7 +406,11 @@ class FeatureCache:
             and tensor.untyped_storage().nbytes() == tensor.nbytes
         )
         # A view would keep its whole base alive while the books count only the view.
-        return tensor if whole else tensor.clone(memory_format=torch.contiguous_format)
+        if whole:
+            return tensor
+        if self.device.type == "cpu":  # NumPy's copy: torch's pool would hang a forked child
+            return dense_copy(tensor)
+        return tensor.clone(memory_format=torch.contiguous_format)
 
     def _check_open(self) -> None:
         if self._closed:

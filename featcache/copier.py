@@ -14,18 +14,44 @@ ordered with events:
 - a tensor handed to a stream other than its producer's is recorded on that stream.
 
 ``SyncCopier`` is the same interface on the CPU: copies are synchronous and fences are None.
+Its copies are memcpy through NumPy (``copy_bytes``), never a torch kernel: torch's CPU copy
+splits large tensors over its intra-op thread pool (OpenMP), which does not survive ``fork()``,
+so a forked child that used it hung (issue 27). The same holds for ``dense_copy``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The raw bytes of a contiguous tensor as a flat uint8 view (no copy)."""
     return tensor.reshape(-1).view(torch.uint8)
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy the CPU uint8 tensor ``src`` into ``dst`` (same size) with a memcpy: no torch kernel,
+    so no intra-op thread pool (safe in a forked child whose parent used it)."""
+    np.copyto(dst.detach().numpy(), src.detach().numpy())
+
+
+# NumPy integer types of each element size: a tensor viewed as one of them can be copied by NumPy
+# whatever its own dtype (bfloat16 and the float8 types have no NumPy twin)
+_SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def dense_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of the CPU tensor ``tensor`` that owns its storage, made by NumPy (see
+    ``copy_bytes``); ``clone`` for element sizes NumPy has no integer for (complex128)."""
+    as_int = _SAME_SIZE.get(tensor.element_size())
+    if as_int is None:
+        return tensor.clone(memory_format=torch.contiguous_format)
+    out = owned_empty(tensor.nbytes, tensor.device).view(tensor.dtype).view(tensor.shape)
+    np.copyto(out.view(as_int).numpy(), tensor.detach().view(as_int).numpy())
+    return out
 
 
 def owned_empty(nbytes: int, device: torch.device, pin: bool = False) -> torch.Tensor:
@@ -46,14 +72,14 @@ class SyncCopier:
         return None
 
     def to_host(self, src: torch.Tensor, dst: torch.Tensor, after: Any) -> Any:
-        dst.copy_(as_bytes(src))
+        copy_bytes(dst, as_bytes(src))
         return None
 
     def to_device(
         self, src: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], after: Any
     ) -> tuple[torch.Tensor, Any]:
         out = owned_empty(src.numel(), self.device)
-        out.copy_(src)  # a private copy: the host block may be reused once released
+        copy_bytes(out, src)  # a private copy: the host block may be reused once released
         return out.view(dtype).view(shape), None
 
     def ready(self, tensor: torch.Tensor, fence: Any) -> None:

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -116,13 +117,25 @@ def test_a_collected_cache_stops_its_threads_and_frees_its_store(tmp_path):
         assert torch.equal(again.get(b"k"), torch.ones(1024))
 
 
-def _fork(body) -> tuple[int, str]:
-    """Run ``body()`` in a forked child of this process (which has caches open): its exit code
-    (0: body returned True) and what it printed on failure."""
+def _warm_intra_op_pool() -> None:
+    """Use torch's intra-op thread pool, as any real serving process has before it forks: the
+    pool (OpenMP) does not survive fork(), and a child that enters it hangs (issue 27)."""
+    torch.set_num_threads(max(2, torch.get_num_threads()))
+    a = torch.randn(1 << 20)
+    torch.empty_like(a).copy_(a)  # 4 MB: large enough to be split over the pool's threads
+
+
+def _fork(body, timeout_s: int = 60) -> tuple[int, str]:
+    """Run ``body()`` in a forked child of this process (which has caches open, and has used
+    torch's intra-op pool first): its exit code (0: body returned True) and what it printed on
+    failure. A child that has not finished after ``timeout_s`` is killed by its alarm (SIGALRM:
+    a hang fails the test instead of the suite)."""
+    _warm_intra_op_pool()
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child
         os.close(r)
+        signal.alarm(timeout_s)
         code = 1
         try:
             ok, why = body()
@@ -169,6 +182,35 @@ def test_a_forked_child_uses_the_inherited_cache(tmp_path):
         assert _procs.same_bits(cache.get(b"from-child"), _procs.value_for(b"from-child"))
         assert all(_procs.same_bits(cache.get(k), _procs.value_for(k)) for k in keys)
         assert cache.stats()["disk"]["errors"] == 0
+
+
+@pytest.mark.parametrize("tiers", ["disk only", "host and disk"])
+def test_a_forked_child_promotes_demotes_and_flushes_after_the_parent_used_torchs_pool(
+        tmp_path, tiers):
+    """Issue 27: the parent has used torch's intra-op pool (``_fork`` does that); the child's
+    promotions (a disk hit copied up), demotions (a put written through to host and disk) and
+    flush must not enter the inherited pool, or they hang."""
+    host = "8MiB" if tiers == "host and disk" else 0
+    keys = [b"p%d" % i for i in range(8)]
+    with FeatureCache(device="cpu", device_bytes=0 if not host else "1MiB", host_bytes=host,
+                      disk_path=tmp_path, disk_bytes="64MiB") as cache:
+        for k in keys:
+            cache.put(k, torch.randn(512, 512))  # 1 MiB each: copies the pool would split
+        cache.flush()
+
+        def child() -> tuple[bool, str]:
+            got = cache.get(keys[0])
+            if got is None:
+                return False, "no promotion in the child"
+            cache.put(b"child", torch.randn(512, 512).t())  # not contiguous: a dense copy too
+            cache.flush()
+            again = cache.get(b"child")
+            ok = again is not None and again.is_contiguous() and b"child" in cache
+            cache.close()
+            return ok, "child's put, flush and get"
+
+        code, why = _fork(child, timeout_s=30)
+        assert code == 0, f"child exit {code} ({'hung: killed by its alarm' if code == -14 else why})"
 
 
 def test_fork_while_the_disk_writer_and_readers_are_busy(tmp_path):
