@@ -65,6 +65,8 @@ def in_fork(body: Callable[[], Any], timeout: float = 60.0) -> tuple[str, Any]:
         code = 0
         try:
             os.close(read_end)
+            # the body's own torch ops (not featcache's: its CPU copies never use the pool) would
+            # enter the intra-op pool this child inherited, which does not survive fork()
             torch.set_num_threads(1)
             try:
                 msg = {"ok": body()}
