@@ -279,3 +279,28 @@ def test_a_preprocessor_that_takes_request_options_is_refused():
 
     with counters_cache() as cache, pytest.raises(ValueError, match="legacy preprocess"):
         install_frontend(NewApi(), cache, "test:hostile")
+
+
+@pytest.mark.parametrize("url, why", [
+    ("data:image/png;base64," + base64.b64encode(b"hello, not an image").decode(), "cannot be decoded"),
+    ("data:image/png;base64,abcde", "not valid base64"),
+])
+def test_an_image_that_is_none_is_the_clients_error_one_warning_counted(rig, caplog, url, why):
+    """Issue 29 item 8: a malformed image is the client's mistake: a ValueError (lmdeploy answers
+    400; plain lmdeploy's PIL error is an OSError, a 500), counted, one warning line a minute and
+    no traceback, not featcache's ERROR."""
+    import logging
+
+    from featcache.lmdeploy.sources import BadImageError
+
+    caplog.set_level(logging.WARNING, logger="featcache")
+    for _ in range(3):
+        with pytest.raises(BadImageError, match=why):
+            rig.cached.prompt(tiny.messages(url_item(url)))
+    assert issubclass(BadImageError, ValueError)
+    counts = rig.counters()
+    assert counts["bad_images"] == 3 and "frontend_errors" not in counts
+    records = [r for r in caplog.records if r.name == "featcache"]
+    assert [r.levelname for r in records] == ["WARNING"] and "Traceback" not in caplog.text
+    assert rig.cached.prompt(tiny.messages(url_item(data_url(png(tiny.noise_image(32, 24)))))) \
+        ["multimodal"]  # and the next request is answered

@@ -526,6 +526,8 @@ def test_serve_answers_hostile_sources_with_400_at_once_and_keeps_answering(serv
         "outside, file://": "file://" + str(disk.outside / "secret.png"),
         "link out": str(disk.allowed / "to_secret.png"),
         "data URL over the cap": data_url(b"\0" * (2 << 20)),
+        "not an image": data_url(b"hello, not an image"),  # plain lmdeploy: a 500 (an OSError)
+        "not base64": "data:image/png;base64,abcde",
     }
 
     def drive(post):
@@ -542,7 +544,8 @@ def test_serve_answers_hostile_sources_with_400_at_once_and_keeps_answering(serv
         assert answers[name].status_code == 200, (name, answers[name].text)
         assert answers[name].json()["choices"][0]["message"]["content"] == "ok"
     words = {"/dev/zero": "--allowed-local-media-path", "fifo": "not a regular file",
-             "1 GiB file": "--max-image-bytes", "data URL over the cap": "--max-image-bytes"}
+             "1 GiB file": "--max-image-bytes", "data URL over the cap": "--max-image-bytes",
+             "not an image": "cannot be decoded", "not base64": "not valid base64"}
     for name in hostile:
         response, took = answers[name]
         assert response.status_code == 400, (name, response.text)

@@ -32,6 +32,7 @@ import functools
 import inspect
 import json
 import logging
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -45,8 +46,10 @@ from .refs import REF_KEY, FeatRef
 from .sources import (
     ID_FIELD,
     KEY_INFO,
+    BadImageError,
     CachedImage,
     ImageIdError,
+    decode_image,
     encoded_bytes,
     fetched_bytes,
     guarded,
@@ -116,6 +119,7 @@ class Frontend:
         # and --max-image-bytes; any local file for the Python API (``sources.set_media_policy``)
         self.media: MediaPolicy = LOCAL_FILES
         self._logged = False
+        self._warned_at: float | None = None  # the last bad image's warning (``_bad_image``)
 
     def __call__(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         try:
@@ -151,6 +155,9 @@ class Frontend:
         except MediaError:
             self.cache.count(SECTION, "media_refused")
             raise  # likewise
+        except BadImageError as e:
+            self._bad_image(e)
+            raise  # likewise: plain lmdeploy would fail the request too (with a 500)
         except Exception:
             self._failed("resolving encoded image sources failed; featcache reads them uncached")
             resolved = messages
@@ -159,6 +166,19 @@ class Frontend:
         except MediaError:
             self.cache.count(SECTION, "media_refused")
             raise
+        except BadImageError as e:
+            self._bad_image(e)
+            raise
+
+    def _bad_image(self, error: BadImageError) -> None:
+        """A client sent an image that is none: counted, one warning line a minute at most (a
+        client's mistake is no failure of featcache's: no traceback, no error)."""
+        self.cache.count(SECTION, "bad_images")
+        now = time.monotonic()
+        if self._warned_at is None or now - self._warned_at >= 60:
+            self._warned_at = now
+            log.warning("featcache: a client sent an image that cannot be read, answered 400: %s "
+                        "(counted as bad_images; this line at most once a minute)", error)
 
     def _resolve_message(self, message: Any, io_kwargs: dict[str, Any], domains: Any) -> Any:
         content = message.get("content") if isinstance(message, dict) else None
@@ -305,9 +325,7 @@ class Frontend:
             raw = encoded_bytes(source, self.media)
         if raw is None:
             return None
-        from lmdeploy.vl.media.image import ImageMediaIO
-
-        data = ImageMediaIO(**io_kwargs).load_bytes(raw)  # as lmdeploy's parser would
+        data = decode_image(raw, io_kwargs)  # as lmdeploy's parser would
         data.info[KEY_INFO] = key
         return {"type": "image_data", "image_data": {"data": data, **params}}
 

@@ -90,7 +90,6 @@ class CachedImage:
     def decode(self) -> Any:
         """The PIL image lmdeploy would have decoded (for a fallback to plain preprocessing);
         ``ImageIdError`` when the client sent only the image's id."""
-        from lmdeploy.vl.media.image import ImageMediaIO
 
         if self.raw is None and self.source is not None:
             self.raw = encoded_bytes(self.source, self.media)
@@ -100,7 +99,7 @@ class CachedImage:
                 lease.release()  # (the error's traceback may keep this ref a while)
             raise ImageIdError(f"the features of image id {self.image_id!r} could not be served "
                                "and the image was not sent: send it again with this uuid")
-        return ImageMediaIO(**self.media_io_kwargs).load_bytes(self.raw)
+        return decode_image(self.raw, self.media_io_kwargs)
 
 
 def encoded_bytes(source: str, media: MediaPolicy | None = None) -> bytes | None:
@@ -181,14 +180,38 @@ def _b64decode(data: str) -> bytes:
     try:
         import pybase64
     except ImportError:
-        try:
-            return base64.b64decode(data, validate=True)
-        except ValueError:  # (binascii.Error)
-            return base64.b64decode(data)
+        decode: Any = base64.b64decode
+    else:
+        decode = pybase64.b64decode
     try:
-        return pybase64.b64decode(data, validate=True)
-    except ValueError:
-        return pybase64.b64decode(data)
+        return bytes(decode(data, validate=True))
+    except ValueError:  # (binascii.Error)
+        pass
+    try:
+        return bytes(decode(data))
+    except ValueError as e:  # not base64 even leniently: the client's to fix
+        raise BadImageError(f"the image's data URL is not valid base64 ({e})") from None
+
+
+class BadImageError(ValueError):
+    """An image a client sent cannot be read as an image (not base64, not an image format PIL
+    knows, damaged, a decompression bomb): the client's to fix, answered 400 (lmdeploy answers a
+    ``ValueError`` so) with this message."""
+
+
+def decode_image(raw: bytes, io_kwargs: dict[str, Any]) -> Any:
+    """The PIL image lmdeploy's parser would make of ``raw`` (``ImageMediaIO.load_bytes`` with
+    the request's decode options); ``BadImageError`` for bytes that are no image."""
+    from lmdeploy.vl.media.image import ImageMediaIO
+    from PIL import Image
+
+    try:
+        return ImageMediaIO(**io_kwargs).load_bytes(raw)
+    except (OSError, SyntaxError, Image.DecompressionBombError) as e:  # PIL's errors for bad data
+        why = ("not an image format it knows" if isinstance(e, Image.UnidentifiedImageError)
+               else f"{type(e).__name__}: {e}")
+        raise BadImageError(f"the image cannot be decoded ({why}); send a PNG, JPEG, WebP, GIF "
+                            "or BMP image") from None
 
 
 def image_parts(item: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
@@ -244,10 +267,9 @@ def _guarded_item(item: Any, io_kwargs: dict[str, Any], domains: Any, media: Med
         return item
     parts = _parts(item, _IMAGE_TYPES)
     if parts is not None and isinstance(parts[0], str):
-        from lmdeploy.vl.media.image import ImageMediaIO
 
         source, params = parts
-        image = ImageMediaIO(**io_kwargs).load_bytes(read_source(source, media, domains))
+        image = decode_image(read_source(source, media, domains), io_kwargs)
         return {"type": "image_data", "image_data": {"data": image, **params}}
     parts = _parts(item, _OTHER_MEDIA)
     if parts is not None and isinstance(parts[0], str):
