@@ -110,16 +110,20 @@ def run_server(args: argparse.Namespace, cache: FeatureCache, namespace: str | N
     stops, with featcache on its engine and, unless ``--disable-metrics``, on its ``/metrics``.
     The caller owns ``cache`` (and closes it). ``engine_process``, ``model_cache`` (the
     multi-process mode's model-side cache settings) and ``media_policy``: see
-    ``featcache_engine``."""
+    ``featcache_engine``. SIGINT and SIGTERM stop the process within ``shutdown.DEADLINE_S``,
+    the caller's close of ``cache`` included (``shutdown.bounded_shutdown``)."""
     from lmdeploy.cli.serve import SubCliServe
+
+    from .shutdown import Watchdog, bounded_shutdown, queued_writes
 
     engines: list[Any] = []  # the engine, once built, where the model runs in other processes
     collector = None
     if not args.disable_metrics:
         collector = export_metrics(cache, lambda: model_processes(engines))
     try:
-        with featcache_engine(cache, namespace, trust_image_ids, engine_process, model_cache,
-                              engines, media_policy):
+        with bounded_shutdown(Watchdog(pending=lambda: queued_writes(cache))), \
+                featcache_engine(cache, namespace, trust_image_ids, engine_process, model_cache,
+                                 engines, media_policy):
             SubCliServe.api_server(args)  # lmdeploy's handler: builds the server, runs uvicorn
     finally:
         if collector is not None:

@@ -49,7 +49,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("public API", ("featcache",)),
     ("store tools", ("featcache.storetools",)),
     ("lmdeploy integration", ("featcache.lmdeploy",)),
-    ("applications", ("featcache.serve", "featcache.warm", "featcache.demo")),
+    ("applications", ("featcache.serve", "featcache.warm", "featcache.demo", "featcache.shutdown")),
     ("command line", ("featcache.cli", "featcache.__main__")),
 )
 

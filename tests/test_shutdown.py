@@ -1,0 +1,82 @@
+"""`featcache serve` stops within a deadline of SIGINT/SIGTERM, whatever hangs (issue 27 item 2).
+
+The watchdog's end (the last log line, the children terminated, the exit) runs in a real child
+process here; that uvicorn's signal handler arms it, on uvicorn's own Server. The real servers on
+the GPU are docs/reliability.md's table (the GPU run list).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from featcache.shutdown import Watchdog, bounded_shutdown, queued_writes
+
+HANG = textwrap.dedent("""
+    import logging, subprocess, sys, time
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    from featcache.shutdown import Watchdog
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    print(child.pid, flush=True)
+    Watchdog(deadline_s=1.0, pending=lambda: "lost: 0 queued demotion(s), 3 queued disk write(s)").arm(
+        "SIGINT received")
+    time.sleep(300)  # a shutdown that hangs
+""")
+
+
+def test_a_hung_shutdown_ends_at_the_deadline_with_its_children_and_a_last_line():
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", HANG], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    child = int(proc.stdout.readline())
+    try:
+        out, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    took = time.monotonic() - start
+    assert proc.returncode == 1 and took < 10, (proc.returncode, took, err)
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("ERROR featcache serve: still running 1 s after SIGINT received")
+    assert "1 child process(es) terminated" in last and "3 queued disk write(s)" in last
+    with pytest.raises(ProcessLookupError):  # the child is gone, not left holding anything
+        for _ in range(50):
+            os.kill(child, 0)
+            time.sleep(0.1)
+
+
+def test_a_shutdown_in_time_never_hears_from_it():
+    exits = []
+    dog = Watchdog(deadline_s=0.2, exit=exits.append)
+    dog.arm("SIGTERM received")
+    dog.arm("SIGINT received")  # a second signal does not move the deadline
+    dog._timer.cancel()  # (as the process ending in time would)
+    time.sleep(0.4)
+    assert exits == []
+
+
+def test_uvicorns_signal_handler_arms_the_watchdog_and_still_stops_the_server():
+    uvicorn = pytest.importorskip("uvicorn")
+
+    exits = []
+    dog = Watchdog(deadline_s=60, exit=exits.append)
+    server = uvicorn.Server(uvicorn.Config(app=lambda *a: None))
+    with bounded_shutdown(dog):
+        server.handle_exit(signal.SIGTERM, None)
+    assert dog.armed and server.should_exit  # uvicorn's own handling is unchanged
+    assert uvicorn.Server.handle_exit.__name__ == "handle_exit" and not hasattr(
+        uvicorn.Server.handle_exit, "__wrapped__")  # unpatched after the block
+    dog._timer.cancel()
+
+
+def test_queued_writes_say_what_would_be_lost(tmp_path):
+    from featcache import FeatureCache
+
+    with FeatureCache(device="cpu", host_bytes=0, disk_path=tmp_path, disk_bytes="16MiB") as cache:
+        assert queued_writes(cache) == "no disk writes were queued in this process"
