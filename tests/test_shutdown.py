@@ -80,3 +80,31 @@ def test_queued_writes_say_what_would_be_lost(tmp_path):
 
     with FeatureCache(device="cpu", host_bytes=0, disk_path=tmp_path, disk_bytes="16MiB") as cache:
         assert queued_writes(cache) == "no disk writes were queued in this process"
+
+
+def test_the_gpu_scripts_commands_parse_with_featcaches_and_lmdeploys_parsers():
+    """bench/shutdown_serve.py and bench/hostile_serve.py (run on the GPU only): every server
+    command they build is one featcache serve and lmdeploy's api_server take."""
+    import _lmdeploy_stack
+
+    for name in ("fastapi", "uvicorn", "openai", "shortuuid"):
+        _lmdeploy_stack.need(name)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
+    import hostile_serve
+    import shutdown_serve
+
+    from featcache.cli.serving import featcache_parser
+    from featcache.serve import lmdeploy_parser
+
+    commands = [shutdown_serve.command(c, "/m/x", "/tmp/s")
+                for c in shutdown_serve.PYTORCH + shutdown_serve.TURBOMIND]
+    commands += hostile_serve.commands("/m/x", "/tmp/media", "/tmp/s",
+                                       ["plain", "featcache_mp", "featcache_in"]).values()
+    for cmd in commands:
+        if cmd[2] == "lmdeploy":
+            args = lmdeploy_parser().parse_args(cmd[5:])
+        else:
+            ours, rest = featcache_parser().parse_known_args(cmd[4:])
+            args = lmdeploy_parser().parse_args(rest)
+            assert ours.cache_dir
+        assert args.model_path == "/m/x" and args.server_port > 0

@@ -1,0 +1,165 @@
+"""How fast `featcache serve` (and plain `lmdeploy serve api_server`) stop on SIGINT/SIGTERM, on a GPU.
+
+    python bench/shutdown_serve.py --model DIR --out DIR [--configs NAME,...] [--repeats N]
+                                   [--signal INT|TERM] [--dry-run]
+
+Issue 27: on the H200 `featcache serve MODEL --enable-prefix-caching` once did not exit within
+60 s of SIGINT. Per configuration and repetition: start the server (its own process group, as a
+terminal runs it), send one chat turn with an image (so the caches hold features and have disk
+writes to flush), send the signal to the whole group (what Ctrl-C does), and measure:
+
+- ``exit_s``: from the signal to the server's main process exiting (target: < 10 s);
+- ``left``: processes of its group still alive 2 s after that (target: none);
+- ``gpu_pids``: processes nvidia-smi still shows on the GPU afterwards (target: none of the group);
+- the last lines of the server's log (featcache's watchdog writes one when it had to end it).
+
+Configurations (``--configs``, default all PyTorch ones): ``plain`` and ``plain_prefix`` (lmdeploy),
+``fc_mp`` / ``fc_mp_prefix`` (featcache, lmdeploy's engine process), ``fc_in`` / ``fc_in_prefix``
+(featcache, engine in the server's process); with ``--backend turbomind``: ``plain_tm``, ``fc_tm``.
+Results: ``shutdown.json`` in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+
+from serve_chat import run_chat, tail, wait_ready  # noqa: E402
+
+PORT = 23420
+PYTORCH = ("plain", "plain_prefix", "fc_mp", "fc_mp_prefix", "fc_in", "fc_in_prefix")
+TURBOMIND = ("plain_tm", "fc_tm")
+
+
+def command(name: str, model: str, store: str) -> list[str]:
+    py = sys.executable
+    prefix = ["--enable-prefix-caching"] if name.endswith("_prefix") or name.endswith("_tm") else []
+    if name.endswith("_tm"):
+        backend = ["--backend", "turbomind", "--cache-max-entry-count", "0.2"]
+    else:
+        backend = ["--backend", "pytorch", "--cache-max-entry-count", "0.05", "--eager-mode"]
+    common = ["--server-port", str(PORT), "--session-len", "8192", "--log-level", "INFO",
+              *backend, *prefix]
+    if name.startswith("plain"):
+        return [py, "-m", "lmdeploy", "serve", "api_server", model, *common]
+    process = [] if name == "fc_tm" else ["--engine-process", "in" if name.startswith("fc_in") else "mp"]
+    return [py, "-m", "featcache", "serve", model, "--cache-dir", store, *process, *common]
+
+
+def group_alive(pgid: int) -> list[int]:
+    import psutil
+
+    alive = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(p.pid) == pgid:
+                alive.append(p.pid)
+        except (ProcessLookupError, PermissionError, OSError):
+            continue
+    return alive
+
+
+def gpu_pids() -> list[int]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [int(x) for x in out.split() if x.strip().isdigit()]
+
+
+def one_run(name: str, cmd: list[str], image: str, out: str, rep: int, sig: int,
+            ready_timeout: float, wait_s: float) -> dict[str, Any]:
+    log_path = os.path.join(out, f"{name}-{rep}.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    row: dict[str, Any] = {"config": name, "rep": rep, "command": shlex.join(cmd)}
+    try:
+        t = time.monotonic()
+        wait_ready(PORT, proc, ready_timeout)
+        row["ready_s"] = round(time.monotonic() - t, 1)
+        row["turn"] = run_chat(f"http://127.0.0.1:{PORT}", image, 1, max_tokens=4)[0]["ttft_ms"]
+        before = gpu_pids()
+        start = time.monotonic()
+        os.killpg(proc.pid, sig)  # what Ctrl-C does: the signal to the whole group
+        try:
+            proc.wait(wait_s)
+            row["exit_s"] = round(time.monotonic() - start, 2)
+        except subprocess.TimeoutExpired:
+            row["exit_s"] = None  # did not exit: killed below
+        row["rc"] = proc.returncode
+        time.sleep(2)
+        row["left"] = group_alive(proc.pid)
+        row["gpu_pids_before"] = before
+        row["gpu_pids_after"] = gpu_pids()
+    except Exception as e:  # keep what ran; the log says why
+        row["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        time.sleep(1)
+    row["log_tail"] = tail(log_path, 1500).splitlines()[-8:]
+    print(f"[{name} #{rep}] exit {row.get('exit_s')} s, rc {row.get('rc')}, left {row.get('left')}, "
+          f"gpu after {row.get('gpu_pids_after')}{' ERROR ' + row['error'] if 'error' in row else ''}",
+          flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--configs", default=",".join(PYTORCH))
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--signal", choices=("INT", "TERM"), default="INT")
+    p.add_argument("--wait", type=float, default=60, help="seconds to wait for the exit")
+    p.add_argument("--ready-timeout", type=float, default=240)
+    p.add_argument("--store", default="/tmp/shutdown-store")
+    p.add_argument("--dry-run", action="store_true")
+    args = p.parse_args(argv)
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = set(configs) - set(PYTORCH) - set(TURBOMIND)
+    if unknown:
+        p.error(f"unknown configs: {sorted(unknown)}")
+    if args.dry_run:
+        for c in configs:
+            print(f"{c}: {shlex.join(command(c, args.model, args.store))}")
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    from chat import data_url
+
+    image = data_url(None, 1)
+    sig = getattr(signal, f"SIG{args.signal}")
+    rows = []
+    for rep in range(args.repeats):
+        for c in configs:
+            rows.append(one_run(c, command(c, args.model, f"{args.store}-{c}"), image, args.out,
+                                rep, sig, args.ready_timeout, args.wait))
+    report: dict[str, Any] = {"signal": args.signal, "rows": rows}
+    try:
+        from runmeta import run_meta
+
+        report["run"] = run_meta()
+    except Exception as e:  # the figures stand without it
+        report["run"] = {"error": str(e)}
+    with open(os.path.join(args.out, "shutdown.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
