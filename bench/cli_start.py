@@ -1,11 +1,14 @@
 """How long the CLI takes to start, measured (issue 18: ``--version``, ``--help``, ``stats``, ``ls``
-under 0.3 s), against the interpreter alone and an ``import torch`` in the same run.
+under 0.3 s; issue 29 item 5: ``verify``, ``purge`` and ``compact`` too), against the interpreter
+alone and an ``import torch`` in the same run.
 
     python bench/cli_start.py [--n 15] [--json OUT]
 
 Builds a small store in a temporary directory, then runs each command ``--n`` times in a fresh
 interpreter (wall time of the whole process) and prints median and p90 per command, the
-interpreter's own start (``python -c pass``) and what ``import torch`` alone costs here.
+interpreter's own start (``python -c pass``) and what ``import torch`` alone costs here. The
+commands that write run on a fresh copy of the store each time (``purge --all`` deletes its 16
+entries; ``compact`` writes into a new directory), copied outside the timing.
 """
 
 from __future__ import annotations
@@ -13,19 +16,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def wall(cmd: list[str], n: int) -> dict[str, float]:
+def wall(cmd: list[str], n: int, prepare: Callable[[], None] | None = None) -> dict[str, float]:
+    """Median and p90 wall time of ``cmd`` over ``n`` runs; ``prepare`` runs before each, untimed."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     times = []
     for _ in range(n):
+        if prepare is not None:
+            prepare()
         t = time.perf_counter()
         subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, check=True)
         times.append((time.perf_counter() - t) * 1e3)
@@ -52,9 +60,23 @@ def main(argv: list[str] | None = None) -> int:
         py = [sys.executable]
         rows = {"python -c pass": wall(py + ["-c", "pass"], args.n),
                 "python -c 'import torch'": wall(py + ["-c", "import torch"], max(3, args.n // 3))}
-        for cmd in (["--version"], ["--help"], ["stats", store], ["ls", store]):
+        for cmd in (["--version"], ["--help"], ["stats", store], ["ls", store], ["verify", store]):
             rows["featcache " + " ".join(c if c != store else "STORE" for c in cmd)] = wall(
                 py + ["-m", "featcache", *cmd], args.n)
+        work = store + ".work"  # a fresh copy of the store (or nothing) before each run
+
+        def fresh(copy: bool) -> Callable[[], None]:
+            def prepare() -> None:
+                shutil.rmtree(work, ignore_errors=True)
+                if copy:
+                    shutil.copytree(store, work)
+            return prepare
+
+        rows["featcache purge COPY --all"] = wall(
+            py + ["-m", "featcache", "purge", work, "--all"], args.n, fresh(copy=True))
+        rows["featcache compact STORE DEST"] = wall(
+            py + ["-m", "featcache", "compact", store, work], args.n, fresh(copy=False))
+        shutil.rmtree(work, ignore_errors=True)
     base = rows["python -c pass"]["median_ms"]
     print(f"{'command':34s} {'median ms':>10s} {'p90 ms':>8s} {'- python':>9s}")
     for name, r in rows.items():

@@ -34,13 +34,13 @@ import tempfile
 from typing import TYPE_CHECKING, Any
 
 from .keys import KeyHasher
+from .store.files import SECRET_FILE  # in a store's directory (the store's files have one home)
 
 if TYPE_CHECKING:
     from .config import CacheConfig
 
 log = logging.getLogger("featcache")
 
-SECRET_FILE = "key-secret"  # in a store's directory
 SECRET_BYTES = 32
 REMOTE_SUFFIX = "key-secret"  # <remote_prefix>:key-secret on the remote server
 _MAX_FILE_BYTES = 256  # a secret file is a line of hex: anything longer is not one

@@ -1,10 +1,12 @@
 """The CLI starts without torch or numpy (issue 18: ``--version``, ``--help``, ``stats``, ``ls`` under
-0.3 s). Whether a module is imported is exact and asserted here; the time is only bounded
-generously (a loaded CI machine), its real figure is bench/cli_start.py's."""
+0.3 s; issue 29 item 5: ``verify``, ``purge`` and ``compact`` too, deletes included). Whether a
+module is imported is exact and asserted here; the time is only bounded generously (a loaded CI
+machine), its real figure is bench/cli_start.py's."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -39,13 +41,21 @@ def store(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("args", [["--version"], ["--help"], ["stats", "{store}"], ["ls", "{store}"],
-                                  ["inspect", "{store}", "01"], ["stats", "--help"]])
-def test_store_commands_start_without_torch(args, store) -> None:
-    names, took, r = _imports([a.format(store=store) for a in args])
+@pytest.mark.parametrize("args", [
+    ["--version"], ["--help"], ["stats", "{store}"], ["ls", "{store}"], ["inspect", "{store}", "01"],
+    ["stats", "--help"], ["verify", "{store}"], ["verify", "{copy}", "--fix"],
+    ["purge", "{copy}", "--all"], ["purge", "{copy}", "--namespace", "m"],
+    ["purge", "{copy}", "--older-than", "0s", "--dry-run"], ["compact", "{store}", "{dest}"],
+])
+def test_store_commands_start_without_torch(args, store, tmp_path) -> None:
+    copy = tmp_path / "copy"  # the commands that write work on a copy of the store
+    shutil.copytree(store, copy)
+    names, took, r = _imports([a.format(store=store, copy=copy, dest=tmp_path / "dest") for a in args])
     assert r.returncode == 0, r.stderr[-2000:]
     assert not names & set(HEAVY), sorted(names & set(HEAVY))
     assert took < 10, took  # the real figure: bench/cli_start.py
+    if args[0] == "purge" and "--dry-run" not in args:
+        assert r.stdout.startswith("deleted 3 ")  # the deletes ran, without torch
 
 
 def test_the_public_names_still_import(store) -> None:

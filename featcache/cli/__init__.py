@@ -7,9 +7,9 @@ store commands print is built in ``render``; progress bars are ``progress``'s.
 
 Invariants: a command that reads a store never writes to it and never blocks a process serving
 from it (the store tools); only ``verify --fix``, ``purge`` and ``compact`` write (the first two
-through the disk tier's own transactions, ``compact`` only into DEST). Every error a user can act
-on is one line on stderr and exit code 1; exit code 2 is bad usage (argparse) or bad entries
-found; stdout carries only the command's output (tables, JSON).
+by the disk tier's own rules, ``store.deletes``; ``compact`` only into DEST). Every error a user
+can act on is one line on stderr and exit code 1; exit code 2 is bad usage (argparse) or bad
+entries found; stdout carries only the command's output (tables, JSON).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The commands that check and change a store: ``verify``, ``purge``, ``compact``.
 
-Invariant: only ``verify --fix`` and ``purge`` delete entries, through the disk tier's own
-transactions (books kept exact); ``compact`` writes only into DEST; plain ``verify`` only reads.
+Invariant: only ``verify --fix`` and ``purge`` delete entries, by the disk tier's own rules
+(``store.deletes``: books kept exact, no torch); ``compact`` writes only into DEST; plain
+``verify`` only reads.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from ..entrymeta import namespace_of
 from ..sizes import format_bytes
 from ..store.layout import OtherFormatError
+from ..storetools.maintenance import compact, discard_keys, purge_foreign_store
 from ..storetools.view import StoreView
 from .command import (
     EXIT_BAD,
@@ -41,8 +43,6 @@ def _verify_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from ..storetools.maintenance import discard_keys  # (torch: tiers.disk)
-
     if args.fix and args.no_lock:
         print("featcache verify: error: --fix writes to the store: it cannot be combined with "
               "--no-lock", file=sys.stderr)
@@ -125,8 +125,6 @@ def _confirmed(args: argparse.Namespace, question: str) -> bool:
 
 
 def _purge(args: argparse.Namespace) -> int:
-    from ..storetools.maintenance import discard_keys, purge_foreign_store  # (torch: tiers.disk)
-
     path = store_dir(args)
     try:
         view = StoreView(path)
@@ -196,8 +194,6 @@ def _compact_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _compact(args: argparse.Namespace) -> int:
-    from ..storetools.maintenance import compact  # (torch: tiers.disk)
-
     with StoreView(args.dir) as view:
         before = view.summary()
         compact(view, args.dest)

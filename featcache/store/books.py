@@ -1,10 +1,11 @@
 """The books of a store inside one LMDB transaction: each key's ``data``, ``meta`` and ``lru``
 records (``store.layout``) and the ``used_bytes`` count, changed together.
 
-Only the disk tier's write transactions change them (``featcache.tiers.disk``: its writer thread,
-its synchronous ``discard``, and the eviction at open); the store tools change a store only
-through the disk tier. ``Books`` keeps no state between calls: the caller carries ``used`` through
-a transaction and stores it with ``set_used`` before committing.
+Only these write transactions change them: the disk tier's (``featcache.tiers.disk``: its writer
+thread, its synchronous ``discard``, and the eviction at open) and the store tools' deletes
+(``store.deletes``: ``verify --fix``, ``purge``), by the same calls. ``Books`` keeps no state
+between calls: the caller carries ``used`` through a transaction and stores it with ``set_used``
+before committing.
 
 Invariants (each write transaction that uses these keeps them):
 - ``put`` writes a key's three records; ``delete`` removes them and returns the bytes the meta

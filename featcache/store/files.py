@@ -24,6 +24,7 @@ from ..errors import StoreFormatError, StoreOpenError
 
 DATA_FILE = "data.mdb"
 LOCK_FILE = "lock.mdb"
+SECRET_FILE = "key-secret"  # the keys' secret, kept with the store (``featcache.keysecret``)
 
 
 class StorePermissionError(StoreOpenError):

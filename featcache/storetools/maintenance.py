@@ -3,12 +3,11 @@
 ``compact`` writes a compacted copy into a new directory (``compact``).
 
 Invariants:
-- entries are deleted only through ``DiskTier.write_batch``, so a value, its meta and lru records
-  and ``used_bytes`` change in one transaction, by the disk tier's own rules (``store.books``);
-  the tier is opened with a budget above what the store holds (``maintenance_budget``), so
-  opening it never evicts anything;
+- entries are deleted only through ``store.deletes`` (no torch: the store commands start fast),
+  so a value, its meta and lru records and ``used_bytes`` change in one transaction, by the disk
+  tier's own rules (``store.books``); nothing but the named entries is deleted (no eviction);
 - ``discard_keys(only_bad=True)`` deletes an entry only if it is still bad inside that write
-  transaction (``discard_bad``): a writer may have replaced a bad value with a good one since;
+  transaction (``Books.is_bad``): a writer may have replaced a bad value with a good one since;
 - files are deleted only from a store this featcache can tell is featcache's, of another format
   version, that no process has open (``store.files.store_in_use``);
 - ``compact`` writes only into an empty or new directory; the store itself is only read.
@@ -22,61 +21,38 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Iterable
-from typing import Literal
 
 import lmdb
 
-from ..errors import FeatCacheError, StoreFormatError, StoreOpenError
+from ..errors import StoreFormatError, StoreOpenError
+from ..store.deletes import delete_entries
 from ..store.files import (
     DATA_FILE,
     LOCK_FILE,
+    SECRET_FILE,
     check_store_dir,
-    data_file_bytes,
     open_error,
     os_error,
     store_in_use,
 )
 from ..store.layout import FORMAT_RECORD, FORMAT_TAG, INFO_TABLE, TABLES, is_featcache_tag
 from ..store.lmdbcheck import check_data_file
-from ..tiers.disk import DiskOp, DiskTier
 from .view import StoreView
 
 DISCARD_BATCH = 1024  # discards per write transaction
 
 
-def maintenance_budget(path: str | os.PathLike[str]) -> int:
-    """A budget above what the store holds, so that opening a ``DiskTier`` on it for maintenance
-    evicts nothing (the store records no budget of its own)."""
-    return 2 * data_file_bytes(os.fspath(path)) + (1 << 30)  # used_bytes <= the data file's size
-
-
 def discard_keys(path: str | os.PathLike[str], keys: Iterable[bytes], *,
                  only_bad: bool = False) -> int:
-    """Delete ``keys`` through a writable ``DiskTier``: each batch of DISCARD_BATCH is one write
-    transaction that deletes data, meta and lru records and lowers ``used_bytes``.
+    """Delete ``keys`` (``store.deletes``): each batch of DISCARD_BATCH is one write transaction
+    that deletes data, meta and lru records and lowers ``used_bytes``.
 
     ``only_bad``: delete a key only if its entry is still bad inside that transaction (``verify
     --fix`` on a live store: a writer may have replaced a bad value with a good one since).
-    Returns the number of keys deleted. Raises ``StoreOpenError`` if the store cannot be opened
-    for writing, ``FeatCacheError`` if a transaction failed (the disk tier counts it).
+    Returns the number of entries deleted. Raises ``StoreOpenError`` if the store cannot be
+    opened for writing, ``FeatCacheError`` if a transaction failed (some entries remain).
     """
-    todo = list(keys)
-    kind: Literal["discard", "discard_bad"] = "discard_bad" if only_bad else "discard"
-    tier = DiskTier(path, maintenance_budget(path))
-    try:
-        for start in range(0, len(todo), DISCARD_BATCH):
-            tier.write_batch([DiskOp(kind, k) for k in todo[start : start + DISCARD_BATCH]])
-        stats = tier.stats()
-        errors = stats["errors"]
-        deleted = stats.get("bad_deleted", 0) if only_bad else len(todo)
-    finally:
-        tier.close()
-    if errors:
-        raise FeatCacheError(
-            f"{errors} write transaction(s) on {os.fspath(path)!r} failed (see the log above); "
-            "some entries may remain"
-        )
-    return deleted
+    return delete_entries(path, list(keys), only_bad=only_bad, batch=DISCARD_BATCH)
 
 
 def purge_foreign_store(path: str | os.PathLike[str]) -> str:
@@ -142,8 +118,6 @@ def compact(view: StoreView, dest: str | os.PathLike[str]) -> None:
 def _copy_key_secret(source: str, target: str) -> None:
     """The store's key secret goes with its entries: without it the copy's keys would all miss
     (``featcache.keysecret``; copied as bytes, 0600, never printed)."""
-    from ..keysecret import SECRET_FILE
-
     path = os.path.join(source, SECRET_FILE)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
