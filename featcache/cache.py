@@ -8,7 +8,9 @@ loops over them and names none.
 
 Data flow:
 - ``put`` stores the tensor in the top (device) tier (no copy) and queues it for write-through to
-  every tier below that fits it (``Demoter``); it never waits for a copy or a write.
+  every tier below that fits it (``Demoter``); it never waits for a copy or a write. Past a
+  queue's bound the write-through is dropped (counted), unless the put blocks (``block=True``, or
+  inside ``blocking_puts()``): then it waits for room in every bounded queue on the way down.
 - ``get`` looks in the top tier, then in what is still on its way down, then in each tier below,
   in order: first in what its writer still has queued for the key (a put is served; a queued
   delete means the tier's value is stale: the tier is skipped), then in the tier. A hit below is
@@ -40,6 +42,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
@@ -93,6 +96,8 @@ class FeatureCache:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._closed = False
+        self._blocking = 0  # open blocking_puts() contexts: puts that do not say block= wait
+        self._blocking_lock = threading.Lock()
         # how keys are made, under the store's secret: kept across fork (the store's file, read once)
         self.hasher: KeyHasher = hasher_for(self.config)
         self._build()
@@ -131,8 +136,22 @@ class FeatureCache:
         return self.hasher.client_key(image_id, namespace=namespace, params=params)
 
     def put(self, key: bytes, features: torch.Tensor, meta: bytes | None = None, *,
-            namespace: str | None = None) -> None:
-        """Store ``features`` under ``key``; returns at once (lower tiers fill in the background).
+            namespace: str | None = None, block: bool | None = None) -> None:
+        """Store ``features`` under ``key``; returns at once, unless ``block`` (lower tiers fill in
+        the background).
+
+        ``block``: what happens when the background work falls behind. False (the default,
+        outside ``blocking_puts()``): the put never waits; past ``demote_queue_entries`` queued
+        copies or ``disk_queue_entries`` (``remote_queue_entries``) pending writes, the entry is
+        not written down and that is counted (``stats()[tier]["drops"]``): right for a server,
+        whose request path must not wait for a disk. True: the put waits for room in the copy
+        queue, and the background copy waits for room in each lower tier's queue, so no entry is
+        dropped on its way down (a script that fills a store; ``flush()`` then waits for the
+        writes). It waits as long as the writes take (no timeout); it does not wait when called
+        from the cache's own background threads, nor once the cache is closing (then the entry
+        is dropped and counted as with False). An entry larger than a tier's budget still skips
+        that tier, and the host tier, a cache of its own, may still skip one while every block
+        is busy. None: True inside ``with cache.blocking_puts():``, else False.
 
         ``meta``: optional small bytes (at most 64 KiB) stored and served with the tensor
         (``Lease.meta``). An entry larger than a tier's budget skips that tier; larger than all,
@@ -161,16 +180,28 @@ class FeatureCache:
             self._remove(key)  # replaced by nothing: the old value must not be served
             return
         self._count("puts")
-        fence = self._copier.producer_fence()
-        with self._lookup.order:  # every tier sees the puts and discards of a key in one order
-            self._lookup.invalidate(key)
-            if not (to_top and top.put(key, Entry(tensor, fence, meta=meta_bytes))):
-                top.discard(key)
-            if self._demoter is not None:
-                if to:  # the host entry now, the lower tiers' values in order
-                    self._demoter.submit(key, tensor, fence, meta_bytes, to)
-                else:
-                    self._demoter.cancel(key)
+        if block is None:
+            block = self._blocking > 0
+        demoter = self._demoter
+        # room in the copy queue is waited for before any lock is taken: the demotion thread,
+        # which makes room, takes them
+        reserved = block and bool(to) and demoter is not None and demoter.reserve(wait=True)
+        try:
+            fence = self._copier.producer_fence()
+            with self._lookup.order:  # every tier sees the puts and discards of a key in one order
+                self._lookup.invalidate(key)
+                if not (to_top and top.put(key, Entry(tensor, fence, meta=meta_bytes))):
+                    top.discard(key)
+                if demoter is not None:
+                    if to:  # the host entry now, the lower tiers' values in order
+                        used, reserved = reserved, False  # submit uses the room up either way
+                        demoter.submit(key, tensor, fence, meta_bytes, to, reserved=used,
+                                       block=block)
+                    else:
+                        demoter.cancel(key)
+        finally:
+            if reserved and demoter is not None:  # raised before the room was used
+                demoter.unreserve()
 
     def get(self, key: bytes) -> torch.Tensor | None:
         """The features stored under ``key`` on the cache's device, bit-identical, or None.
@@ -187,13 +218,14 @@ class FeatureCache:
         return entry.tensor
 
     def get_or_compute(self, key: bytes, compute: Callable[[], torch.Tensor],
-                       meta: bytes | None = None, *, namespace: str | None = None) -> torch.Tensor:
+                       meta: bytes | None = None, *, namespace: str | None = None,
+                       block: bool | None = None) -> torch.Tensor:
         """The features under ``key`` (``get``), else ``compute()``'s, which are ``put`` (with
-        ``meta`` and ``namespace``) and returned: the "get, else compute and put" pattern, with one
-        computation per miss in this process. Callers that ask for a key while another computes
-        it wait for that computation and return its result; if it raises, each of them raises
-        that exception and nothing is stored (a later call computes again). A hit returns the
-        tensor on the cache's device; a computed one is what ``compute`` returned.
+        ``meta``, ``namespace`` and ``block``: ``put``'s) and returned: the "get, else compute and
+        put" pattern, with one computation per miss in this process. Callers that ask for a key
+        while another computes it wait for that computation and return its result; if it raises,
+        each of them raises that exception and nothing is stored (a later call computes again). A
+        hit returns the tensor on the cache's device; a computed one is what ``compute`` returned.
         """
         found = self.get(key)
         if found is not None:
@@ -204,10 +236,24 @@ class FeatureCache:
             value = self.get(key) if key in self else None
             if value is None:
                 value = compute()
-                self.put(key, value, meta, namespace=namespace)
+                self.put(key, value, meta, namespace=namespace, block=block)
             return value
 
         return self._flights.run(key, fill)
+
+    @contextlib.contextmanager
+    def blocking_puts(self) -> Iterator[FeatureCache]:
+        """``with cache.blocking_puts():`` -- meanwhile every ``put`` and ``get_or_compute`` that
+        does not say ``block=``, from any thread, blocks as with ``block=True``: for a batch job
+        whose puts are made by code it does not call itself (``featcache warm``: lmdeploy's engine
+        puts through featcache's model hook). Contexts nest; outside them the default is back."""
+        with self._blocking_lock:
+            self._blocking += 1
+        try:
+            yield self
+        finally:
+            with self._blocking_lock:
+                self._blocking -= 1
 
     def acquire(self, key: bytes) -> Lease | None:
         """Like ``get``, but the entry is pinned in the top tier until ``Lease.release()``."""

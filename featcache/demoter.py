@@ -10,11 +10,18 @@ Every entry put in the cache is copied down (write-through) in the background:
             queue order (one LMDB transaction per batch for the disk; chunks then the head for
             the remote)
 
-Overload policy: a put over a queue's limit is dropped instead of blocking ``put`` (counted as a
-drop on every tier it was headed for: ``Tier.count_drops``; the entry stays in the tiers above).
-A lower tier's queue is unbounded, but holds at most its ``max_puts`` pending puts (the config's
-``disk_queue_entries``, ``remote_queue_entries``); discards are tiny and always queued; touches
-are skipped past ``TierWriter.TOUCH_QUEUE_LIMIT`` queued jobs.
+Overload policy: by default a put over a queue's limit is dropped instead of blocking ``put``
+(counted as a drop on every tier it was headed for: ``Tier.count_drops``; the entry stays in the
+tiers above). A lower tier's queue is unbounded, but holds at most its ``max_puts`` pending puts
+(the config's ``disk_queue_entries``, ``remote_queue_entries``); discards are tiny and always
+queued; touches are skipped past ``TierWriter.TOUCH_QUEUE_LIMIT`` queued jobs.
+
+A blocking put (``put(..., block=True)``, for batch jobs that fill a store) waits instead: the
+caller for room in the demote queue (``reserve``, before it takes any lock), then the demotion
+thread, with no lock held, for room in each lower tier's queue (``TierWriter.reserve``) before it
+hands the entry down. Each bound is a ``Room`` (a condition variable: no polling). Nothing waits
+for its own thread (a put from a background thread does not block), and a stopped or dead thread
+closes its rooms, which ends every wait on them (the put is then dropped and counted, as today).
 
 Invariants:
 - an exact tier (``Rules.exact``: the disk) never keeps a value older than the last put or discard
@@ -48,7 +55,7 @@ from .chain import Slot
 from .copier import Copier, owned_empty
 from .hostpool import Block
 from .tiers.base import Entry, StagingTier
-from .writer import TierWriter, Worker
+from .writer import Room, TierWriter, Worker
 
 
 @dataclass(eq=False)
@@ -58,6 +65,7 @@ class _Demotion:
     fence: Any  # producer's event
     meta: bytes
     to: tuple[Slot, ...]  # the tiers below the top it fits (the exact others delete the key)
+    block: bool = False  # wait for room in the lower tiers' queues instead of dropping
     cancelled: bool = False  # set under the demoter's lock by a later put or a discard of key
 
 
@@ -75,21 +83,38 @@ class Demoter(Worker):
             slot.writer for slot in self.written if slot.writer is not None)
         self._pending: dict[bytes, _Demotion] = {}
         self._lock = threading.Lock()
-        super().__init__("featcache-demoter", max(1, maxsize))
+        self._room = Room(maxsize)  # jobs queued, not yet taken by the thread
+        super().__init__("featcache-demoter", 0)
+
+    def reserve(self, wait: bool = False) -> bool:
+        """Take room for one job in the queue, waiting for it with ``wait`` (call it holding no
+        lock of the cache's: the thread that makes room takes them); the next ``submit(...,
+        reserved=True)`` uses it. False if there is none (without ``wait``) or the demoter is
+        stopped or dead. Never waits in the demoter's or a writer's thread (``wait`` is ignored
+        there: they are the ones that make room)."""
+        return self._room.take(wait and not self.runs_current_thread())
+
+    def unreserve(self) -> None:
+        self._room.give()
 
     def submit(
         self, key: bytes, tensor: torch.Tensor, fence: Any, meta: bytes, to: tuple[Slot, ...],
+        *, reserved: bool = False, block: bool = False,
     ) -> bool:
         """Queue ``tensor`` for the tiers ``to`` (slots below the top that fit it), replacing what
         every tier below holds for ``key`` (the host entry goes now; a lower tier's value when
-        the put lands there). False if the queue is full: the job is dropped (counted on each
-        tier of ``to``) and the key deleted from the host and every exact tier."""
-        job = _Demotion(key, tensor, fence, meta, to)
+        the put lands there). False if the queue is full (and no room was ``reserved``): the job
+        is dropped (counted on each tier of ``to``) and the key deleted from the host and every
+        exact tier. ``block``: the demotion thread waits for room in the lower tiers' queues
+        instead of dropping there."""
+        job = _Demotion(key, tensor, fence, meta, to, block)
         with self._lock:
             self._cancel(key)
-            if self._offer(job):
-                self._pending[key] = job
-                return True
+            if reserved or self._room.take():
+                if self._offer(job):
+                    self._pending[key] = job
+                    return True
+                self._room.give()
             self._delete_below(key)
         for slot in to:
             slot.tier.count_drops()
@@ -124,19 +149,30 @@ class Demoter(Worker):
             job = self._pending.get(key)
             return None if job is None else Entry(job.tensor, job.fence, meta=job.meta)
 
+    def _ended(self) -> None:
+        self._room.close()
+
     def _handle(self, job: _Demotion) -> None:
+        self._room.give()  # off the queue: room for the next one
         handed = False
+        held: list[TierWriter] = []  # writers with room reserved for this job, until it is used
         try:
-            handed = self._demote(job)
+            if job.block:  # no lock held: each writer's thread makes room on its own
+                held = [slot.writer for slot in job.to
+                        if slot.writer is not None and slot.writer.reserve(wait=True)]
+            handed = self._demote(job, held)
         finally:
+            for writer in held:
+                writer.unreserve()
             with self._lock:
                 if self._pending.get(job.key) is job:
                     del self._pending[job.key]
                 if not handed and not job.cancelled:
                     self._delete_below(job.key)  # the put reached no exact tier: no older value
 
-    def _demote(self, job: _Demotion) -> bool:
-        """Copy the job down; True if it was handed to the tiers below (or cancelled)."""
+    def _demote(self, job: _Demotion, held: list[TierWriter]) -> bool:
+        """Copy the job down; True if it was handed to the tiers below (or cancelled). ``held``:
+        the writers with room reserved for it; emptied once handing down has used that room."""
         tensor = job.tensor
         nbytes = tensor.nbytes
         staging = self.staging
@@ -178,7 +214,8 @@ class Demoter(Worker):
                 staging.put(job.key, host_entry)
             for slot in written:
                 assert slot.writer is not None
-                slot.writer.submit(job.key, host_entry)
+                slot.writer.submit(job.key, host_entry, reserved=slot.writer in held)
+            held.clear()
             self._delete_below(job.key, but=written)  # the exact tiers the put does not fit
         return True
 

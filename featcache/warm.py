@@ -5,8 +5,11 @@ a one-token request whose image is a local file: the key is the one a server com
 same file sent as a file path or a base64 data URL (keys of encoded images are digests of their
 bytes, the model's namespace and the per-image parameters), so ``featcache serve`` over the same
 cache directory with the same ``--dtype`` and parameters serves them from disk. Images already
-cached are not computed again. The store is flushed to disk before ``warm_images`` returns. The
-command line is ``featcache.cli.serving``'s.
+cached are not computed again. No write is dropped: the puts (made by featcache's model hook in
+lmdeploy's engine) run inside ``cache.blocking_puts()``, so when the disk falls behind they wait
+for room in the write-through queues instead of dropping the entry, as a server's puts do. The
+store is flushed to disk before ``warm_images`` returns. The command line is
+``featcache.cli.serving``'s.
 """
 
 from __future__ import annotations
@@ -84,8 +87,9 @@ def warm_images(model: str, cache: FeatureCache, paths: list[str], *, params: di
                 dtype: str = "auto", batch: int = 8,
                 progress: Callable[[int, int], None] | None = None) -> WarmReport:
     """Run ``model``'s vision model over ``paths`` in batches of ``batch``, storing features in
-    ``cache`` (the caller's: it stays open, flushed). An image that fails is reported, not raised;
-    ``progress(done, bytes)`` is called after each batch."""
+    ``cache`` (the caller's: it stays open, flushed). Its puts block for queue room meanwhile
+    (``blocking_puts``): every computed feature reaches the disk. An image that fails is
+    reported, not raised; ``progress(done, bytes)`` is called after each batch."""
     from lmdeploy import GenerationConfig, PytorchEngineConfig
 
     from .lmdeploy import SECTION, pipeline  # (here: collect and parse_params need no torch)
@@ -97,20 +101,21 @@ def warm_images(model: str, cache: FeatureCache, paths: list[str], *, params: di
     start = time.perf_counter()
     done = nbytes = 0
     try:
-        for i in range(0, len(paths), batch):
-            chunk = paths[i:i + batch]
-            try:
-                pipe([request(p, params) for p in chunk], gen_config=gen)
-            except Exception:  # one bad file fails its batch: find it, keep the others
-                for p in chunk:
-                    try:
-                        pipe([request(p, params)], gen_config=gen)
-                    except Exception as e:
-                        failed.append(f"{p}: {type(e).__name__}: {e}")
-            done += len(chunk)
-            nbytes += sum(os.path.getsize(p) for p in chunk)
-            if progress is not None:
-                progress(done, nbytes)
+        with cache.blocking_puts():  # no write dropped: wait for the disk instead
+            for i in range(0, len(paths), batch):
+                chunk = paths[i:i + batch]
+                try:
+                    pipe([request(p, params) for p in chunk], gen_config=gen)
+                except Exception:  # one bad file fails its batch: find it, keep the others
+                    for p in chunk:
+                        try:
+                            pipe([request(p, params)], gen_config=gen)
+                        except Exception as e:
+                            failed.append(f"{p}: {type(e).__name__}: {e}")
+                done += len(chunk)
+                nbytes += sum(os.path.getsize(p) for p in chunk)
+                if progress is not None:
+                    progress(done, nbytes)
         cache.flush()
         stats = cache.stats()
     finally:

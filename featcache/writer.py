@@ -2,9 +2,11 @@
 (``TierWriter``, one class for every tier below the host: disk, remote, ...).
 
 A ``TierWriter`` owns one thread and one queue. Its queue is unbounded, but at most ``max_puts``
-puts are pending (queued or being written) at a time: a put over the limit is dropped and
-counted on the tier (``Tier.count_drops``). Discards are tiny and always queued; touches (hits,
-for a tier that records recency in writes) are skipped while ``TOUCH_QUEUE_LIMIT`` jobs are queued.
+puts are pending (queued or being written) at a time (its ``Room``): a put over the limit is
+dropped and counted on the tier (``Tier.count_drops``), unless room for it was reserved first
+(``reserve(wait=True)``: the demoter does so for a ``put(..., block=True)``, waiting for room
+instead of dropping). Discards are tiny and always queued; touches (hits, for a tier that records
+recency in writes) are skipped while ``TOUCH_QUEUE_LIMIT`` jobs are queued.
 The thread hands the tier batches of up to ``batch_entries`` jobs (``WrittenTier.write``), in
 queue order, each put after its host copy is done.
 
@@ -34,8 +36,45 @@ log = logging.getLogger("featcache")
 _STOP = object()
 
 
+class Room:
+    """At most ``limit`` items admitted at a time: the bound of a queue whose producers either
+    drop when it is full (``take()`` is False) or wait for room (``take(wait=True)``). No polling:
+    a waiter sleeps on a condition variable that ``give`` and ``close`` notify. After ``close``
+    (its consumer stopped or died) every ``take`` fails at once and every waiter wakes and fails,
+    so no producer waits for a thread that will never make room."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self._used = 0
+        self._closed = False
+        self._cond = threading.Condition(threading.Lock())
+
+    def take(self, wait: bool = False) -> bool:
+        """Admit one item; False if the room is full (without ``wait``) or closed."""
+        with self._cond:
+            if wait:
+                self._cond.wait_for(lambda: self._used < self.limit or self._closed)
+            if self._closed or self._used >= self.limit:
+                return False
+            self._used += 1
+            return True
+
+    def give(self) -> None:
+        """An admitted item left (taken off the queue, written, or not queued after all)."""
+        with self._cond:
+            self._used -= 1
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
 class Worker:
-    """A daemon thread draining a queue (bounded if ``maxsize`` > 0); shared plumbing."""
+    """A daemon thread draining a queue (bounded if ``maxsize`` > 0); shared plumbing. A
+    subclass whose producers may wait for room closes its ``Room`` in ``_ended`` (called when the
+    worker is stopped and when its thread ends, however it ends)."""
 
     def __init__(self, name: str, maxsize: int) -> None:
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=maxsize)
@@ -66,6 +105,12 @@ class Worker:
             return False
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._ended()  # nobody may wait for room this thread would make
+
+    def _loop(self) -> None:
         while True:
             item = self._queue.get()
             try:
@@ -85,6 +130,9 @@ class Worker:
             finally:
                 self._queue.task_done()
 
+    def _ended(self) -> None:
+        """The worker takes no more work (stopping, or its thread ended): end every wait for room."""
+
     def _failed(self) -> None:
         """Count the exception being handled; log the first one."""
         self.errors += 1
@@ -100,6 +148,7 @@ class Worker:
             self._queue.join()
 
     def stop(self) -> None:
+        self._ended()
         if self.alive:
             self._queue.put(_STOP)
             self._thread.join()
@@ -118,22 +167,33 @@ class TierWriter(Worker):
         self.tier = tier
         self._copier = copier
         self._pool = pool  # the host pool whose blocks pending puts reference, if any
-        self._max_puts = max(1, max_puts)
+        self._room = Room(max_puts)  # puts queued or being written
         self._batch_entries = max(1, batch_entries)
         self._exact = exact
-        self._puts = 0  # puts queued or being written
         self._latest: dict[bytes, Op] = {}  # key -> its last queued put or discard
         self._lock = threading.Lock()
         super().__init__(name, 0)
 
-    def submit(self, key: bytes, entry: Entry) -> bool:
+    def reserve(self, wait: bool = False) -> bool:
+        """Take room for one put, waiting for it with ``wait`` (never from this writer's own
+        thread: it is the one that makes room); the next ``submit(..., reserved=True)`` uses it,
+        or ``unreserve()`` gives it back. False if there is none (without ``wait``) or the
+        writer is stopped or dead."""
+        return self._room.take(wait)
+
+    def unreserve(self) -> None:
+        self._room.give()
+
+    def submit(self, key: bytes, entry: Entry, *, reserved: bool = False) -> bool:
         """Queue a put of ``entry`` (the writer takes over its block reference); False if dropped
-        (counted; for an exact tier a discard of ``key`` is queued instead)."""
+        (counted; for an exact tier a discard of ``key`` is queued instead). ``reserved``: room
+        was taken by ``reserve``; this call uses it up either way."""
         job = Op("put", key, entry)
         with self._lock:
-            if self._puts < self._max_puts and self._enqueue(job):
-                self._puts += 1
-                return True
+            if reserved or self._room.take():
+                if self._enqueue(job):
+                    return True
+                self._room.give()
             if self._exact:
                 self._enqueue(Op("discard", key))
         self._release(job)
@@ -183,6 +243,9 @@ class TierWriter(Worker):
                 assert self._pool is not None
                 self._pool.retain(job.entry.block)
             return True, job.entry
+
+    def _ended(self) -> None:
+        self._room.close()
 
     def _handle(self, item: Op) -> None:
         batch = [item]
@@ -234,9 +297,8 @@ class TierWriter(Worker):
         with self._lock:
             if self._latest.get(job.key) is job:
                 del self._latest[job.key]
-            if job.kind == "put":
-                self._puts -= 1
         if job.kind == "put":
+            self._room.give()
             self._release(job)
 
     def _release(self, job: Op) -> None:
