@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -13,7 +14,8 @@ import pytest
 import torch
 
 from featcache import FeatureCache, metrics
-from featcache.cli import main
+from featcache.cli import main, scrape
+from featcache.errors import FeatCacheError
 
 
 @pytest.fixture
@@ -88,15 +90,78 @@ def test_the_exported_gauges_say_the_same(server):
     assert f"featcache_hit_ratio {6 / 7}" in text and "featcache_lmdeploy_hit_ratio 0.75" in text
 
 
+def _numbers(doc, path=""):
+    """(path, value) of every number in a JSON document."""
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from _numbers(v, f"{path}.{k}")
+    elif isinstance(doc, (int, float)) and not isinstance(doc, bool):
+        yield path, doc
+
+
+def test_stats_url_json_counts_are_integers(server, capsys):
+    """The exposition format writes counters as floats (6.0); --json gives counts as integers,
+    only the ratios are fractions (issue 29 item 7)."""
+    for page in ("/metrics", "/mp"):
+        assert main(["stats", "--url", server + page, "--json"]) == 0
+        out = capsys.readouterr().out
+        numbers = list(_numbers(json.loads(out)))
+        assert len(numbers) > 10
+        for path, value in numbers:
+            assert isinstance(value, int) or path.endswith("hit_ratio"), (path, value)
+
+
+@pytest.fixture
+def not_http():
+    """A TCP server that answers every connection with a line that is not HTTP."""
+    sock = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"-ERR unknown command\r\n")
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    sock.close()
+
+
 @pytest.mark.parametrize("args,code,words", [
     (["--url", "ftp://x"], 2, "not an http(s) address"),
-    (["--url", "http://127.0.0.1:1"], 1, "Connection refused"),
-    (["--url", "{server}/other"], 1, "no featcache metrics"),
+    (["--url", "http://localhost:port"], 2, "'http://localhost:port' is not an http(s) address"),
+    (["--url", "http://[::1"], 2, "is not an http(s) address"),
+    (["--url", "http://127.0.0.1:1"], 1, "cannot reach http://127.0.0.1:1/metrics (Connection "
+     "refused): check that featcache serve runs there and listens on that host and port"),
+    (["--url", "{server}/nope"], 1, "{server}/nope answered HTTP 404"),
+    (["--url", "{not_http}"], 1, "{not_http}/metrics did not answer as an HTTP server"),
+    (["--url", "{server}/other"], 1, "no featcache metrics at {server}/other: check that"),
     (["DIR", "--url", "{server}"], 2, "without DIR"),
 ])
-def test_stats_url_failures_are_one_line(server, args, code, words):
-    argv = [a.replace("{server}", server) for a in args]
+def test_stats_url_failures_are_one_line(server, not_http, args, code, words):
+    def fill(text):
+        return text.replace("{server}", server).replace("{not_http}", not_http)
+
+    argv = [fill(a) for a in args]
+    words = fill(words)
     r = subprocess.run([sys.executable, "-m", "featcache", "stats", *argv], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == code and words in r.stderr, r.stderr
     assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr
+
+
+def test_a_server_that_does_not_answer_is_named_with_the_time_waited():
+    sock = socket.create_server(("127.0.0.1", 0), backlog=8)  # listens, never accepts
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        with pytest.raises(FeatCacheError) as e:
+            scrape.server_stats(url, timeout_s=0.3)
+    finally:
+        sock.close()
+    message = str(e.value)
+    assert message.startswith(f"no answer from {url}/metrics in 0.3 s: check that featcache serve "
+                              "runs there"), message

@@ -10,6 +10,8 @@ processes (lmdeploy's mp engine, tp > 1) the server exports each model process's
 
 from __future__ import annotations
 
+import http.client
+import math
 import re
 import urllib.parse
 from typing import Any
@@ -23,25 +25,34 @@ _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 def metrics_url(url: str) -> str:
     """``url`` with ``/metrics`` when it names no path; http(s) only (``UsageError`` else)."""
-    parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise UsageError(f"--url: {url!r} is not an http(s) address like http://HOST:PORT")
+    usage = f"--url: {url!r} is not an http(s) address like http://HOST:PORT"
+    try:
+        parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+    except ValueError:  # e.g. an unclosed [IPv6 address
+        raise UsageError(usage) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UsageError(usage)
     return urllib.parse.urlunsplit(parts._replace(path=parts.path if parts.path not in ("", "/")
                                                   else "/metrics"))
 
 
 def parse(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """The ``featcache_*`` samples of a Prometheus text page: (name, labels, value)."""
-    out = []
+    """The ``featcache_*`` samples of a Prometheus text page: (name, labels, value). A whole
+    value is an ``int`` (the exposition format writes counters as floats: ``3.0``), so that
+    counts stay integers in ``--json``; a value that is not a finite number is skipped."""
+    out: list[tuple[str, dict[str, str], float]] = []
     for line in text.splitlines():
         m = _SAMPLE.match(line)
         if m is None:
             continue
         labels = dict(_LABEL.findall(m.group(2) or ""))
         try:
-            out.append((m.group(1), labels, float(m.group(3))))
+            value = float(m.group(3))
         except ValueError:
             continue
+        if math.isfinite(value):
+            out.append((m.group(1), labels, int(value) if value.is_integer() else value))
     return out
 
 
@@ -93,17 +104,41 @@ def _summary(samples: list[tuple[str, dict[str, str], float]]) -> dict[str, Any]
 
 
 def server_stats(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
-    """``summary`` of the page at ``url`` (``metrics_url``). Raises ``OSError`` when the server
-    cannot be read, ``FeatCacheError`` when the page holds no featcache metrics."""
+    """``summary`` of the page at ``url`` (``metrics_url``). Raises ``FeatCacheError`` naming
+    the address and what to check when the server cannot be read, or its page holds no featcache
+    metrics."""
     target = metrics_url(url)
-    import urllib.request  # (here: ~20 ms of imports, only for --url)
-
-    with urllib.request.urlopen(target, timeout=timeout_s) as response:  # noqa: S310 - http(s) only
-        text = response.read().decode("utf-8", "replace")
+    text = _fetch(target, timeout_s)
     samples = parse(text)
     if not samples:
-        raise FeatCacheError(f"no featcache metrics at {target} (a featcache serve with metrics on?)")
+        raise FeatCacheError(f"no featcache metrics at {target}: check that it is a featcache "
+                             "serve's address and that it runs without --disable-metrics")
     return dict(url=target, **summary(samples))
+
+
+def _fetch(target: str, timeout_s: float) -> str:
+    """The page at ``target``; ``FeatCacheError`` with the address and what to check if it
+    cannot be read."""
+    import urllib.error  # (here: ~20 ms of imports, only for --url)
+    import urllib.request
+
+    check = "check that featcache serve runs there and listens on that host and port"
+    try:
+        with urllib.request.urlopen(target, timeout=timeout_s) as response:  # noqa: S310 - http(s)
+            return str(response.read().decode("utf-8", "replace"))
+    except urllib.error.HTTPError as e:
+        raise FeatCacheError(
+            f"{target} answered HTTP {e.code} {e.reason}: check the address (a featcache serve "
+            "answers at /metrics, the path --url takes by default)") from None
+    except urllib.error.URLError as e:  # refused, no such host, TLS, ...
+        why = e.reason.strerror if isinstance(e.reason, OSError) and e.reason.strerror else e.reason
+        raise FeatCacheError(f"cannot reach {target} ({why}): {check}") from None
+    except TimeoutError:
+        raise FeatCacheError(f"no answer from {target} in {timeout_s:g} s: {check}") from None
+    except (http.client.HTTPException, OSError) as e:  # not an HTTP server, connection reset
+        said = " ".join(str(e).split())[:80]  # what it sent may span lines: one line, short
+        raise FeatCacheError(f"{target} did not answer as an HTTP server "
+                             f"({type(e).__name__}{': ' + said if said else ''}): {check}") from None
 
 
 def lines(doc: dict[str, Any]) -> list[str]:
