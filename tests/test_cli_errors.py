@@ -20,6 +20,9 @@ from featcache.store.files import NO_LOCK_HINT, StorePermissionError
 ROOT = Path(__file__).resolve().parent.parent
 CUDA = torch.cuda.is_available()
 no_cuda = pytest.mark.skipif(CUDA, reason="the case is a machine without CUDA")
+# warm checks the GPU before the model (issue 29 item 3): its model errors come after it (on a
+# CPU machine tests/test_cli_surface.py runs them past the GPU check)
+on_cuda = pytest.mark.skipif(not CUDA, reason="warm checks the GPU first")
 
 
 def featcache(tmp_path: Path, *argv: str, missing: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
@@ -49,10 +52,11 @@ CASES = [
     pytest.param("serve-without-cuda", ["serve", "{tmp}"], (), 1, "needs a CUDA GPU", marks=no_cuda),
     pytest.param("warm-without-cuda", ["warm", "{tmp}", "{img}"], (), 1, "needs a CUDA GPU",
                  marks=no_cuda),
-    ("warm-missing-model-path", ["warm", "{tmp}/no/such/model", "{img}"], (), 1,
-     "no such model directory"),
-    ("warm-unreachable-hub-id", ["warm", "nobody-xyz/no-such-model", "{img}"], (), 1,
-     "cannot get the model 'nobody-xyz/no-such-model' from the Hugging Face hub"),
+    pytest.param("warm-missing-model-path", ["warm", "{tmp}/no/such/model", "{img}"], (), 1,
+                 "no such model directory", marks=on_cuda),
+    pytest.param("warm-unreachable-hub-id", ["warm", "nobody-xyz/no-such-model", "{img}"], (), 1,
+                 "cannot get the model 'nobody-xyz/no-such-model' from the Hugging Face hub",
+                 marks=on_cuda),
     ("warm-missing-image", ["warm", "{tmp}", "{tmp}/missing.png"], (), 2, "no such file"),
     ("stats-remote-without-redis", ["stats", "--remote-url", "redis://127.0.0.1:1"], ("redis",), 1,
      "pip install 'featcache[remote]'"),
@@ -69,6 +73,10 @@ CASES = [
                  "--device cuda: no CUDA device here", marks=no_cuda),
     ("demo-device-tpu", ["demo", "--device", "tpu"], (), 2, "invalid choice: 'tpu'"),
     ("demo-cache-dir-is-a-file", ["demo", "--cache-dir", "{img}"], (), 2, "is a file, not a directory"),
+    # a name that is not UTF-8 (its bytes kept as surrogates), which LMDB cannot open (issue 29)
+    ("demo-cache-dir-not-utf8", ["demo", "--cache-dir", "{tmp}/d\udcff"], (), 2,
+     "/d\\xff' is not UTF-8, and LMDB opens UTF-8 paths only"),
+    ("stats-dir-not-utf8", ["stats", "{tmp}/s\udcff"], (), 1, "is not UTF-8"),
 ]
 
 

@@ -80,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # The optional dependencies a command may need: the module, and the extra that installs it.
-EXTRAS = {"lmdeploy": "lmdeploy", "redis": "remote", "prometheus_client": "metrics", "PIL": "image"}
+# huggingface_hub comes with lmdeploy (through transformers): serve and warm look models up with it.
+EXTRAS = {"lmdeploy": "lmdeploy", "huggingface_hub": "lmdeploy", "redis": "remote",
+          "prometheus_client": "metrics", "PIL": "image"}
 
 
 def run(command: Command, args: argparse.Namespace) -> int:

@@ -8,7 +8,9 @@ commands is ``featcache.cli.COMMANDS``.
 from __future__ import annotations
 
 import argparse
+import math
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -79,7 +81,10 @@ def parse_age(text: str) -> float:
     match = _AGE.match(text)
     if match is None:
         raise argparse.ArgumentTypeError(f"invalid age {text!r}: use a number and s, m, h, d or w (e.g. 7d)")
-    return float(match.group(1)) * _AGE_UNITS[match.group(2)]
+    seconds = float(match.group(1)) * _AGE_UNITS[match.group(2)]
+    if not math.isfinite(seconds):  # (a finite age beyond the epoch is fine: it matches nothing)
+        raise argparse.ArgumentTypeError(f"invalid age {text!r}: too large")
+    return seconds
 
 
 def hex_key(text: str) -> str:
@@ -99,10 +104,11 @@ def _int_at_least(text: str, low: int) -> int | None:
 
 
 def limit(text: str) -> int:
+    """A count of entries, >= 0; one past any store's size (``sys.maxsize``) means all of them."""
     value = _int_at_least(text, 0)
     if value is None:
         raise argparse.ArgumentTypeError(f"invalid limit {text!r}: a number >= 0 (0: no limit)")
-    return value
+    return min(value, sys.maxsize)
 
 
 def at_least_one(text: str) -> int:

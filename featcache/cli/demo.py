@@ -6,7 +6,8 @@ import argparse
 import os
 
 from ..config import DEMO_TURNS
-from ..errors import FeatCacheError
+from ..errors import FeatCacheError, StoreOpenError
+from ..store.files import check_path_encoding
 from .command import EXIT_OK, Command, UsageError, at_least_one, json_argument
 
 
@@ -21,6 +22,11 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
 def _demo(args: argparse.Namespace) -> int:
     if args.cache_dir and os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
         raise UsageError(f"--cache-dir {args.cache_dir!r} is a file, not a directory")
+    if args.cache_dir:
+        try:
+            check_path_encoding(args.cache_dir)  # before the demo makes anything there
+        except StoreOpenError as e:
+            raise UsageError(f"--cache-dir: {e}") from None
     if args.device == "cuda":
         import torch
 

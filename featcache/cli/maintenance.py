@@ -30,7 +30,7 @@ from .command import (
     store_dir_argument,
 )
 from .progress import ProgressBar
-from .render import when
+from .render import compact_advice, when
 
 
 # -- verify ------------------------------------------------------------------------------------------
@@ -151,7 +151,8 @@ def _purge(args: argparse.Namespace) -> int:
             victims = view.keys_where(lambda meta: namespace_of(meta) == ns)
             what = f"entries of namespace {ns}"
         else:
-            cutoff = time.time_ns() - int(args.older_than * 1e9)
+            # no stamp is older than the epoch: an age beyond it matches nothing, said as 1970
+            cutoff = max(0, time.time_ns() - int(args.older_than * 1e9))
             victims = view.keys_used_before(cutoff)
             what = f"entries last used before {when(cutoff)}"
     freed = sum(size for _, size in victims)
@@ -167,9 +168,12 @@ def _purge(args: argparse.Namespace) -> int:
     with StoreView(path) as view:
         left = view.summary()
     left_bytes = format_bytes(left.used_bytes) if left.used_bytes is not None else "?"
+    advice = compact_advice(left, path)
     _say(args, f"deleted {len(victims)} {what} ({format_bytes(freed)}); {left.entries} entries "
-         f"({left_bytes}) remain", **doc, dry_run=False, deleted=len(victims),
-         remaining_entries=left.entries, remaining_bytes=left.used_bytes)
+         f"({left_bytes}) remain" + (f"\n{advice}" if advice else ""),
+         **doc, dry_run=False, deleted=len(victims), remaining_entries=left.entries,
+         remaining_bytes=left.used_bytes, data_file_bytes=left.data_file_bytes,
+         reclaimable_bytes=left.reclaimable_bytes)
     return EXIT_OK
 
 

@@ -30,13 +30,19 @@ def when(ns: int | None) -> str:
     """A stamp in ns as local time, to the second; ``-`` for none."""
     if ns is None:
         return "-"
-    return datetime.fromtimestamp(ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        return datetime.fromtimestamp(ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
+    except (ValueError, OverflowError, OSError):  # past what datetime can show
+        return f"stamp {ns}"
 
 
 def iso(ns: int | None) -> str | None:
     if ns is None:
         return None
-    return datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).isoformat(timespec="milliseconds")
+    try:
+        return datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).isoformat(timespec="milliseconds")
+    except (ValueError, OverflowError, OSError):  # past what datetime can show
+        return None
 
 
 def exact_bytes(n: int) -> str:
@@ -157,6 +163,7 @@ def stats_doc(s: Summary, remote: dict[str, Any] | None) -> dict[str, Any]:
         },
         "last_use_ns": {"oldest": s.oldest_use_ns, "newest": s.newest_use_ns},
         "lmdb": {"map_size": s.map_size, "data_file_bytes": s.data_file_bytes,
+                 "live_bytes": s.live_bytes, "reclaimable_bytes": s.reclaimable_bytes,
                  "pages_bytes": s.pages_bytes, "page_size": s.page_size},
         "info": s.info,
         "process_counters": None,
@@ -179,8 +186,9 @@ def stats_lines(s: Summary, remote: dict[str, Any] | None) -> list[str]:
         ("in use", in_use),
         ("last use", f"oldest {when(s.oldest_use_ns)}, newest {when(s.newest_use_ns)}"),
         ("map size", f"{format_bytes(s.map_size)} (address space only)"),
-        ("data file", f"{format_bytes(s.data_file_bytes)}, pages in use {format_bytes(s.pages_bytes)}, "
-                      f"page {s.page_size} B"),
+        ("data file", f"{format_bytes(s.data_file_bytes)}, page {s.page_size} B"),
+        ("pages", f"{format_bytes(s.live_bytes)} live, {format_bytes(s.reclaimable_bytes)} free "
+                  "(later writes reuse free pages; `featcache compact` gives them back)"),
     ]
     lines = [f"{name:<10} {value}" for name, value in rows]
     lines += [
@@ -194,6 +202,23 @@ def stats_lines(s: Summary, remote: dict[str, Any] | None) -> list[str]:
         lines += ["", *remote_lines(remote)]
     lines += ["", f"note: {PER_PROCESS_NOTE}."]
     return lines
+
+
+# A compacted copy is worth a stop of the store's processes when it gives back this much of the
+# data file, and at least COMPACT_WORTH_BYTES (`purge` says so).
+COMPACT_WORTH_FRACTION = 0.25
+COMPACT_WORTH_BYTES = 8 << 20
+
+
+def compact_advice(s: Summary, path: str) -> str | None:
+    """What ``featcache compact`` would give back of the store ``s`` describes, when that is
+    worth saying (``COMPACT_WORTH_*``); None otherwise."""
+    free = s.reclaimable_bytes
+    if free < COMPACT_WORTH_BYTES or free < COMPACT_WORTH_FRACTION * s.data_file_bytes:
+        return None
+    return (f"the data file stays {format_bytes(s.data_file_bytes)} (LMDB reuses free pages but "
+            f"never shrinks its file): `featcache compact {path} DEST` would give back "
+            f"{format_bytes(free)}")
 
 
 def remote_lines(r: dict[str, Any]) -> list[str]:

@@ -130,7 +130,12 @@ def featcache_parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     rest = args.rest  # lmdeploy's options, in order
-    if not rest or "-h" in rest or "--help" in rest:
+    if not rest:  # argparse's way: the usage line, then one line saying what is wrong
+        print(featcache_parser().format_usage().rstrip(), file=sys.stderr)
+        print("featcache serve: error: MODEL is missing: give a model directory or a Hugging Face "
+              "hub id (featcache serve --help lists the options)", file=sys.stderr)
+        return EXIT_BAD
+    if "-h" in rest or "--help" in rest:
         logging.disable(logging.WARNING)  # lmdeploy logs warnings as it imports (optional modules)
         try:
             from ..serve import lmdeploy_parser
@@ -141,7 +146,7 @@ def _serve(args: argparse.Namespace) -> int:
         featcache_parser().print_help()
         print("\nlmdeploy serve api_server options:\n")
         parser.print_help()
-        return EXIT_OK if rest else EXIT_BAD
+        return EXIT_OK
     why = cuda_problem()  # before lmdeploy's parser, whose import logs warnings
     if why:
         print(f"featcache serve: error: {why}", file=sys.stderr)
@@ -231,9 +236,6 @@ def _warm_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _warm(args: argparse.Namespace) -> int:
-    from ..lmdeploy import default_cache  # lmdeploy and torch: only when warming
-    from ..warm import warm_images
-
     try:
         paths = collect(args.images, args.from_dir)
         params = parse_params(args.param)
@@ -244,7 +246,16 @@ def _warm(args: argparse.Namespace) -> int:
     if not paths:
         print("featcache warm: error: no images (give IMAGE files or --from-dir DIR)", file=sys.stderr)
         return EXIT_BAD
-    why = model_problem(args.model) or cuda_problem()
+    # The GPU first, as serve does: without one, nothing else matters, and the model's probe
+    # may spend half a minute retrying the hub (issue 29 item 3).
+    why = cuda_problem()
+    if why:
+        print(f"featcache warm: error: {why}", file=sys.stderr)
+        return EXIT_ERROR
+    from ..lmdeploy import default_cache  # lmdeploy: only when warming
+    from ..warm import warm_images
+
+    why = model_problem(args.model)
     if why:
         print(f"featcache warm: error: {why}", file=sys.stderr)
         return EXIT_ERROR

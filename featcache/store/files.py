@@ -31,10 +31,24 @@ class StorePermissionError(StoreOpenError):
     """This user may not read the store (or write its lock file, which a safe reader needs)."""
 
 
+def check_path_encoding(path: str) -> None:
+    """Refuse a path LMDB cannot open: py-lmdb encodes paths as UTF-8, and a name that is not
+    (``os.fsdecode`` keeps its bytes as surrogates) raises ``UnicodeEncodeError`` in it, after
+    whatever else was made in the directory. Raises ``StoreOpenError`` naming the bytes."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise StoreOpenError(
+            f"the path {os.fsencode(path)!r} is not UTF-8, and LMDB opens UTF-8 paths only: "
+            "use a directory whose path is UTF-8"
+        ) from None
+
+
 def prepare_store_dir(path: str, *, readonly: bool) -> None:
-    """Make sure ``path`` can hold the disk tier's store: it must exist when ``readonly``, else it
-    is created (0700) and must be writable. Then ``check_store_files``. Raises
-    ``StoreOpenError``."""
+    """Make sure ``path`` can hold the disk tier's store: its path must be UTF-8
+    (``check_path_encoding``); it must exist when ``readonly``, else it is created (0700) and
+    must be writable. Then ``check_store_files``. Raises ``StoreOpenError``."""
+    check_path_encoding(path)
     if readonly:
         if not os.path.isdir(path):
             raise StoreOpenError(f"no featcache store at {path!r}")
@@ -104,6 +118,7 @@ NO_LOCK_HINT = ", or add --no-lock if no process has the store open"
 def check_store_dir(path: str, *, lock: bool) -> None:
     """Raise the error a user can act on if ``path`` cannot hold a store a tool can read
     (``lock``: with LMDB's reader registration, which needs write access to ``lock.mdb``)."""
+    check_path_encoding(path)
     if not os.path.exists(path):
         raise StoreOpenError(f"no such directory: {path!r}")
     if not os.path.isdir(path):

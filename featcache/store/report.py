@@ -39,6 +39,10 @@ class Summary:
     ``capacity_bytes`` is the budget recorded in the store's ``info`` table, None when none is
     recorded (each process sets its own ``disk_bytes``; the store keeps only ``used_bytes``).
     ``in_use_by``: the pid of a process that has the store open, 0 when none, None if unknown.
+    Sizes of ``data.mdb``: ``data_file_bytes`` the file; ``pages_bytes`` its high-water mark
+    (LMDB's last page in use + 1: it never goes down); ``live_bytes`` the pages its B-trees hold
+    now (meta pages, tables); the rest, ``reclaimable_bytes``, is free pages, which later writes
+    reuse but only a compacted copy gives back to the file system (``featcache compact``).
     """
 
     path: str
@@ -52,9 +56,15 @@ class Summary:
     map_size: int
     data_file_bytes: int
     pages_bytes: int
+    live_bytes: int
     page_size: int
     in_use_by: int | None
     info: dict[str, int | str] = field(default_factory=dict)
+
+    @property
+    def reclaimable_bytes(self) -> int:
+        """What a compacted copy would give back: the data file less its live pages."""
+        return max(0, self.data_file_bytes - self.live_bytes)
 
 
 @dataclass

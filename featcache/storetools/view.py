@@ -51,7 +51,7 @@ from ..store.layout import (
     unpack_lru,
     unpack_meta,
 )
-from ..store.lmdbcheck import check_data_file
+from ..store.lmdbcheck import NUM_METAS, check_data_file
 from ..store.report import EntryInfo, Summary, VerifyReport, describe
 from ..store.scan import read_entry
 
@@ -117,6 +117,9 @@ class StoreView:
         info_env, stat = self._env.info(), self._env.stat()
         with self._env.begin() as txn:
             entries = int(txn.stat(self._tables.data)["entries"])
+            # the pages the B-trees hold now: the two meta pages, the main table (the names of
+            # the others) and every table; the rest of the file is free pages
+            live_pages = NUM_METAS + _pages(stat) + sum(_pages(txn.stat(db)) for db in self._tables)
             info = info_records(txn, self._tables.info)
             cursor = txn.cursor(db=self._tables.lru)
             oldest = _stamp(bytes(cursor.key())) if cursor.first() else None
@@ -136,6 +139,7 @@ class StoreView:
             map_size=int(info_env["map_size"]),
             data_file_bytes=os.path.getsize(os.path.join(self.path, DATA_FILE)),
             pages_bytes=(int(info_env["last_pgno"]) + 1) * int(stat["psize"]),
+            live_bytes=live_pages * int(stat["psize"]),
             page_size=int(stat["psize"]),
             in_use_by=store_in_use(self.path),
             info=info,
@@ -293,6 +297,11 @@ class StoreView:
             if len(chunk) < scan.SCAN_CHUNK_ENTRIES:
                 return
             position = chunk[-1]
+
+
+def _pages(stat: dict[str, int]) -> int:
+    """The pages of one B-tree, from LMDB's ``stat`` of it."""
+    return int(stat["branch_pages"]) + int(stat["leaf_pages"]) + int(stat["overflow_pages"])
 
 
 def _stamp(record: bytes) -> int | None:

@@ -1,0 +1,147 @@
+"""The user's surface, second pass (issue 29 items 2-6): values past what Python's types take,
+a missing huggingface_hub, ``warm`` without a GPU, ``serve`` without MODEL, and what ``stats`` and
+``purge`` say about the space a purge frees. Each runs the real program (a subprocess, or
+``main`` in this process where a store is read)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from featcache import FeatureCache
+from featcache.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+CUDA = torch.cuda.is_available()
+
+
+def featcache(tmp_path: Path, *argv: str, prelude: str = "") -> subprocess.CompletedProcess:
+    """``featcache ARGV`` in a fresh interpreter, after ``prelude`` (Python run before ``main``)."""
+    code = f"import sys\n{prelude}\nfrom featcache.cli import main\nsys.exit(main(sys.argv[1:]))"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), FEATCACHE_DIR=str(tmp_path / "default-store"))
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=120)
+
+
+def build(path: Path, n: int, shape: tuple[int, ...] = (8, 4)) -> None:
+    with FeatureCache(device="cpu", device_bytes=0, host_bytes=0, disk_path=path,
+                      disk_bytes="64MiB") as cache:
+        for i in range(n):
+            cache.put(bytes([i + 1]) * 16, torch.full(shape, float(i)))
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# -- item 2: no traceback for values past what Python's types take --------------------------------
+def test_ls_limit_past_sys_maxsize_lists_everything(tmp_path, capsys):
+    build(tmp_path / "s", 3)
+    rc, out, err = run(capsys, "ls", str(tmp_path / "s"), "--limit", str(sys.maxsize + 1))
+    assert rc == 0 and err == ""
+    assert out.strip().endswith("3 of 3 entries, most recently used first.")
+
+
+def test_purge_older_than_an_age_before_the_epoch_matches_nothing(tmp_path, capsys):
+    build(tmp_path / "s", 3)
+    rc, out, err = run(capsys, "purge", str(tmp_path / "s"), "--older-than", "1000000w", "--dry-run")
+    assert rc == 0 and err == ""
+    assert out.startswith("would delete 0 of 3 entries last used before 1970-01-01")
+    rc, out, _ = run(capsys, "purge", str(tmp_path / "s"), "--older-than", "1000000w")
+    assert rc == 0 and out.startswith("deleted 0 entries") and "3 entries" in out
+
+
+def test_an_age_too_large_for_a_float_is_bad_usage(tmp_path):
+    out = featcache(tmp_path, "purge", str(tmp_path), "--older-than", "9" * 400 + "w")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].endswith("too large")
+
+
+PAST_THE_GPU = "import featcache.cli.serving as s\ns.cuda_problem = lambda: None"
+
+
+@pytest.mark.parametrize("model, prelude, says", [
+    # the base install has no huggingface_hub (lmdeploy brings it): what to install
+    ("nobody-xyz/no-such-model", "sys.modules['huggingface_hub'] = None",
+     "this command needs huggingface_hub, which is not installed: pip install 'featcache[lmdeploy]'"),
+    ("{tmp}/no/such/model", "", "no such model directory: '{tmp}/no/such/model'"),
+    ("nobody-xyz/no-such-model", "import os\nos.environ['HF_HUB_OFFLINE'] = '1'",
+     "cannot get the model 'nobody-xyz/no-such-model' from the Hugging Face hub"),
+])
+def test_warm_model_problems_past_the_gpu_check_are_one_line(tmp_path, model, prelude, says):
+    """What warm says of a model it cannot load, on a machine whose GPU check passes (here
+    faked: the GPU is checked first)."""
+    (tmp_path / "a.png").write_bytes(b"not really a png")
+    model, says = model.format(tmp=tmp_path), says.format(tmp=tmp_path)
+    out = featcache(tmp_path, "warm", model, str(tmp_path / "a.png"),
+                    prelude=f"{prelude}\n{PAST_THE_GPU}")
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    line = out.stderr.strip()
+    assert "\n" not in line and line.startswith(f"featcache warm: error: {says}"), out.stderr
+
+
+# -- item 3: warm checks the GPU first ---------------------------------------------------------------
+@pytest.mark.skipif(CUDA, reason="the case is a machine without CUDA")
+def test_warm_without_a_gpu_fails_at_once_without_asking_the_hub(tmp_path):
+    """A hub id on a GPU-less machine: the GPU line within 5 s, and no hub access at all (any
+    import of huggingface_hub would fail this run)."""
+    (tmp_path / "a.png").write_bytes(b"not really a png")
+    started = time.monotonic()
+    out = featcache(tmp_path, "warm", "nobody-xyz/no-such-model", str(tmp_path / "a.png"),
+                    prelude="sys.modules['huggingface_hub'] = None")
+    took = time.monotonic() - started
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()]
+    assert out.stderr.startswith("featcache warm: error: this command needs a CUDA GPU")
+    assert took < 5, took
+
+
+# -- item 4: serve without MODEL ---------------------------------------------------------------------
+@pytest.mark.parametrize("argv", [["serve"], ["serve", "--cache-dir", "x"]])
+def test_serve_without_model_says_so_in_one_line(tmp_path, argv):
+    out = featcache(tmp_path, *argv)
+    assert out.returncode == 2 and out.stdout == ""
+    usage, error = out.stderr.strip().splitlines()
+    assert usage.startswith("usage: featcache serve MODEL")
+    assert error.startswith("featcache serve: error: MODEL is missing")
+
+
+# -- item 6: live pages and what compact would give back ---------------------------------------------
+def test_stats_after_purge_all_shows_the_free_pages_and_purge_says_compact_gives_them_back(
+        tmp_path, capsys):
+    store = tmp_path / "s"
+    build(store, 12, shape=(256, 1024))  # 12 MiB of values
+    rc, out, _ = run(capsys, "purge", str(store), "--all")
+    assert rc == 0
+    deleted, advice = out.strip().splitlines()
+    assert deleted.startswith("deleted 12 entries")
+    assert advice.startswith("the data file stays 12.") and (
+        f"`featcache compact {store} DEST` would give back 12.") in advice
+    rc, out, _ = run(capsys, "stats", str(store), "--json")
+    lmdb_doc = json.loads(out)["lmdb"]
+    assert lmdb_doc["live_bytes"] <= 8 * lmdb_doc["page_size"]  # meta pages, main table, info
+    assert lmdb_doc["reclaimable_bytes"] == lmdb_doc["data_file_bytes"] - lmdb_doc["live_bytes"]
+    assert lmdb_doc["reclaimable_bytes"] > 12 << 20
+    rc, out, _ = run(capsys, "stats", str(store))
+    assert "pages      16.0 KiB live, 12." in out and "MiB free" in out
+    rc, out, _ = run(capsys, "compact", str(store), str(tmp_path / "c"), "--json")
+    assert json.loads(out)["dest_data_file_bytes"] == lmdb_doc["live_bytes"]  # what stats said
+
+
+def test_purge_says_nothing_of_compact_when_little_would_come_back(tmp_path, capsys):
+    store = tmp_path / "s"
+    build(store, 3)
+    rc, out, _ = run(capsys, "purge", str(store), "--all")
+    assert rc == 0 and out.count("\n") == 1 and "compact" not in out
+    rc, out, _ = run(capsys, "purge", str(store), "--all", "--json")
+    doc = json.loads(out)
+    assert doc["reclaimable_bytes"] < 1 << 20 and doc["data_file_bytes"] > 0
