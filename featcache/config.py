@@ -110,6 +110,8 @@ class MachineBudget:
 # serve` and `featcache warm`) where DEFAULTS' fixed sizes would not fit: a share of what the
 # machine has. The device tier stays small: lmdeploy takes most of the GPU for its KV cache.
 DEMO_TURNS = 6  # chat turns of `featcache demo`
+DEMO_WINDOW = 8  # images a demo turn sends: its new one and up to 7 before it (linear in turns)
+DEMO_MAX_TURNS = 200  # more is refused (linear: 200 turns ran in 68 s on the shared 2-core CPU machine)
 
 SERVING_BUDGETS: dict[str, MachineBudget] = {
     "device_bytes": MachineBudget(4, "free GPU memory", "2GiB"),

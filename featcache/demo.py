@@ -2,10 +2,16 @@
 
 A small built-in vision encoder (a random-weight ViT of the InternVL shape: 448 px tiles, patch 14,
 pixel-shuffle to 256 tokens, an MLP projector) encodes generated images in a simulated multi-turn
-chat that resends every earlier image each turn, as chat clients do. Every image goes through the
-real store: content key -> get -> on a miss, preprocess + encode + put. Then the process "restarts"
-(the cache is closed and reopened on the same directory) and replays the chat from the disk tier.
-Each served feature is checked against a fresh encoding: hits must be bit-identical.
+chat: each turn adds one image and resends the earlier ones still in its context (the last
+``WINDOW``), as chat clients do. Every image goes through the real store: content key -> get -> on
+a miss, preprocess + encode + put. Then the process "restarts" (the cache is closed and reopened
+on the same directory) and replays the chat from the disk tier. Each feature served after the
+restart is checked against a fresh encoding of its image: hits must be bit-identical.
+
+The cost is linear in the turns (at most ``WINDOW`` lookups, one new image and one encoding a
+turn; images are made as the chat reaches them), each turn's row is printed as it completes, and
+more than ``MAX_TURNS`` turns are refused. Each row accounts for every image the turn sent: the
+encoder (a miss), or the device, host or disk tier, or an entry still on its way down (in flight).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,12 +28,15 @@ import torch
 from torch import nn
 
 from .cache import FeatureCache
-from .config import DEMO_TURNS
+from .config import DEMO_MAX_TURNS, DEMO_TURNS, DEMO_WINDOW
 from .sizes import format_bytes
 
 TILE = 448
 PATCH = 14
 TURNS = DEMO_TURNS
+WINDOW = DEMO_WINDOW
+MAX_TURNS = DEMO_MAX_TURNS
+SOURCES = ("encoded", "device", "host", "disk", "in_flight")  # every way a turn's image is served
 
 
 class TinyVisionEncoder(nn.Module):
@@ -75,111 +85,143 @@ def preprocess(image: np.ndarray, device: torch.device, dtype: torch.dtype) -> t
 @dataclass
 class Turn:
     images: int
-    sources: dict[str, int] = field(default_factory=dict)
+    sources: dict[str, int] = field(default_factory=dict)  # SOURCES -> images; they sum to images
     ms: float = 0.0
 
 
-def run_chat(cache: FeatureCache, model: nn.Module, images: list[np.ndarray], dtype: torch.dtype,
-             identity: str) -> list[Turn]:
-    """Turn k shows images 0..k (every earlier image resent). Returns what served each turn."""
-    turns = []
-    for k in range(len(images)):
-        turn = Turn(images=k + 1)
+def _key(cache: FeatureCache, image: np.ndarray, identity: str) -> bytes:
+    return cache.image_key(image, namespace=identity, params={"tile": TILE})
+
+
+def _encode(model: nn.Module, image: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(preprocess(image, device, dtype))
+
+
+def run_chat(cache: FeatureCache, model: nn.Module, turns: int, dtype: torch.dtype, identity: str,
+             on_turn: Callable[[int, Turn], None] | None = None,
+             bad: set[int] | None = None) -> list[Turn]:
+    """Turn k sends image k and the ``WINDOW - 1`` images before it (all of them in a chat of
+    ``WINDOW`` turns or fewer). Returns what served each turn; ``on_turn(k, turn)`` after each.
+    With ``bad``, every feature served is compared with a fresh encoding of its image (outside
+    the timed part) and the index of each image served otherwise is added to it."""
+    window: deque[np.ndarray] = deque(maxlen=WINDOW)
+    fresh: deque[torch.Tensor] = deque(maxlen=WINDOW)  # with ``bad``: window's fresh encodings
+    result = []
+    for k in range(turns):
+        window.append(make_image(k))
+        turn = Turn(images=len(window))
         before = cache.stats()
+        served = []
         t0 = time.perf_counter()
-        for image in images[: k + 1]:
-            key = cache.image_key(image, namespace=identity, params={"tile": TILE})
+        for image in window:
+            key = _key(cache, image, identity)
             feats = cache.get(key)
             if feats is None:
-                with torch.inference_mode():
-                    feats = model(preprocess(image, cache.device, dtype))
+                feats = _encode(model, image, cache.device, dtype)
                 cache.put(key, feats, namespace=identity)  # `featcache ls` shows it
+            served.append(feats)
         if cache.device.type == "cuda":
             torch.cuda.synchronize(cache.device)
         turn.ms = (time.perf_counter() - t0) * 1e3
         after = cache.stats()
         for tier in ("device", "host", "disk"):
             turn.sources[tier] = after[tier]["hits"] - before[tier]["hits"]
+        turn.sources["in_flight"] = after["cache"]["inflight_hits"] - before["cache"]["inflight_hits"]
         turn.sources["encoded"] = after["cache"]["misses"] - before["cache"]["misses"]
-        turns.append(turn)
-    return turns
+        if bad is not None:
+            fresh.append(_encode(model, window[-1], cache.device, dtype))
+            first = k + 1 - len(window)  # the index of the window's oldest image
+            bad.update(first + i for i, (got, want) in enumerate(zip(served, fresh, strict=True))
+                       if not torch.equal(got, want))
+        result.append(turn)
+        if on_turn is not None:
+            on_turn(k + 1, turn)
+    return result
 
 
-def check_bit_identical(cache: FeatureCache, model: nn.Module, images: list[np.ndarray],
-                        dtype: torch.dtype, identity: str) -> int:
-    """Re-encode every image and compare with what the cache serves; returns mismatches."""
-    bad = 0
-    for image in images:
-        served = cache.get(cache.image_key(image, namespace=identity, params={"tile": TILE}))
-        with torch.inference_mode():
-            fresh = model(preprocess(image, cache.device, dtype))
-        bad += served is None or not torch.equal(served, fresh)
-    return bad
+_COLUMNS = (("turn", 4), ("images", 6), ("encoded", 8), ("device", 7), ("host", 5), ("disk", 5),
+            ("in-flight", 9), ("ms", 8))
 
 
-def _print_turns(title: str, turns: list[Turn], say: Callable[[str], None] = print) -> None:
+def _table(title: str, say: Callable[[str], None]) -> Callable[[int, Turn], None]:
+    """Print ``title`` and the table's header; returns the function that prints one row (each
+    row as its turn completes: the progress of a long chat)."""
     say(f"\n{title}")
-    say(f"  {'turn':>4} {'images':>6} {'encoded':>8} {'device':>7} {'host':>5} {'disk':>5} {'ms':>8}")
-    for i, t in enumerate(turns, 1):
-        s = t.sources
-        say(f"  {i:>4} {t.images:>6} {s['encoded']:>8} {s['device']:>7} {s['host']:>5} {s['disk']:>5} "
-              f"{t.ms:>8.1f}")
+    say("  " + " ".join(f"{name:>{width}}" for name, width in _COLUMNS))
+
+    def row(i: int, t: Turn) -> None:
+        cells = [i, t.images, *(t.sources[s] for s in SOURCES)]
+        say("  " + " ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, _COLUMNS[:-1], strict=True))
+            + f" {t.ms:>{_COLUMNS[-1][1]}.1f}")
+
+    return row
+
+
+def check_turns(turns: int) -> None:
+    """Refuse a chat the demo does not run (``ValueError``, one line: the CLI's usage error)."""
+    if not 1 <= turns <= MAX_TURNS:
+        raise ValueError(f"--turns {turns}: the demo runs 1 to {MAX_TURNS} turns (each encodes a "
+                         f"new image and resends up to {WINDOW - 1}; {MAX_TURNS} take about a "
+                         "minute on a CPU)")
 
 
 def run(turns: int = TURNS, cache_dir: str | None = None, device: str | None = None,
         as_json: bool = False) -> int:
-    """Run the demo, printing what it does (``as_json``: one JSON object at the end instead); 0 if
-    every feature served was bit-identical to a fresh encoding and each image not already in the
-    store was encoded once, else 1."""
+    """Run the demo, printing what it does, each turn's row as it completes (``as_json``: one
+    JSON object at the end instead); 0 if every feature served after the restart was
+    bit-identical to a fresh encoding and each image not already in the store was encoded
+    once, else 1. ``ValueError`` for turns outside 1 to ``MAX_TURNS``."""
+    check_turns(turns)
     say: Callable[[str], None] = (lambda text: None) if as_json else print
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     torch.set_num_threads(max(1, torch.get_num_threads()))
     model = TinyVisionEncoder().to(dev, dtype).eval()
-    images = [make_image(seed) for seed in range(turns)]
     per_image = 256 * 1024 * torch.empty((), dtype=dtype).element_size()
     budgets: dict[str, int] = dict(device_bytes=3 * per_image, host_bytes=4 * per_image,
-                                   disk_bytes=256 << 20)
+                                   disk_bytes=max(256 << 20, turns * (per_image + (64 << 10))))
     tmp = None if cache_dir else tempfile.TemporaryDirectory(prefix="featcache-demo-")
     path = cache_dir or tmp.name  # type: ignore[union-attr]
-    say(f"featcache demo on {dev}: {turns}-turn chat resending its images; encoder "
-          f"{model.identity} -> [1, 256, 1024] {str(dtype).removeprefix('torch.')} per image "
-          f"({format_bytes(per_image)}); device tier {format_bytes(budgets['device_bytes'])}, "
-          f"host tier {format_bytes(budgets['host_bytes'])}, disk tier "
-          + (f"at {path}" if tmp is None else "in a temporary directory, deleted at the end "
-             "(--cache-dir DIR keeps it)"))
+    say(f"featcache demo on {dev}: {turns}-turn chat, each turn a new image and up to "
+        f"{WINDOW - 1} earlier ones resent; encoder "
+        f"{model.identity} -> [1, 256, 1024] {str(dtype).removeprefix('torch.')} per image "
+        f"({format_bytes(per_image)}); device tier {format_bytes(budgets['device_bytes'])}, "
+        f"host tier {format_bytes(budgets['host_bytes'])}, disk tier "
+        + (f"at {path}" if tmp is None else "in a temporary directory, deleted at the end "
+           "(--cache-dir DIR keeps it)"))
     identity = model.identity
+    bad: set[int] = set()  # images served otherwise than a fresh encoding after the restart
     try:
         with FeatureCache(device=dev, disk_path=path, **budgets) as cache:
-            stored = sum(cache.image_key(image, namespace=identity, params={"tile": TILE}) in cache
-                         for image in images)  # from an earlier run on the same --cache-dir
-            first = run_chat(cache, model, images, dtype, identity)
+            stored = 0 if not len(cache) else sum(  # from an earlier run on the same --cache-dir
+                _key(cache, make_image(k), identity) in cache for k in range(turns))
+            row = _table("First run (a cold cache):" if not stored else
+                         f"First run ({stored} of {turns} images already in the store):", say)
+            first = run_chat(cache, model, turns, dtype, identity, row)
             cache.flush()
-        _print_turns("First run (a cold cache):" if not stored else
-                     f"First run ({stored} of {len(images)} images already in the store):", first, say)
         with FeatureCache(device=dev, disk_path=path, **budgets) as cache:
-            second = run_chat(cache, model, images, dtype, identity)
-            mismatches = check_bit_identical(cache, model, images, dtype, identity)
+            row = _table("After a restart (same directory):", say)
+            second = run_chat(cache, model, turns, dtype, identity, row, bad)
             stats = cache.stats()
-        _print_turns("After a restart (same directory):", second, say)
     finally:
         if tmp is not None:
             tmp.cleanup()
     encoded = sum(t.sources["encoded"] for t in first + second)
     asked = sum(t.images for t in first + second)
     cold = sum(t.ms for t in first) / max(1, sum(t.images for t in first))
-    say(f"\n{asked} image requests, {encoded} encoder runs ({len(images)} distinct images); "
-          f"mean per image {cold:.1f} ms on the first run, "
-          f"{sum(t.ms for t in second) / max(1, sum(t.images for t in second)):.1f} ms after restart")
-    say(f"bit-identical to a fresh encoding: {len(images) - mismatches}/{len(images)}")
+    say(f"\n{asked} image requests, {encoded} encoder runs ({turns} distinct images); "
+        f"mean per image {cold:.1f} ms on the first run, "
+        f"{sum(t.ms for t in second) / max(1, sum(t.images for t in second)):.1f} ms after restart")
+    say(f"bit-identical to a fresh encoding: {turns - len(bad)}/{turns}")
     tiers = ("device", "host", "disk")
     say("store: " + ", ".join(
         f"{tier} {stats[tier]['entries']} entries {format_bytes(stats[tier]['bytes'])}" for tier in tiers))
-    ok = mismatches == 0 and encoded == len(images) - stored
+    ok = not bad and encoded == turns - stored
     if as_json:
         print(json.dumps(dict(
-            ok=ok, device=str(dev), turns=turns, images=len(images), already_stored=stored,
-            image_requests=asked, encoder_runs=encoded, bit_identical=len(images) - mismatches,
+            ok=ok, device=str(dev), turns=turns, images=turns, window=WINDOW, already_stored=stored,
+            image_requests=asked, encoder_runs=encoded, bit_identical=turns - len(bad),
             store=cache_dir, runs={name: [dict(images=t.images, ms=round(t.ms, 2), **t.sources)
                                           for t in run_turns]
                                    for name, run_turns in (("first", first), ("after_restart", second))},

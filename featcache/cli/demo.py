@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..config import DEMO_TURNS
+from ..config import DEMO_MAX_TURNS, DEMO_TURNS, DEMO_WINDOW
 from ..errors import FeatCacheError, StoreOpenError
 from ..store.files import check_path_encoding
 from .command import EXIT_OK, Command, UsageError, at_least_one, json_argument
@@ -13,13 +13,16 @@ from .command import EXIT_OK, Command, UsageError, at_least_one, json_argument
 
 def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turns", type=at_least_one, default=DEMO_TURNS,
-                   help=f"chat turns (default {DEMO_TURNS})")
+                   help=f"chat turns, at most {DEMO_MAX_TURNS} (default {DEMO_TURNS})")
     p.add_argument("--cache-dir", help="store directory (default: a temporary one)")
     p.add_argument("--device", choices=("cuda", "cpu"), help="cuda or cpu (default: cuda when available)")
     json_argument(p, "one JSON object: per run and turn, what was encoded and what each tier served")
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.turns > DEMO_MAX_TURNS:  # before torch is imported: refused at once
+        raise UsageError(f"--turns {args.turns}: the demo runs at most {DEMO_MAX_TURNS} turns "
+                         f"(each encodes a new image and resends up to {DEMO_WINDOW - 1})")
     if args.cache_dir and os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
         raise UsageError(f"--cache-dir {args.cache_dir!r} is a file, not a directory")
     if args.cache_dir:
