@@ -21,7 +21,7 @@ caller for room in the demote queue (``reserve``, before it takes any lock), the
 thread, with no lock held, for room in each lower tier's queue (``TierWriter.reserve``) before it
 hands the entry down. Each bound is a ``Room`` (a condition variable: no polling). Nothing waits
 for its own thread (a put from a background thread does not block), and a stopped or dead thread
-closes its rooms, which ends every wait on them (the put is then dropped and counted, as today).
+closes its rooms, which ends every wait on them (the put is then dropped and counted, as by default).
 
 Invariants:
 - an exact tier (``Rules.exact``: the disk) never keeps a value older than the last put or discard
