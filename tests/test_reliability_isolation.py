@@ -136,7 +136,7 @@ def test_the_api_takes_no_client_supplied_ids():
         for name in ("put", "get", "acquire", "lease", "discard")
     }
     assert cache_params == {  # put's namespace is recorded in the metadata, never part of a key
-        "put": ["self", "key", "features", "meta", "namespace"], "get": ["self", "key"],
+        "put": ["self", "key", "features", "meta", "namespace", "block"], "get": ["self", "key"],
         "acquire": ["self", "key"], "lease": ["self", "key"], "discard": ["self", "key"],
     }
     assert list(inspect.signature(image_key).parameters) == [
