@@ -103,7 +103,7 @@ def backend_of(args: argparse.Namespace) -> str:
 
 
 def run_server(args: argparse.Namespace, cache: FeatureCache, namespace: str | None,
-               trust_image_ids: bool = False, engine_process: str = ENGINE_PROCESSES[0],
+               trust_image_ids: bool | str = False, engine_process: str = ENGINE_PROCESSES[0],
                model_cache: dict[str, Any] | None = None,
                media_policy: MediaPolicy | None = None) -> None:
     """Run lmdeploy's ``api_server`` handler for ``args`` (parsed by ``lmdeploy_parser``) until it
@@ -161,7 +161,7 @@ def export_metrics(cache: FeatureCache,
 
 @contextlib.contextmanager
 def featcache_engine(cache: FeatureCache, namespace: str | None,
-                     trust_image_ids: bool = False, engine_process: str = ENGINE_PROCESSES[0],
+                     trust_image_ids: bool | str = False, engine_process: str = ENGINE_PROCESSES[0],
                      model_cache: dict[str, Any] | None = None,
                      engines: list[Any] | None = None,
                      media_policy: MediaPolicy | None = None) -> Iterator[None]:

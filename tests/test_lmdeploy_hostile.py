@@ -304,3 +304,8 @@ def test_an_image_that_is_none_is_the_clients_error_one_warning_counted(rig, cap
     assert [r.levelname for r in records] == ["WARNING"] and "Traceback" not in caplog.text
     assert rig.cached.prompt(tiny.messages(url_item(data_url(png(tiny.noise_image(32, 24)))))) \
         ["multimodal"]  # and the next request is answered
+
+
+def test_trust_modes_are_checked(rig):
+    with pytest.raises(ValueError, match="False, True or 'verify'"):
+        trust_image_ids(rig.cached.processor, "yes")

@@ -49,7 +49,7 @@ log = logging.getLogger("featcache")
 
 
 def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: str | None = None,
-             turbomind: str = "native", trust_image_ids: bool = False,
+             turbomind: str = "native", trust_image_ids: bool | str = False,
              media_policy: MediaPolicy | None = None,
              **pipeline_kwargs: Any) -> Any:
     """``lmdeploy.pipeline(model_path, **pipeline_kwargs)`` with featcache wrapped in.
@@ -151,7 +151,7 @@ def model_stats(pipe: Any) -> list[dict[str, Any]]:
 
 
 def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
-         turbomind: str = "native", trust_image_ids: bool = False,
+         turbomind: str = "native", trust_image_ids: bool | str = False,
          media_policy: MediaPolicy | None = None) -> Any:
     """Install featcache on a pipeline built by ``lmdeploy.pipeline``; returns ``pipe``.
 

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..cache import FeatureCache
-from ..keys import KeyHasher
+from ..keys import ImageKey, KeyHasher
 from ..lrumap import LruMap
 from .entry_meta import decode_item, encode_item
 from .media import LOCAL_FILES, MediaError, MediaPolicy
@@ -225,7 +225,7 @@ class Frontend:
         if raw is None:
             return item
         try:
-            key = self._bytes_key(raw, params, io_kwargs)
+            key = self._bytes_key(raw, params, io_kwargs)  # (an ImageKey)
         except (TypeError, ValueError):
             return item  # not keyable here: lmdeploy decodes it, the frontend decides
         if ident is not None:
@@ -235,7 +235,7 @@ class Frontend:
         self.cache.count(SECTION, "source_keyed")
         return self._served(key, raw, params, io_kwargs)
 
-    def _bytes_key(self, raw: bytes, params: dict[str, Any], io: dict[str, Any]) -> bytes:
+    def _bytes_key(self, raw: bytes, params: dict[str, Any], io: dict[str, Any]) -> ImageKey:
         """The key of an encoded image: its bytes, the model, its per-image parameters and the
         request's decode options (which change the decoded pixels: issue 26)."""
         return self.hasher.image_key(raw, namespace=self.namespace,

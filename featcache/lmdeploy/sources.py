@@ -320,8 +320,12 @@ def install_sources(prompt_processor: Any, frontend: Any) -> None:
     prompt_processor.async_parse_multimodal_item = async_parse_multimodal_item
 
 
-def trust_image_ids(prompt_processor: Any, trusted: bool) -> None:
-    """Honour (or not) client image ids on the prompt path ``install_sources`` wrapped."""
+def trust_image_ids(prompt_processor: Any, trusted: bool | str) -> None:
+    """Honour (or not) client image ids on the prompt path ``install_sources`` wrapped: False,
+    True (an id names the image it was first sent with), or "verify" (an id sent with its image
+    is answered from that image: ``Frontend._check_id``)."""
+    if trusted not in (False, True, "verify"):
+        raise ValueError(f"trust_image_ids is False, True or 'verify', not {trusted!r}")
     frontend = getattr(prompt_processor.async_parse_multimodal_item, "frontend", None)
     if frontend is None:
         raise ValueError("featcache is not installed on this prompt processor")

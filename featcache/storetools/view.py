@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import lmdb
 
@@ -299,7 +300,7 @@ class StoreView:
             position = chunk[-1]
 
 
-def _pages(stat: dict[str, int]) -> int:
+def _pages(stat: Any) -> int:
     """The pages of one B-tree, from LMDB's ``stat`` of it."""
     return int(stat["branch_pages"]) + int(stat["leaf_pages"]) + int(stat["overflow_pages"])
 
