@@ -343,9 +343,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown server or source: {bad}")
     out = os.path.abspath(args.out)
     store = os.path.join(os.path.abspath(args.store_root), os.path.basename(args.model.rstrip("/")))
+    # featcache serve reads no local file unless told where from (issue 26): the file source's
+    # image is written into OUT
+    local = ("--allowed-local-media-path", out) if "file" in sources else ()
     cmds = serve_chat.commands(args.model, args.backend, store, args.eager, args.server_arg,
                                image_ids="featcache_ids" in servers,
-                               mp_engine="featcache_mp" in servers)
+                               mp_engine="featcache_mp" in servers, featcache_args=local)
     steps = plan(servers, sources, args.repeats)
     if args.dry_run:
         for s in servers:

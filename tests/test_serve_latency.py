@@ -65,6 +65,9 @@ def test_dry_run_prints_the_plan_and_a_table(capsys):
     assert "--trust-client-image-ids" in out and "--eager-mode" not in out  # CUDA graphs on
     assert "hit turn vs text-only turn" in out and "load: concurrent chat clients" in out
     assert not os.path.exists("/tmp/never")
+    # the file source's image lies in OUT: featcache serve is told it may read files there
+    servers = [line for line in out.splitlines() if "featcache serve" in line]
+    assert servers and all("--allowed-local-media-path /tmp/never" in line for line in servers)
 
 
 @pytest.fixture
