@@ -25,8 +25,10 @@ Reported per row: median and p90 time to first token of both, their ratio (issue
 <= 1.2), ``usage.prompt_tokens_details.cached_tokens`` and new tokens (prompt - cached), and the
 server-side stages of both (median per stage, owner featcache or lmdeploy). --load S: then
 --clients concurrent chat clients over --images images (data URLs, 4 turns per chat, images
-resent every turn) for S seconds against plain, featcache and featcache_mp: requests/s, p50/p99 time to first
-token, failed requests. Writes OUT/latency.json and prints the tables.
+resent every turn; --text-clients more with text-only chats) for S seconds against plain, featcache
+and featcache_mp: requests/s, p50/p99 time to first token, per request class too (an image chat's
+first turn, its later turns, a text chat's turns: p99/p50, issue 27's stall measure), failed
+requests. Writes OUT/latency.json and prints the tables.
 """
 
 from __future__ import annotations
@@ -178,6 +180,15 @@ def print_tables(results: dict[str, dict[str, Any]], load: dict[str, Any]) -> No
         for server, r in load.items():
             print(f"  {server:<10} {r['clients']:>7} {r['seconds']:>5} {r['requests']:>8} "
                   f"{r['rps']!s:>7} {r['ttft_p50']!s:>9} {r['ttft_p99']!s:>9} {r['failed']:>6}")
+        rows = [(server, kind, c) for server, r in load.items()
+                for kind, c in (r.get("classes") or {}).items()]
+        if rows:
+            print("
+  per request class (issue 27: p99 at most 1.2x p50)")
+            print(f"  {'server':<10} {'class':<18} {'n':>5} {'p50':>9} {'p99':>9} {'p99/p50':>8}")
+            for server, kind, c in rows:
+                print(f"  {server:<10} {kind:<18} {c['n']:>5} {c['ttft_p50']!s:>9} "
+                      f"{c['ttft_p99']!s:>9} {c['p99_over_p50']!s:>8}")
 
 
 # -- running (GPU) ------------------------------------------------------------------------------------
@@ -267,26 +278,34 @@ def attach_stages(results: dict[str, Any], stages_file: str, sent: int) -> None:
 
 
 def load_test(base: str, model: str, urls: list[str], clients: int, seconds: float,
-              max_tokens: int, turns: int = 4) -> dict[str, Any]:
-    """``clients`` threads chatting for ``seconds``, client c's k-th chat over image (c+k) % n."""
+              max_tokens: int, turns: int = 4, text_clients: int = 0) -> dict[str, Any]:
+    """``clients`` threads chatting for ``seconds``, client c's k-th chat over image (c+k) % n,
+    beside ``text_clients`` threads whose chats have no image. Besides the totals, per request
+    class (``classes``: an image chat's first turn, its later turns that resend the image, a
+    text chat's first and later turns) the count, p50, p99 and p99/p50 of time to first token:
+    a request that waits on another's work (a disk write, a demotion, a rebuild) shows as a p99
+    far above its class's p50 (issue 27: target p99 <= 1.2x p50)."""
     from openai import OpenAI
 
     deadline = time.monotonic() + seconds
     lock = threading.Lock()
     ttfts: list[float] = []
+    by_class: dict[str, list[float]] = {}
     failures: list[str] = []
 
     def client_loop(c: int) -> None:
         client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
         chat = 0
+        text_only = c >= clients
         while time.monotonic() < deadline:
             url = urls[(c + chat) % len(urls)]
             history: list[dict] = []
             for turn in range(turns):
                 if time.monotonic() >= deadline:
                     return
+                kind = ("text" if text_only else "image") + ("_first_turn" if turn == 0 else "_later_turns")
                 content: Any = serve_chat.QUESTIONS[turn % len(serve_chat.QUESTIONS)]
-                if turn == 0:
+                if turn == 0 and not text_only:
                     content = [{"type": "text", "text": content},
                                {"type": "image_url", "image_url": {"url": url}}]
                 history.append({"role": "user", "content": content})
@@ -300,19 +319,26 @@ def load_test(base: str, model: str, urls: list[str], clients: int, seconds: flo
                     break
                 with lock:
                     ttfts.append(row["ttft_ms"])
+                    by_class.setdefault(kind, []).append(row["ttft_ms"])
                 history.append({"role": "assistant", "content": row["text"] or "ok"})
             chat += 1
 
     t = time.monotonic()
-    threads = [threading.Thread(target=client_loop, args=(c,)) for c in range(clients)]
+    threads = [threading.Thread(target=client_loop, args=(c,)) for c in range(clients + text_clients)]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
     took = time.monotonic() - t
-    return {"clients": clients, "seconds": round(took, 1), "requests": len(ttfts),
-            "rps": round(len(ttfts) / took, 2), "ttft_p50": pct(ttfts, 0.5),
-            "ttft_p99": pct(ttfts, 0.99), "failed": len(failures), "failures": failures[:10]}
+    classes = {}
+    for kind, values in sorted(by_class.items()):
+        p50, p99 = pct(values, 0.5), pct(values, 0.99)
+        classes[kind] = {"n": len(values), "ttft_p50": p50, "ttft_p99": p99,
+                         "p99_over_p50": round(p99 / p50, 2) if p50 and p99 else None}
+    return {"clients": clients, "text_clients": text_clients, "seconds": round(took, 1),
+            "requests": len(ttfts), "rps": round(len(ttfts) / took, 2),
+            "ttft_p50": pct(ttfts, 0.5), "ttft_p99": pct(ttfts, 0.99), "classes": classes,
+            "failed": len(failures), "failures": failures[:10]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -327,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--load", type=float, default=60, metavar="S", help="load test seconds (0: none)")
     p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--text-clients", type=int, default=0,
+                   help="load test: clients whose chats have no image, beside --clients")
     p.add_argument("--images", type=int, default=8)
     p.add_argument("--budget", type=float, default=530,
                    help="seconds for the whole run: a server is skipped with < 90 s left, a load "
@@ -418,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
                     seconds = min(args.load, left)
                     print(f"[{server}] load {args.clients} clients, {seconds:.0f} s", flush=True)
                     report["load"][server] = load_test(base, model, load_urls, args.clients, seconds,
-                                                       args.max_tokens)
+                                                       args.max_tokens,
+                                                       text_clients=args.text_clients)
             finally:
                 report["servers"][server]["rc"] = serve_chat.stop(proc, wait=20)
     finally:

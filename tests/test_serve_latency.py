@@ -100,3 +100,11 @@ def test_latency_rounds_and_load_through_the_openai_client(fake_server, tmp_path
     lt = sl.load_test(base, "tiny", ["data:image/png;base64,AAAA", "data:image/png;base64,BBBB"],
                       clients=4, seconds=0.5, max_tokens=2)
     assert lt["failed"] == 0 and lt["requests"] > 0 and lt["ttft_p99"] >= lt["ttft_p50"]
+    mixed = sl.load_test(base, "tiny", ["data:image/png;base64,AAAA"], clients=2, seconds=0.5,
+                         max_tokens=2, text_clients=2)
+    classes = mixed["classes"]
+    assert {"image_first_turn", "text_first_turn"} <= set(classes)  # per request class
+    assert sum(c["n"] for c in classes.values()) == mixed["requests"]
+    assert all(c["ttft_p99"] >= c["ttft_p50"] for c in classes.values())
+    texts = [r for r in fake.requests if not any(isinstance(m["content"], list) for m in r["messages"])]
+    assert texts  # the text clients sent no image
