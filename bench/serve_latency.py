@@ -183,8 +183,7 @@ def print_tables(results: dict[str, dict[str, Any]], load: dict[str, Any]) -> No
         rows = [(server, kind, c) for server, r in load.items()
                 for kind, c in (r.get("classes") or {}).items()]
         if rows:
-            print("
-  per request class (issue 27: p99 at most 1.2x p50)")
+            print("\n  per request class (issue 27: p99 at most 1.2x p50)")
             print(f"  {'server':<10} {'class':<18} {'n':>5} {'p50':>9} {'p99':>9} {'p99/p50':>8}")
             for server, kind, c in rows:
                 print(f"  {server:<10} {kind:<18} {c['n']:>5} {c['ttft_p50']!s:>9} "

@@ -82,7 +82,7 @@ def fake_server():
     server.shutdown()
 
 
-def test_latency_rounds_and_load_through_the_openai_client(fake_server, tmp_path):
+def test_latency_rounds_and_load_through_the_openai_client(fake_server, tmp_path, capsys):
     sl = load()
     base, fake = fake_server
     files = {"url": "data:image/png;base64,AAAA", "http": "http://127.0.0.1:1/a.png", "path": "/a.png"}
@@ -108,3 +108,7 @@ def test_latency_rounds_and_load_through_the_openai_client(fake_server, tmp_path
     assert all(c["ttft_p99"] >= c["ttft_p50"] for c in classes.values())
     texts = [r for r in fake.requests if not any(isinstance(m["content"], list) for m in r["messages"])]
     assert texts  # the text clients sent no image
+    capsys.readouterr()
+    sl.print_tables({}, {"featcache_mp": mixed})
+    table = capsys.readouterr().out
+    assert "per request class" in table and "text_first_turn" in table
