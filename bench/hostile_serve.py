@@ -38,6 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 
+from runmeta import write_report  # noqa: E402
 from serve_chat import _extra, run_chat, server_flags, start, stop, tail  # noqa: E402
 
 PORTS = {"plain": 23410, "featcache_mp": 23411, "featcache_in": 23412}
@@ -238,14 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = run_server(name, cmd, cases, good, args.out, args.ready_timeout)
     report = {"servers": results, "verdicts": verdicts(results),
               "cases": {k: (v if len(v) < 200 else f"data URL of {len(v)} chars") for k, v in cases.items()}}
-    try:
-        from runmeta import run_meta
-
-        report["run"] = run_meta()
-    except Exception as e:  # the figures stand without it
-        report["run"] = {"error": str(e)}
-    with open(os.path.join(args.out, "hostile.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    write_report(os.path.join(args.out, "hostile.json"), report)
     print(json.dumps(report["verdicts"], indent=1))
     return 0
 

@@ -12,6 +12,7 @@ sha256 of featcache/ and bench/'s Python files, which names the code exactly. Wh
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -77,6 +78,17 @@ def run_meta(**fields: Any) -> dict[str, Any]:
         m["commit"] = m["dirty"] = None
     m["source_digest"] = source_digest()
     return m
+
+
+def write_report(path: str, report: dict[str, Any]) -> None:
+    """Write ``report`` as JSON to ``path`` with this run's metadata under ``"run"`` (``run_meta``;
+    where that fails, its error: the figures stand without it)."""
+    try:
+        report["run"] = run_meta()
+    except Exception as e:  # noqa: BLE001
+        report["run"] = {"error": str(e)}
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
 
 
 def main(argv: list[str]) -> int:

@@ -22,7 +22,6 @@ Results: ``shutdown.json`` in --out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import signal
@@ -35,6 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 
+from runmeta import write_report  # noqa: E402
 from serve_chat import run_chat, tail, wait_ready  # noqa: E402
 
 PORT = 23420
@@ -150,14 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(one_run(c, command(c, args.model, f"{args.store}-{c}"), image, args.out,
                                 rep, sig, args.ready_timeout, args.wait))
     report: dict[str, Any] = {"signal": args.signal, "rows": rows}
-    try:
-        from runmeta import run_meta
-
-        report["run"] = run_meta()
-    except Exception as e:  # the figures stand without it
-        report["run"] = {"error": str(e)}
-    with open(os.path.join(args.out, "shutdown.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    write_report(os.path.join(args.out, "shutdown.json"), report)
     return 0
 
 
