@@ -147,28 +147,28 @@ class Frontend:
         the http fetches. Decode options that are not what lmdeploy's ``ImageMediaIO`` takes raise
         ``MediaOptionError`` (a ``ValueError``: the client's request is answered 400)."""
         io_kwargs = image_io_options(media_io_kwargs) if _has_image_items(messages) else {}
+        # a client's error (an id, a refused source, an image that is none) is counted and raised:
+        # lmdeploy answers it with a 400 and its message; any other failure is featcache's
         try:
-            resolved = [self._resolve_message(m, io_kwargs, allowed_media_domains) for m in messages]
+            try:
+                resolved = [self._resolve_message(m, io_kwargs, allowed_media_domains)
+                            for m in messages]
+            except (ImageIdError, MediaError, BadImageError):
+                raise
+            except Exception:
+                self._failed("resolving encoded image sources failed; featcache reads them uncached")
+                resolved = messages
+            # what is still a source (unresolved, or all of them after a failure): read here
+            return guarded(resolved, io_kwargs, allowed_media_domains, self.media)
         except ImageIdError:
             self.cache.count(SECTION, "image_id_refused")
-            raise  # the client's to fix: lmdeploy answers it with a 400 and this message
-        except MediaError:
-            self.cache.count(SECTION, "media_refused")
-            raise  # likewise
-        except BadImageError as e:
-            self._bad_image(e)
-            raise  # likewise: plain lmdeploy would fail the request too (with a 500)
-        except Exception:
-            self._failed("resolving encoded image sources failed; featcache reads them uncached")
-            resolved = messages
-        try:  # what is still a source (unresolved, or all of them after a failure): read here
-            return guarded(resolved, io_kwargs, allowed_media_domains, self.media)
+            raise
         except MediaError:
             self.cache.count(SECTION, "media_refused")
             raise
         except BadImageError as e:
             self._bad_image(e)
-            raise
+            raise  # plain lmdeploy fails such a request too (with a 500: PIL's OSError)
 
     def _bad_image(self, error: BadImageError) -> None:
         """A client sent an image that is none: counted, one warning line a minute at most (a
