@@ -44,6 +44,7 @@ from lmdeploy.messages import PytorchEngineConfig, ResponseType
 from ..keys import KeyHasher
 from . import ranks, rankstats
 from .engine import KeyedInputProcessor, unservable
+from .frontend import SECTION
 from .models import SPECS, patch_model_class
 from .prefix import install_prefix_hook
 
@@ -249,7 +250,7 @@ def _install() -> None:
                 log.error("%s; the request fails, the engine goes on", why)
                 ranks_cache = ranks.local_cache()
                 if ranks_cache is not None:
-                    ranks_cache.count("lmdeploy", "unservable_requests")
+                    ranks_cache.count(SECTION, "unservable_requests")
                 self._response(req.resp, ResponseType.INTERNAL_ENGINE_ERROR, err_msg=why)
             reqs = kept
         return add_message(self, reqs, **kwargs)
