@@ -7,7 +7,8 @@ has one, and its bytes. Every field is framed (tag + length + bytes), so no two 
 produce the same stream. Unknown parameter types raise ``TypeError``; nothing is pickled. A PIL
 image that fails to decode (a lazily opened, truncated or broken file) raises ``ValueError``.
 
-Digests: ``blake3`` (the default: 32 bytes, cryptographic, ~7 GB/s on one core with AVX-512),
+Digests: ``blake3`` (the default: 32 bytes, cryptographic; 0.8 ms for 5 MB on one core,
+``bench/hit_path_costs.py``),
 keyed with ``secret`` (a ``FeatureCache`` keys with its store's random secret,
 ``featcache.keysecret``): a client that does not know the secret can neither predict keys nor
 craft collisions. ``blake2b`` (the same, slower) and ``xxh3_128`` (16 bytes, fast, unkeyed and not
