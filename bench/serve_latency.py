@@ -37,7 +37,6 @@ import argparse
 import base64
 import functools
 import http.server
-import json
 import os
 import shlex
 import shutil
@@ -53,6 +52,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 
 import serve_chat  # noqa: E402
 import serve_stages  # noqa: E402
+from runmeta import write_report  # noqa: E402
 
 SERVERS = ("plain", "featcache", "featcache_ids", "featcache_mp")
 DEFAULT_SERVERS = SERVERS[:3]  # --servers' default (with featcache_mp: past the default budget)
@@ -191,6 +191,22 @@ def print_tables(results: dict[str, dict[str, Any]], load: dict[str, Any]) -> No
 
 
 # -- running (GPU) ------------------------------------------------------------------------------------
+def print_mixed(mixed_runs: dict[str, Any]) -> None:
+    if not mixed_runs:
+        return
+    print("\nmixed chats, one request at a time (issue 27: p99 at most 1.2x p50)")
+    print(f"  {'server':<14} {'class':<20} {'n':>4} {'p50':>9} {'p99':>9} {'p99/p50':>8}  "
+          "slowest turns (round.turn ms)")
+    for server, res in mixed_runs.items():
+        for kind, c in res.get("classes", {}).items():
+            slow = sorted((t for t in res["turns"] if t["class"] == kind), key=lambda x: -x["ttft_ms"])[:3]
+            slowest = ", ".join(f"{t['round']}.{t['turn']} {t['ttft_ms']:.0f}" for t in slow)
+            print(f"  {server:<14} {kind:<20} {c['n']:>4} {c['ttft_p50']:>9} {c['ttft_p99']:>9} "
+                  f"{c['p99_over_p50']:>8}  {slowest}")
+        if res.get("errors"):
+            print(f"  {server}: ERRORS {res['errors']}")
+
+
 def wrapped(cmd: list[str], stages: str) -> list[str]:
     """``cmd`` (python -m lmdeploy|featcache ...) run under bench/serve_stages.py."""
     return [cmd[0], os.path.join(HERE, "serve_stages.py"), "--stages-out", stages,
@@ -276,6 +292,70 @@ def attach_stages(results: dict[str, Any], stages_file: str, sent: int) -> None:
                 t["server_body_bytes"] = rows[t["seq"]]["body_bytes"]
 
 
+def class_table(by_class: dict[str, list[float]]) -> dict[str, Any]:
+    """Per request class: count, p50, p99 and p99/p50 of time to first token."""
+    classes = {}
+    for kind, values in sorted(by_class.items()):
+        p50, p99 = pct(values, 0.5), pct(values, 0.99)
+        classes[kind] = {"n": len(values), "ttft_p50": p50, "ttft_p99": p99,
+                         "p99_over_p50": round(p99 / p50, 2) if p50 and p99 else None}
+    return classes
+
+
+def mixed(base: str, model: str, urls: list[str], rounds: int, max_tokens: int, seq0: int,
+          turns: int = 4) -> dict[str, Any]:
+    """Issue 27's stall case, one request at a time: per round a ``turns``-turn chat over a new
+    image (its first turn a miss; the image resent with the history every later turn), then a
+    ``turns``-turn text-only chat. Nothing overlaps, so a turn far above its class's p50 waited on
+    work left behind by an earlier request (a disk write, a demotion, a rebuild, a collection).
+    Per class p50/p99 (``classes``) and every turn (``turns``: class, round, ttft, request seq)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+    rows: list[dict[str, Any]] = []
+    errors: list[str] = []
+    seq = seq0
+    for r in range(rounds):
+        for text_only in (False, True):
+            history: list[dict] = []
+            for turn in range(turns):
+                kind = ("text" if text_only else "image") + ("_first_turn" if turn == 0 else "_later_turns")
+                content: Any = f"{serve_chat.QUESTIONS[turn % len(serve_chat.QUESTIONS)]} (chat {r})"
+                if turn == 0 and not text_only:
+                    content = [{"type": "text", "text": content},
+                               {"type": "image_url", "image_url": {"url": urls[r % len(urls)]}}]
+                history.append({"role": "user", "content": content})
+                try:
+                    row = serve_chat.stream_turn(client, model, history, max_tokens)
+                except Exception as e:  # noqa: BLE001 (reported; the order of seq is lost)
+                    errors.append(f"{type(e).__name__}: {e}"[:300])
+                    return {"rounds": rounds, "turns": rows, "errors": errors, "classes": {}}
+                rows.append({"class": kind, "round": r, "turn": turn, "ttft_ms": row["ttft_ms"],
+                             "prompt_tokens": row["prompt_tokens"], "cached_tokens": row["cached_tokens"],
+                             "seq": seq})
+                seq += 1
+                history.append({"role": "assistant", "content": row["text"] or "ok"})
+    by_class: dict[str, list[float]] = {}
+    for row in rows:
+        by_class.setdefault(row["class"], []).append(row["ttft_ms"])
+    return {"rounds": rounds, "turns": rows, "errors": errors, "classes": class_table(by_class)}
+
+
+def attach_mixed_stages(res: dict[str, Any], stages_file: str, slowest: int = 4) -> None:
+    """The server's stage summaries onto the ``slowest`` turns of each class (where the time went)."""
+    try:
+        rows = serve_stages.read(stages_file)
+    except OSError:
+        return
+    by_class: dict[str, list[dict[str, Any]]] = {}
+    for t in res.get("turns", []):
+        by_class.setdefault(t["class"], []).append(t)
+    for turns in by_class.values():
+        for t in sorted(turns, key=lambda x: -(x["ttft_ms"] or 0))[:slowest]:
+            if t["seq"] < len(rows):
+                t["stages"] = serve_stages.summarize(rows[t["seq"]])
+
+
 def load_test(base: str, model: str, urls: list[str], clients: int, seconds: float,
               max_tokens: int, turns: int = 4, text_clients: int = 0) -> dict[str, Any]:
     """``clients`` threads chatting for ``seconds``, client c's k-th chat over image (c+k) % n,
@@ -329,11 +409,7 @@ def load_test(base: str, model: str, urls: list[str], clients: int, seconds: flo
     for th in threads:
         th.join()
     took = time.monotonic() - t
-    classes = {}
-    for kind, values in sorted(by_class.items()):
-        p50, p99 = pct(values, 0.5), pct(values, 0.99)
-        classes[kind] = {"n": len(values), "ttft_p50": p50, "ttft_p99": p99,
-                         "p99_over_p50": round(p99 / p50, 2) if p50 and p99 else None}
+    classes = class_table(by_class)
     return {"clients": clients, "text_clients": text_clients, "seconds": round(took, 1),
             "requests": len(ttfts), "rps": round(len(ttfts) / took, 2),
             "ttft_p50": pct(ttfts, 0.5), "ttft_p99": pct(ttfts, 0.99), "classes": classes,
@@ -355,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text-clients", type=int, default=0,
                    help="load test: clients whose chats have no image, beside --clients")
     p.add_argument("--images", type=int, default=8)
+    p.add_argument("--mixed", type=int, default=0, metavar="ROUNDS",
+                   help="issue 27's stall case, one request at a time: ROUNDS x (a 4-turn chat over "
+                        "a new image, a 4-turn text chat); per class p50/p99 (0: none)")
     p.add_argument("--budget", type=float, default=530,
                    help="seconds for the whole run: a server is skipped with < 90 s left, a load "
                    "test shortened to what is left")
@@ -406,10 +485,11 @@ def main(argv: list[str] | None = None) -> int:
         f.write(base64.b64decode(url.split(",", 1)[1]))
     files = {"url": url, "http": f"http://127.0.0.1:{HTTP_PORT}/a.png", "path": path}
     load_urls = [data_url(None, 10 + i) for i in range(args.images)] if args.load else []
+    mixed_urls = [data_url(None, 100 + i) for i in range(args.mixed)]
     http_server = serve_files(out)
     report: dict[str, Any] = {"model": args.model, "backend": args.backend, "eager": args.eager,
                               "repeats": args.repeats, "max_tokens": args.max_tokens,
-                              "latency": {}, "load": {}, "servers": {}, "skipped": []}
+                              "latency": {}, "load": {}, "mixed": {}, "servers": {}, "skipped": []}
     try:
         for server in servers:
             left = args.budget - (time.monotonic() - t0)
@@ -440,6 +520,12 @@ def main(argv: list[str] | None = None) -> int:
                                     args.max_tokens)
                 attach_stages(res, stages_file, sent)
                 report["latency"][server] = res
+                if args.mixed:
+                    print(f"[{server}] mixed: {args.mixed} rounds, one request at a time", flush=True)
+                    report["mixed"][server] = mixed(base, model, mixed_urls, args.mixed,
+                                                    args.max_tokens, sent)
+                    attach_mixed_stages(report["mixed"][server], stages_file)
+                    sent += len(report["mixed"][server]["turns"])
                 left = args.budget - (time.monotonic() - t0) - 20
                 if args.load and server in LOAD_SERVERS and left > 20:
                     seconds = min(args.load, left)
@@ -452,9 +538,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         http_server.shutdown()
         report["side_by_side"] = side_by_side(report["latency"])
-        with open(os.path.join(out, "latency.json"), "w") as f:
-            json.dump(report, f, indent=1)
+        write_report(os.path.join(out, "latency.json"), report)  # with commit, GPU, date
     print_tables(report["latency"], report["load"])
+    print_mixed(report["mixed"])
     failed = sum(r.get("failed", 0) for r in report["load"].values())
     errors = sum(len(r.get("errors", [])) for per in report["latency"].values() for r in per.values())
     return 1 if failed or errors else 0

@@ -16,7 +16,7 @@ writes to flush), send the signal to the whole group (what Ctrl-C does), and mea
 Configurations (``--configs``, default all PyTorch ones): ``plain`` and ``plain_prefix`` (lmdeploy),
 ``fc_mp`` / ``fc_mp_prefix`` (featcache, lmdeploy's engine process), ``fc_in`` / ``fc_in_prefix``
 (featcache, engine in the server's process); with ``--backend turbomind``: ``plain_tm``, ``fc_tm``.
-Results: ``shutdown.json`` in --out.
+Results: ``shutdown-INT.json`` (or ``-TERM``) in --out, rewritten after each run.
 """
 
 from __future__ import annotations
@@ -79,9 +79,9 @@ def gpu_pids() -> list[int]:
     return [int(x) for x in out.split() if x.strip().isdigit()]
 
 
-def one_run(name: str, cmd: list[str], image: str, out: str, rep: int, sig: int,
+def one_run(name: str, cmd: list[str], image: str, logs: str, rep: int, sig: int,
             ready_timeout: float, wait_s: float) -> dict[str, Any]:
-    log_path = os.path.join(out, f"{name}-{rep}.log")
+    log_path = os.path.join(logs, f"{name}-{rep}-{signal.Signals(sig).name}.log")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     row: dict[str, Any] = {"config": name, "rep": rep, "command": shlex.join(cmd)}
@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wait", type=float, default=60, help="seconds to wait for the exit")
     p.add_argument("--ready-timeout", type=float, default=240)
     p.add_argument("--store", default="/tmp/shutdown-store")
+    p.add_argument("--logs", default="/tmp/shutdown-logs",
+                   help="the servers' logs (their tails are in the JSON; the device returns 8 files)")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
@@ -140,17 +142,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{c}: {shlex.join(command(c, args.model, args.store))}")
         return 0
     os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.logs, exist_ok=True)
     from chat import data_url
 
     image = data_url(None, 1)
     sig = getattr(signal, f"SIG{args.signal}")
-    rows = []
+    rows: list[dict[str, Any]] = []
+    path = os.path.join(args.out, f"shutdown-{args.signal}.json")
     for rep in range(args.repeats):
         for c in configs:
-            rows.append(one_run(c, command(c, args.model, f"{args.store}-{c}"), image, args.out,
+            rows.append(one_run(c, command(c, args.model, f"{args.store}-{c}"), image, args.logs,
                                 rep, sig, args.ready_timeout, args.wait))
-    report: dict[str, Any] = {"signal": args.signal, "rows": rows}
-    write_report(os.path.join(args.out, "shutdown.json"), report)
+            # rewritten after each run: a call that runs out of time keeps what it measured
+            write_report(path, {"signal": args.signal, "rows": rows})
     return 0
 
 

@@ -182,6 +182,8 @@ def featcache_engine(cache: FeatureCache, namespace: str | None,
     from lmdeploy import PytorchEngineConfig
     from lmdeploy.serve.openai import api_server
 
+    from .threads import share_cores
+
     original = api_server.get_task
     media = MediaPolicy() if media_policy is None else media_policy
 
@@ -197,6 +199,7 @@ def featcache_engine(cache: FeatureCache, namespace: str | None,
                         log.warning("featcache serve: the PyTorch engine runs in the server's "
                                     "process (--engine-process in), not in a second one")
                     config.enable_mp_engine = False
+                    share_cores()  # the engine and the preprocessing share this process's cores
                 wanted = bool(config.enable_prefix_caching)
                 elsewhere = multi_process(config)
                 if elsewhere:

@@ -106,6 +106,25 @@ def queued_writes(cache: Any) -> str:
     return f"lost: {demote} queued demotion(s), {disk} queued disk write(s) of this process"
 
 
+def close_reporting(cache: Any, who: str = "featcache serve") -> str:
+    """Close ``cache`` (flushing what it queued for its lower tiers) and return the line that
+    says so: the last word of a process on its disk writes. A close that fails is reported, not
+    raised: the process is ending either way."""
+    try:
+        counts = cache.stats().get("cache", {})
+        demote, disk = int(counts.get("demote_queue", 0)), int(counts.get("disk_queue", 0))
+    except Exception:  # noqa: BLE001 (a closed or broken cache: the close below says more)
+        demote = disk = 0
+    start = time.monotonic()
+    try:
+        cache.close()
+    except Exception as e:  # noqa: BLE001
+        return (f"{who}: closing the cache failed ({type(e).__name__}: {e}); lost: up to "
+                f"{demote} queued demotion(s), {disk} queued disk write(s)")
+    return (f"{who}: cache closed in {time.monotonic() - start:.2f} s; flushed {demote} queued "
+            f"demotion(s) and {disk} queued disk write(s)")
+
+
 @contextlib.contextmanager
 def bounded_shutdown(watchdog: Watchdog) -> Iterator[Watchdog]:
     """While active, uvicorn's handling of SIGINT/SIGTERM also arms ``watchdog`` (which, once

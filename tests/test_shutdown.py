@@ -108,3 +108,32 @@ def test_the_gpu_scripts_commands_parse_with_featcaches_and_lmdeploys_parsers():
             args = lmdeploy_parser().parse_args(rest)
             assert ours.cache_dir
         assert args.model_path == "/m/x" and args.server_port > 0
+
+
+def test_the_last_line_says_what_the_close_flushed(tmp_path):
+    from featcache import FeatureCache
+    from featcache.shutdown import close_reporting
+
+    cache = FeatureCache(device="cpu", device_bytes=1 << 20, host_bytes=1 << 20,
+                         disk_path=str(tmp_path / "store"), disk_bytes=1 << 24)
+    import torch
+
+    cache.put(b"k" * 16, torch.ones(64))
+    line = close_reporting(cache)
+    assert line.startswith("featcache serve: cache closed in ") and "queued disk write(s)" in line
+    reopened = FeatureCache(device="cpu", device_bytes=1 << 20, host_bytes=1 << 20,
+                            disk_path=str(tmp_path / "store"), disk_bytes=1 << 24)
+    try:
+        assert torch.equal(reopened.get(b"k" * 16), torch.ones(64))  # flushed, as the line says
+    finally:
+        reopened.close()
+
+    class Broken:
+        def stats(self):
+            return {"cache": {"demote_queue": 1, "disk_queue": 2}}
+
+        def close(self):
+            raise OSError("disk gone")
+
+    assert close_reporting(Broken(), "x") == ("x: closing the cache failed (OSError: disk gone); "
+                                              "lost: up to 1 queued demotion(s), 2 queued disk write(s)")

@@ -204,7 +204,9 @@ def _serve(args: argparse.Namespace) -> int:
         run_server(lmdeploy_args, cache, args.namespace, trust_ids, engine_process, model_cache,
                    media)
     finally:
-        cache.close()
+        from ..shutdown import close_reporting
+
+        print(close_reporting(cache), file=sys.stderr, flush=True)  # the last line: flushed
     return EXIT_OK
 
 

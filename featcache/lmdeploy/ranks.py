@@ -36,9 +36,11 @@ the number of distinct images.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -91,11 +93,25 @@ def local_cache() -> FeatureCache | None:
         if _state["cache"] is None and not _state["failed"]:
             try:
                 _state["cache"] = _build(_state["settings"])
+                atexit.register(_close_at_exit)  # before the cache's own finalizer (LIFO)
             except Exception:
                 _state["failed"] = True
                 log.exception("featcache: this model process has no cache; its images are "
                               "computed every time")
         return _state["cache"]
+
+
+def _close_at_exit() -> None:
+    """This model process's last line on its cache's disk writes (``shutdown.close_reporting``)."""
+    cache = _state["cache"]
+    if cache is not None:
+        from ..shutdown import close_reporting
+
+        try:
+            who = f"featcache (model process, rank {rank()})"
+        except Exception:  # noqa: BLE001
+            who = "featcache (model process)"
+        print(close_reporting(cache, who), file=sys.stderr, flush=True)
 
 
 def _build(settings: dict[str, Any] | None) -> FeatureCache:
