@@ -49,6 +49,8 @@ DEFAULTS: dict[str, int | str | bool | None] = {
     # tier's, or key_secret_file's) random secret; "xxh3_128" is an opt-in for one trusted tenant.
     "key_algorithm": "blake3",
     "key_secret_file": None,
+    # How the device and host tiers choose what to evict (featcache.eviction, EVICTIONS below).
+    "eviction": "lru",
 }
 
 # URL schemes of the remote tier: one server (redis-py's own forms) or a Redis Cluster (any node).
@@ -66,6 +68,12 @@ ID_MODES = ("on", "verify")
 # `featcache serve --key-algorithm`: keyed blake3 (the default) or unkeyed xxh3 for one trusted
 # tenant (featcache.keysecret; keys.ALGORITHMS also has blake2b for the Python API).
 KEY_ALGORITHMS = ("blake3", "xxh3_128")
+
+# `eviction` (FeatureCache, `featcache serve --eviction`): what the device and host tiers evict
+# first. "lru": the least recently used entry; "value": the lowest GreedyDual-Size-Frequency
+# priority, what a hit saves (the vision time of its miss) x its uses / its bytes
+# (featcache.eviction; docs/design.md, "Eviction").
+EVICTIONS = ("lru", "value")
 
 # What featcache reads of the image a request names (featcache.lmdeploy.media.MediaPolicy;
 # `featcache serve --max-image-bytes`, `--allowed-local-media-path`): at most max_image_bytes of
@@ -155,6 +163,7 @@ class CacheConfig:
     remote_tls_key_file: str | None  # rediss: the client certificate's key
     key_algorithm: str  # the keys' digest: "blake3" (keyed), "blake2b" (keyed), "xxh3_128"
     key_secret_file: str | None  # the key secret's file (None: the remote tier's, else the store's)
+    eviction: str  # the memory tiers' eviction policy: one of EVICTIONS
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -171,6 +180,8 @@ class CacheConfig:
         self._check_remote()
         from .keys import ALGORITHMS
 
+        if self.eviction not in EVICTIONS:
+            raise ValueError(f"eviction must be one of {', '.join(EVICTIONS)}, not {self.eviction!r}")
         if self.key_algorithm not in ALGORITHMS:
             raise ValueError(f"key_algorithm must be one of {', '.join(ALGORITHMS)}, not "
                              f"{self.key_algorithm!r}")
