@@ -19,7 +19,9 @@ Data flow:
   remote) is verified, copied into a host block (kept in the host tier) and promoted the same
   way, and a tier that keeps recency by writes (disk) is sent a touch. The remote tier comes
   last: it is read only when every local tier missed (one bounded, short-timeout network read).
-- Eviction is LRU per tier. Because every entry is written through, evicting never copies.
+- Eviction: the memory tiers by the config's ``eviction`` ("lru", or "value": GreedyDual-Size-
+  Frequency over the cost ``put(..., cost_s=)`` records; ``featcache.eviction``), the disk by LRU.
+  Because every entry is written through, evicting never copies.
 
 Invariants:
 - every tier's ``bytes`` stays within its ``capacity_bytes`` at all times;
@@ -58,7 +60,7 @@ from .codec import check_meta, check_storable
 from .config import CacheConfig
 from .copier import dense_copy, make_copier
 from .demoter import Demoter
-from .entrymeta import recorded
+from .entrymeta import recorded, with_cost
 from .errors import FeatCacheError
 from .keys import ImageKey, KeyHasher
 from .keysecret import hasher_for
@@ -136,7 +138,8 @@ class FeatureCache:
         return self.hasher.client_key(image_id, namespace=namespace, params=params)
 
     def put(self, key: bytes, features: torch.Tensor, meta: bytes | None = None, *,
-            namespace: str | None = None, block: bool | None = None) -> None:
+            namespace: str | None = None, block: bool | None = None,
+            cost_s: float | None = None) -> None:
         """Store ``features`` under ``key``; returns at once, unless ``block`` (lower tiers fill in
         the background).
 
@@ -166,11 +169,20 @@ class FeatureCache:
         ``featcache ls`` shows it and ``purge --namespace`` finds the entry: keys are digests and
         cannot tell it. Given explicitly with ``meta`` that is not a JSON object, it raises
         ``ValueError``; carried by the key, such ``meta`` is stored as it is.
+
+        ``cost_s``: what a hit on the entry saves, in seconds (the time ``features`` took to
+        compute: the lmdeploy integration records its vision model's). Recorded in the metadata
+        (``{"cost_s": ...}``, like the namespace; ``ValueError`` with ``meta`` that is not a JSON
+        object), so it travels through every tier; ``eviction="value"`` keeps the entries that
+        save the most per byte. None: unknown (counted as the mean of the known costs).
         """
         self._check_open()
         _check_key(key)
         check_storable(features)
-        meta_bytes = check_meta(recorded(meta, namespace, getattr(key, "namespace", None)))
+        meta_bytes = recorded(meta, namespace, getattr(key, "namespace", None))
+        if cost_s is not None:
+            meta_bytes = with_cost(meta_bytes, cost_s)
+        meta_bytes = check_meta(meta_bytes)
         tensor = self._owned(features)
         top = self._chain.top
         to_top = top.fits(tensor.nbytes, len(meta_bytes))
@@ -219,13 +231,14 @@ class FeatureCache:
 
     def get_or_compute(self, key: bytes, compute: Callable[[], torch.Tensor],
                        meta: bytes | None = None, *, namespace: str | None = None,
-                       block: bool | None = None) -> torch.Tensor:
+                       block: bool | None = None, cost_s: float | None = None) -> torch.Tensor:
         """The features under ``key`` (``get``), else ``compute()``'s, which are ``put`` (with
-        ``meta``, ``namespace`` and ``block``: ``put``'s) and returned: the "get, else compute and
-        put" pattern, with one computation per miss in this process. Callers that ask for a key
-        while another computes it wait for that computation and return its result; if it raises,
-        each of them raises that exception and nothing is stored (a later call computes again). A
-        hit returns the tensor on the cache's device; a computed one is what ``compute`` returned.
+        ``meta``, ``namespace``, ``block`` and ``cost_s``: ``put``'s) and returned: the "get,
+        else compute and put" pattern, with one computation per miss in this process. Callers
+        that ask for a key while another computes it wait for that computation and return its
+        result; if it raises, each of them raises that exception and nothing is stored (a later
+        call computes again). A hit returns the tensor on the cache's device; a computed one is
+        what ``compute`` returned.
         """
         found = self.get(key)
         if found is not None:
@@ -236,7 +249,7 @@ class FeatureCache:
             value = self.get(key) if key in self else None
             if value is None:
                 value = compute()
-                self.put(key, value, meta, namespace=namespace, block=block)
+                self.put(key, value, meta, namespace=namespace, block=block, cost_s=cost_s)
             return value
 
         return self._flights.run(key, fill)

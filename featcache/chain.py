@@ -99,13 +99,13 @@ class Slot:
 
 # -- the kinds, top to bottom --------------------------------------------------------------------
 def _device(config: CacheConfig, copier: Copier, on_corrupt: OnCorrupt) -> DeviceTier:
-    return DeviceTier(config.device_bytes)  # always on (a budget of 0 holds nothing)
+    return DeviceTier(config.device_bytes, config.eviction)  # always on (a budget of 0: nothing)
 
 
 def _host(config: CacheConfig, copier: Copier, on_corrupt: OnCorrupt) -> HostTier | None:
     if config.host_bytes <= 0:
         return None
-    return HostTier(config.host_bytes, config.host_slab_bytes, pin=copier.pin)
+    return HostTier(config.host_bytes, config.host_slab_bytes, pin=copier.pin, eviction=config.eviction)
 
 
 def _disk(config: CacheConfig, copier: Copier, on_corrupt: OnCorrupt) -> DiskTier | None:

@@ -1,5 +1,6 @@
 """How the store tools read an entry's metadata: the ``"ns"`` (namespace) and the image's token
-count of featcache's JSON entry metadata, from any bytes, without raising and without torch.
+count of featcache's JSON entry metadata, from any bytes, without raising and without torch; and
+the ``"cost_s"`` (what a hit saves) that ``FeatureCache.put`` records and value eviction weighs.
 
 The format itself (one JSON object, keys sorted: ``{"fields": {...}, "ns": NAMESPACE, "pixels":
 [...]}``) is written by ``featcache.lmdeploy.entry_meta``, which documents it whole; a
@@ -79,6 +80,50 @@ def with_namespace(meta: bytes | None, namespace: str) -> bytes:
         if record.get("ns", namespace) != namespace:
             raise ValueError(f"meta records namespace {record['ns']!r}, not {namespace!r}")
     record["ns"] = namespace
+    return json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+
+
+COST_FIELD = "cost_s"  # what a hit on the entry saves: the seconds its miss's computation took
+
+
+def cost_of(meta: bytes) -> float | None:
+    """The cost ``meta`` records (``"cost_s"`` of a JSON object: the seconds of computation a hit
+    on the entry saves), or None; never raises. What the memory tiers' value eviction weighs
+    (``featcache.value``); cheap for metadata without one (a byte search)."""
+    if b'"cost_s"' not in meta or not meta.startswith(b"{"):
+        return None
+    try:
+        record = json.loads(meta)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    cost = record.get(COST_FIELD) if isinstance(record, dict) else None
+    if isinstance(cost, bool) or not isinstance(cost, (int, float)):
+        return None
+    return float(cost) if 0 <= cost < float("inf") else None
+
+
+def with_cost(meta: bytes | None, cost_s: float) -> bytes:
+    """``meta`` with ``cost_s`` recorded as its ``"cost_s"`` (what ``FeatureCache.put(...,
+    cost_s=...)`` stores, so the cost travels with the entry through every tier and restart):
+    ``{"cost_s": cost_s}`` for no metadata, the JSON object with it set for a JSON object.
+
+    Raises ``TypeError`` for a cost that is not a number, ``ValueError`` for a negative or
+    infinite one or for metadata that is not a JSON object (opaque bytes have nowhere to record
+    it)."""
+    if isinstance(cost_s, bool) or not isinstance(cost_s, (int, float)):
+        raise TypeError(f"cost_s must be a number of seconds, not {type(cost_s).__name__} {cost_s!r}")
+    if not 0 <= cost_s < float("inf"):
+        raise ValueError(f"cost_s must be a finite number of seconds >= 0, not {cost_s!r}")
+    record: Any = {}
+    if meta:
+        try:
+            record = json.loads(meta)
+        except (UnicodeDecodeError, ValueError):
+            record = None
+        if not isinstance(record, dict):
+            raise ValueError("cost_s= is recorded in the entry's metadata, which must then be "
+                             "None or a JSON object; these meta bytes are not one")
+    record[COST_FIELD] = round(float(cost_s), 6)
     return json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
 
 

@@ -1,8 +1,14 @@
-"""Eviction bookkeeping for an in-memory tier: LRU order, byte accounting and leases.
+"""Eviction bookkeeping for an in-memory tier by recency: LRU order, byte accounting and leases.
 
-The books hold keys and sizes only; the tier holds the values. Invariants:
+The books hold keys and sizes only; the tier holds the values (``featcache.eviction`` picks these
+books or ``featcache.value``'s by the config's ``eviction``). Invariants:
 - ``used_bytes`` is the sum of the sizes of the keys held and never exceeds ``capacity_bytes``;
-- a key with a positive pin count (lent to an in-flight user) is never chosen as a victim.
+- a key with a positive pin count (lent to an in-flight user) is never chosen as a victim;
+- a victim is the least recently added or touched unpinned key;
+- ``evict_for`` removes its victims only when they make enough room (else nothing changes).
+
+Costs: O(1) per ``touch``, ``add``, ``remove``, ``pin``; an eviction skips the pinned keys older
+than its victims (few: leases are held for one request).
 """
 
 from __future__ import annotations
@@ -12,6 +18,9 @@ from collections.abc import Iterator
 
 
 class LruBooks:
+    """Least recently used first. ``add``'s ``cost_s`` is accepted and ignored (the books of
+    ``eviction="value"`` weigh it)."""
+
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
@@ -28,7 +37,8 @@ class LruBooks:
         self._sizes.move_to_end(key)
 
     def victims_for(self, nbytes: int, replacing: bytes | None = None) -> list[bytes] | None:
-        """Oldest unpinned keys whose removal makes room for ``nbytes``, or None if impossible.
+        """Oldest unpinned keys whose removal makes room for ``nbytes``, or None if impossible
+        (nothing is removed: ``evict_for`` removes them).
 
         ``replacing`` is a key about to be overwritten: its size is counted as free.
         """
@@ -47,13 +57,28 @@ class LruBooks:
             free += self._sizes[key]
         return victims if free >= nbytes else None
 
+    def evict_for(self, nbytes: int, replacing: bytes | None = None) -> list[bytes] | None:
+        """Remove the victims that make room for ``nbytes`` (``victims_for``) and return them;
+        None, with nothing removed, if no choice of unpinned keys makes enough room."""
+        victims = self.victims_for(nbytes, replacing)
+        for key in victims or ():
+            self.remove(key)
+        return victims
+
+    def evict_one(self) -> bytes | None:
+        """Remove the oldest unpinned key and return it; None if every key is pinned (or none)."""
+        key = next(self.unpinned_oldest_first(), None)
+        if key is not None:
+            self.remove(key)
+        return key
+
     def unpinned_oldest_first(self) -> Iterator[bytes]:
         return (k for k in self._sizes if not self._pins.get(k))
 
-    def add(self, key: bytes, nbytes: int) -> None:
+    def add(self, key: bytes, nbytes: int, cost_s: float | None = None) -> None:
         self.remove(key)
         if self.used_bytes + nbytes > self.capacity_bytes:
-            raise AssertionError("add() without room: call victims_for() and remove them first")
+            raise AssertionError("add() without room: call evict_for() first")
         self._sizes[key] = nbytes
         self.used_bytes += nbytes
 

@@ -135,8 +135,9 @@ def test_the_api_takes_no_client_supplied_ids():
         name: list(inspect.signature(getattr(FeatureCache, name)).parameters)
         for name in ("put", "get", "acquire", "lease", "discard")
     }
-    assert cache_params == {  # put's namespace is recorded in the metadata, never part of a key
-        "put": ["self", "key", "features", "meta", "namespace", "block"], "get": ["self", "key"],
+    assert cache_params == {  # put's namespace and cost are recorded in the metadata, never a key
+        "put": ["self", "key", "features", "meta", "namespace", "block", "cost_s"],
+        "get": ["self", "key"],
         "acquire": ["self", "key"], "lease": ["self", "key"], "discard": ["self", "key"],
     }
     assert list(inspect.signature(image_key).parameters) == [

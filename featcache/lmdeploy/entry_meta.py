@@ -4,14 +4,17 @@ and read here only.
 An entry's metadata is what the engine needs of a preprocessed image besides its pixels, so a hit
 is rebuilt exactly without preprocessing. It is one JSON object (keys sorted, no spaces)::
 
-    {"fields": {NAME: VALUE, ...},         every field of lmdeploy's per-image dict but the pixels
+    {"cost_s": SECONDS,                     the vision model's time of the miss, when measured
+     "fields": {NAME: VALUE, ...},         every field of lmdeploy's per-image dict but the pixels
      "ns": NAMESPACE,                       the key's namespace (model identity), when known
      "pixels": [[TRAILING SHAPE], DTYPE]}   of ``pixel_values``, for the 0-row placeholder of a hit
 
 A VALUE is None, a bool, int, float or str as is; a list of VALUEs; ``{"tuple": [VALUE, ...]}``;
 or ``{"tensor": [DTYPE, SHAPE, FLAT VALUES]}`` for a tensor of at most 64 elements (token counts,
 grids). Keys are digests, so ``ns`` is the only way to tell which model an entry belongs to
-(``featcache ls``, ``purge --namespace``).
+(``featcache ls``, ``purge --namespace``). ``cost_s`` is added by ``FeatureCache.put(...,
+cost_s=...)`` (the model hook's measure, ``visioncost``) and read by ``featcache.entrymeta.cost_of``
+for value eviction (``featcache.value``).
 
 Writers: the frontend (``encode_item``) and the TurboMind native path; readers: the frontend
 (``decode_item``) and the store commands (``featcache ls``, ``inspect``, ``purge --namespace``),

@@ -12,9 +12,10 @@ embeddings in image order. For each supported class we wrap, at class level:
 - the vision call (a method or submodule named by the spec, wrapped per instance on first use):
   runs the real vision model on the misses, splits its output per image (by token count), puts
   each miss's features in the cache (on the engine's stream: no host copy), and returns the
-  features of every image in order: hits from their leases, misses from the output. A hit whose
-  head is already in the KV cache (a prefix match ending inside it, see ``prefix``) contributes
-  only its tail rows, a view of the leased features.
+  features of every image in order: hits from their leases, misses from the output. Each miss is
+  put with its share of the vision call's time (``visioncost``: what a later hit saves, for value
+  eviction). A hit whose head is already in the KV cache (a prefix match ending inside it, see
+  ``prefix``) contributes only its tail rows, a view of the leased features.
 
 In the multi-process mode the meta slot holds a ``FeatTag`` instead (key and metadata; pixels, or
 the encoded image to rebuild them from): ``prepare`` resolves the step's tags against this
@@ -42,6 +43,7 @@ from .frontend import SECTION
 from .prefix import SKIP_KEY
 from .refs import REF_KEY, FeatRef
 from .tags import FeatTag
+from .visioncost import VisionClock
 
 log = logging.getLogger("featcache")
 
@@ -183,20 +185,23 @@ def _ensure_vision_wrapper(model: Any, spec: ArchSpec) -> None:
     current = getattr(owner, attr)
     if getattr(current, "_featcache", False):
         return
+    clock = VisionClock()  # this model's vision time per image token
 
     def vision(*args: Any, **kwargs: Any) -> torch.Tensor:
         plan = getattr(_step, "plan", None)
         _step.plan = None
         if plan is None:
             return current(*args, **kwargs)
-        return _serve(plan, lambda: current(*args, **kwargs))
+        return _serve(plan, lambda: current(*args, **kwargs), clock)
 
     vision._featcache = True  # type: ignore[attr-defined]
     setattr(owner, attr, vision)
 
 
-def _serve(plan: _Plan, run_vision: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """The features of every image of the step, in order, as [image tokens, hidden].
+def _serve(plan: _Plan, run_vision: Callable[[], torch.Tensor],
+           clock: VisionClock | None = None) -> torch.Tensor:
+    """The features of every image of the step, in order, as [image tokens, hidden]; each miss is
+    put with its cost (``clock``'s measure of the vision call; None: no cost recorded).
 
     An image with ``skip`` rows already in the KV cache contributes rows ``[skip:]``: from its
     cached features on a hit; on a miss (several processes: a held image some rank lacked) the
@@ -207,17 +212,21 @@ def _serve(plan: _Plan, run_vision: Callable[[], torch.Tensor]) -> torch.Tensor:
     pieces: list[torch.Tensor] = []
     cache = next(ref.cache for ref in plan.refs if ref is not None)
     if misses:
-        out = run_vision()
-        flat = out.reshape(-1, out.shape[-1])
         sizes = [n for _, n in misses]
+        costs: list[float | None] = [None] * len(misses)
+        if clock is None:
+            out = run_vision()
+        else:
+            out, costs = clock.run(run_vision, sizes)
+        flat = out.reshape(-1, out.shape[-1])
         if sum(sizes) != flat.shape[0]:
             raise RuntimeError(
                 f"featcache: the vision model returned {flat.shape[0]} feature rows for images "
                 f"of {sizes} tokens; this model's output does not split per image")
         pieces = list(flat.split(sizes))
-        for (ref, _), piece in zip(misses, pieces, strict=True):
+        for (ref, _), piece, cost in zip(misses, pieces, costs, strict=True):
             if ref is not None:
-                ref.cache.put(ref.key, piece, meta=ref.meta)
+                ref.cache.put(ref.key, piece, meta=ref.meta, cost_s=cost)
         cache.count(SECTION, "vision_images", len(misses))
         cache.count(SECTION, "vision_calls")
     cache.count(SECTION, "vision_skipped", len(plan.refs) - len(misses))

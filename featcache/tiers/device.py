@@ -1,28 +1,33 @@
 """The device tier: features kept as tensors on the cache's device (a GPU, or the CPU without one).
 
-A put stores the caller's tensor itself (no copy); an entry is evicted oldest-first when room is
-needed, except entries pinned by a lease, which stay until released. ``clear`` drops every entry
-but the pinned ones, which it marks dropped: they are no longer found (lookups miss, ``contains``
-is False) but stay, counted in the budget, until their last lease is released, then go (a put of
-the key in between keeps the new value). Thread-safe.
+A put stores the caller's tensor itself (no copy); when room is needed, entries are evicted by the
+tier's policy (``eviction``: "lru", oldest first; "value", lowest GDSF priority, weighing the cost
+each entry's metadata records: ``featcache.eviction``), except entries pinned by a lease, which
+stay until released. ``clear`` drops every entry but the pinned ones, which it marks dropped:
+they are no longer found (lookups miss, ``contains`` is False) but stay, counted in the budget,
+until their last lease is released, then go (a put of the key in between keeps the new value).
+Thread-safe.
 """
 
 from __future__ import annotations
 
 import threading
 
-from ..lru import LruBooks
+from ..entrymeta import cost_of
+from ..eviction import WEIGHS_COST, books_for
 from .base import Alloc, Counters, Entry
 
 
 class DeviceTier:
-    """The top tier (``LeasingTier``): the producers' tensors, LRU, leases."""
+    """The top tier (``LeasingTier``): the producers' tensors, evicted by ``eviction``, leases."""
 
     name = "device"
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, eviction: str = "lru") -> None:
         self.capacity_bytes = capacity_bytes
-        self._books = LruBooks(capacity_bytes)
+        self.eviction = eviction
+        self._books = books_for(eviction, capacity_bytes)
+        self._weighs_cost = WEIGHS_COST[eviction]
         self._entries: dict[bytes, Entry] = {}
         self._dropped: set[bytes] = set()  # cleared while leased: gone at the last unpin
         self._counters = Counters()
@@ -56,22 +61,24 @@ class DeviceTier:
             return entry
 
     def put(self, key: bytes, entry: Entry, *, pin: bool = False) -> bool:
-        """Store ``entry``, evicting the oldest unpinned entries for room; False if it cannot fit.
+        """Store ``entry``, evicting unpinned entries for room (by the policy); False if it
+        cannot fit.
 
         With ``pin`` the key is pinned in the same step (a lease), stored or not, so every lease
         unpins exactly what it pinned; a pin on a key that could not be stored only keeps a later
         put of that key resident until the lease ends."""
+        cost = cost_of(entry.meta) if self._weighs_cost else None  # outside the lock
         with self._lock:
             if pin:
                 self._books.pin(key)
             self._dropped.discard(key)
-            victims = self._books.victims_for(entry.nbytes, replacing=key)
+            victims = self._books.evict_for(entry.nbytes, replacing=key)
             if victims is None:
                 return False
             for victim in victims:
                 self._remove(victim)
                 self._counters.evictions += 1
-            self._books.add(key, entry.nbytes)
+            self._books.add(key, entry.nbytes, cost)
             self._entries[key] = entry
             return True
 
@@ -133,4 +140,4 @@ class DeviceTier:
             self._closed = True
             self._entries.clear()
             self._dropped.clear()
-            self._books = LruBooks(self.capacity_bytes)
+            self._books = books_for(self.eviction, self.capacity_bytes)

@@ -1,8 +1,10 @@
 """The host tier: features in host memory (page-locked when CUDA is available), from a pool.
 
 Entries live in blocks of a ``HostPool``; ``reserve`` hands out a block for the demoter (or a disk
-hit) to fill, evicting the oldest entries until one fits. Budget accounting counts block sizes (the
-requested bytes rounded up to the pool's alignment), which is what the pool really holds.
+hit) to fill, evicting entries until one fits, in the order of the tier's policy (``eviction``:
+"lru", oldest first; "value", lowest GDSF priority, weighing the cost each entry's metadata
+records: ``featcache.eviction``). Budget accounting counts block sizes (the requested bytes rounded
+up to the pool's alignment), which is what the pool really holds; the books weigh those too.
 
 Invariant: a block is referenced by the tier while its entry is stored, and by any reader (a
 promotion copy, a pending disk write) until that reader releases it; the pool reuses it only when no
@@ -12,21 +14,26 @@ reference remains and its last copy has finished. Thread-safe.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 
+from ..entrymeta import cost_of
+from ..eviction import WEIGHS_COST, books_for
 from ..hostpool import Block, HostPool
 from .base import Alloc, Counters, Entry
 
 
 class HostTier:
-    """The staging tier (``StagingTier``): entries in pool blocks, LRU."""
+    """The staging tier (``StagingTier``): entries in pool blocks, evicted by ``eviction``."""
 
     name = "host"
 
-    def __init__(self, capacity_bytes: int, slab_bytes: int, pin: bool) -> None:
+    def __init__(self, capacity_bytes: int, slab_bytes: int, pin: bool, eviction: str = "lru") -> None:
         self.capacity_bytes = capacity_bytes
+        self.eviction = eviction
         self.pool = HostPool(capacity_bytes, slab_bytes, pin)
-        self._entries: OrderedDict[bytes, Entry] = OrderedDict()  # oldest first
+        self._entries: dict[bytes, Entry] = {}
+        # the order of eviction; sizes are block sizes, whose sum never exceeds the pool's
+        self._books = books_for(eviction, capacity_bytes)
+        self._weighs_cost = WEIGHS_COST[eviction]
         self._counters = Counters()
         self._lock = threading.Lock()
 
@@ -43,7 +50,7 @@ class HostTier:
         return key in self._entries
 
     def reserve(self, nbytes: int) -> Block | None:
-        """A block of ``nbytes`` for the caller to fill and ``put``, evicting LRU entries for room.
+        """A block of ``nbytes`` for the caller to fill and ``put``, evicting entries for room.
 
         Returns None if the entry cannot be held even with the tier empty (too large, or every
         remaining block still busy with a copy).
@@ -55,7 +62,10 @@ class HostTier:
                 block = self.pool.alloc(nbytes)
                 if block is not None or not self._entries:
                     return block
-                _, victim = self._entries.popitem(last=False)
+                key = self._books.evict_one()
+                if key is None:  # (the host tier pins nothing: cannot happen)
+                    return None
+                victim = self._entries.pop(key)
                 self._counters.evictions += 1
                 assert victim.block is not None
                 self.pool.release(victim.block)
@@ -66,12 +76,14 @@ class HostTier:
         The tier takes over the caller's reference to the block.
         """
         assert entry.block is not None, "host entries live in pool blocks: use reserve()"
+        cost = cost_of(entry.meta) if self._weighs_cost else None  # outside the lock
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
                 assert old.block is not None
                 self.pool.release(old.block)
             self._entries[key] = entry
+            self._books.add(key, entry.block.size, cost)
             return True
 
     def get(self, key: bytes, alloc: Alloc | None = None) -> Entry | None:
@@ -82,7 +94,7 @@ class HostTier:
             if entry is None:
                 self._counters.misses += 1
                 return None
-            self._entries.move_to_end(key)
+            self._books.touch(key)
             self._counters.hits += 1
             assert entry.block is not None
             self.pool.retain(entry.block)
@@ -96,12 +108,13 @@ class HostTier:
             entry = self._entries.pop(key, None)
             if entry is None:
                 return False
+            self._books.remove(key)
             assert entry.block is not None
             self.pool.release(entry.block)
             return True
 
     def keys(self) -> list[bytes]:
-        """The keys held now, oldest use first (a snapshot)."""
+        """The keys held now (a snapshot)."""
         with self._lock:
             return list(self._entries)
 
@@ -109,7 +122,8 @@ class HostTier:
         """Drop every entry; return their keys. A block still read by a copy or a pending write
         is reused only after that reader releases it (its reference)."""
         with self._lock:
-            entries, self._entries = self._entries, OrderedDict()
+            entries, self._entries = self._entries, {}
+            self._books = books_for(self.eviction, self.capacity_bytes)
             for entry in entries.values():
                 assert entry.block is not None
                 self.pool.release(entry.block)
@@ -135,3 +149,4 @@ class HostTier:
                 assert entry.block is not None
                 self.pool.release(entry.block)
             self._entries.clear()
+            self._books = books_for(self.eviction, self.capacity_bytes)
