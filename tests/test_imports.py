@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("featcache._version", "featcache.errors", "featcache.sizes", "featcache.keys",
                     "featcache.entrymeta",
                     "featcache.codec", "featcache.config", "featcache.breaker", "featcache.lru",
-                    "featcache.lrumap", "featcache.hostpool", "featcache.copier",
+                    "featcache.value", "featcache.eviction", "featcache.lrumap", "featcache.hostpool", "featcache.copier",
                     "featcache.singleflight")),
     ("LMDB store", ("featcache.store",)),
     ("tiers", ("featcache.tiers",)),
