@@ -309,3 +309,23 @@ def test_an_image_that_is_none_is_the_clients_error_one_warning_counted(rig, cap
 def test_trust_modes_are_checked(rig):
     with pytest.raises(ValueError, match="False, True or 'verify'"):
         trust_image_ids(rig.cached.processor, "yes")
+
+
+@pytest.mark.parametrize("options, why", [
+    ({"image": {"image_mode": "NOPE"}}, "image_mode"),
+    ({"image": "RGB"}, "object of named options"),
+    ("RGB", "must be an object"),
+])
+def test_the_guard_of_a_model_featcache_does_not_cache_checks_options_too(options, why):
+    """Where featcache does not cache the model it still reads the sources (``SourceGuard``), so
+    a client's malformed decode options are its 400 there too, not an error inside decoding."""
+    from featcache.lmdeploy.sources import SourceGuard
+
+    guard = SourceGuard()
+    msgs = tiny.messages(url_item(data_url(png(tiny.noise_image(32, 32, seed=24)))))
+    with pytest.raises(MediaOptionError, match=why):
+        guard.resolve_sources(msgs, options)
+    assert guard.resolve_sources([{"role": "user", "content": "hi"}], {"image": "junk"})
+    out = guard.resolve_sources(msgs, {"image": {"image_mode": "L"}})
+    image = next(x for x in out[0]["content"] if x.get("type") != "text")["image_data"]["data"]
+    assert image.mode == "L"  # read here, with the request's options

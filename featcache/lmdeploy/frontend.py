@@ -41,7 +41,8 @@ from ..cache import FeatureCache
 from ..keys import ImageKey, KeyHasher
 from ..lrumap import LruMap
 from .entry_meta import decode_item, encode_item
-from .media import LOCAL_FILES, MediaError, MediaPolicy
+from .media import LOCAL_FILES, MediaError, MediaPolicy, image_io_options
+from .media import MediaOptionError as MediaOptionError  # (its home: media; named here too)
 from .refs import REF_KEY, FeatRef
 from .sources import (
     ID_FIELD,
@@ -53,6 +54,7 @@ from .sources import (
     encoded_bytes,
     fetched_bytes,
     guarded,
+    has_image_items,
     image_parts,
     install_sources,
     is_data_url,
@@ -146,7 +148,7 @@ class Frontend:
         ``MediaError`` (counted, ``media_refused``). ``allowed_media_domains``: lmdeploy's, for
         the http fetches. Decode options that are not what lmdeploy's ``ImageMediaIO`` takes raise
         ``MediaOptionError`` (a ``ValueError``: the client's request is answered 400)."""
-        io_kwargs = image_io_options(media_io_kwargs) if _has_image_items(messages) else {}
+        io_kwargs = image_io_options(media_io_kwargs) if has_image_items(messages) else {}
         # a client's error (an id, a refused source, an image that is none) is counted and raised:
         # lmdeploy answers it with a 400 and its message; any other failure is featcache's
         try:
@@ -452,49 +454,6 @@ class Frontend:
                 output[REF_KEY] = FeatRef(self.cache, key, meta, None)
 
 
-class MediaOptionError(ValueError):
-    """A request's decode options (``media_io_kwargs``) are not what lmdeploy's image reader
-    takes; the message tells the client which (lmdeploy answers a ``ValueError`` with a 400)."""
-
-
-def image_io_options(media_io_kwargs: Any) -> dict[str, Any]:
-    """The image decode options of a request (``media_io_kwargs["image"]``, lmdeploy's
-    ``ImageMediaIO`` arguments), checked: a JSON object whose ``image_mode``, when given, is a
-    mode PIL converts an RGB image to. Raises ``MediaOptionError`` otherwise; so does lmdeploy,
-    later and for every request, when it decodes with them."""
-    if media_io_kwargs is None:
-        return {}
-    if not isinstance(media_io_kwargs, dict):
-        raise MediaOptionError(f"media_io_kwargs must be an object, not {type(media_io_kwargs).__name__}")
-    options = media_io_kwargs.get("image", {})
-    if options is None:
-        return {}
-    if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
-        raise MediaOptionError("media_io_kwargs.image must be an object of named options")
-    try:
-        json.dumps(options, allow_nan=False)
-    except (TypeError, ValueError):
-        raise MediaOptionError("media_io_kwargs.image must hold JSON values only") from None
-    mode = options.get("image_mode", "RGB")
-    if not (isinstance(mode, str) and _convertible(mode)):
-        raise MediaOptionError(f"media_io_kwargs.image.image_mode {mode!r:.40} is not an image mode "
-                               "images can be converted to (e.g. 'RGB', 'L', 'RGBA')")
-    return options
-
-
-@functools.lru_cache(maxsize=64)
-def _convertible(mode: str) -> bool:
-    if not 0 < len(mode) <= 16:
-        return False
-    from PIL import Image
-
-    try:
-        Image.new("RGB", (1, 1)).convert(mode)
-    except (ValueError, TypeError, KeyError, OSError):
-        return False
-    return True
-
-
 def _sourced(key: bytes, meta: bytes, raw: bytes, decode: dict[str, Any],
              params: dict[str, Any]) -> FeatTag | None:
     """The tag of an image sent before (``meta``, remembered) carrying ``raw`` and how to read
@@ -509,12 +468,6 @@ def _sourced(key: bytes, meta: bytes, raw: bytes, decode: dict[str, Any],
     except Exception:
         return None
     return FeatTag(key, meta, Source(raw, how, values))
-
-
-def _has_image_items(messages: list[Any]) -> bool:
-    return any(isinstance(m, dict) and isinstance(m.get("content"), list)
-               and any(isinstance(x, dict) and image_parts(x) is not None for x in m["content"])
-               for m in messages)
 
 
 def _keyed_by_bytes(item: dict[str, Any]) -> bool:

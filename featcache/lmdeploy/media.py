@@ -24,6 +24,8 @@ message, which says what to send instead and names the server option.
 from __future__ import annotations
 
 import fcntl
+import functools
+import json
 import os
 import stat
 import time
@@ -304,3 +306,46 @@ def _chunks(response: Any) -> Any:
         return
     while chunk := raw.read1(_CHUNK, decode_content=True):
         yield chunk
+
+
+class MediaOptionError(ValueError):
+    """A request's decode options (``media_io_kwargs``) are not what lmdeploy's image reader
+    takes; the message tells the client which (lmdeploy answers a ``ValueError`` with a 400)."""
+
+
+def image_io_options(media_io_kwargs: Any) -> dict[str, Any]:
+    """The image decode options of a request (``media_io_kwargs["image"]``, lmdeploy's
+    ``ImageMediaIO`` arguments), checked: a JSON object whose ``image_mode``, when given, is a
+    mode PIL converts an RGB image to. Raises ``MediaOptionError`` otherwise; so does lmdeploy,
+    later and for every request, when it decodes with them."""
+    if media_io_kwargs is None:
+        return {}
+    if not isinstance(media_io_kwargs, dict):
+        raise MediaOptionError(f"media_io_kwargs must be an object, not {type(media_io_kwargs).__name__}")
+    options = media_io_kwargs.get("image", {})
+    if options is None:
+        return {}
+    if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+        raise MediaOptionError("media_io_kwargs.image must be an object of named options")
+    try:
+        json.dumps(options, allow_nan=False)
+    except (TypeError, ValueError):
+        raise MediaOptionError("media_io_kwargs.image must hold JSON values only") from None
+    mode = options.get("image_mode", "RGB")
+    if not (isinstance(mode, str) and _convertible(mode)):
+        raise MediaOptionError(f"media_io_kwargs.image.image_mode {mode!r:.40} is not an image mode "
+                               "images can be converted to (e.g. 'RGB', 'L', 'RGBA')")
+    return options
+
+
+@functools.lru_cache(maxsize=64)
+def _convertible(mode: str) -> bool:
+    if not 0 < len(mode) <= 16:
+        return False
+    from PIL import Image
+
+    try:
+        Image.new("RGB", (1, 1)).convert(mode)
+    except (ValueError, TypeError, KeyError, OSError):
+        return False
+    return True

@@ -54,6 +54,7 @@ from .media import (
     check_decoded,
     check_local,
     fetch_http,
+    image_io_options,
     read_local,
     shown,
 )
@@ -285,6 +286,13 @@ def _guarded_item(item: Any, io_kwargs: dict[str, Any], domains: Any, media: Med
     return item
 
 
+def has_image_items(messages: list[Any]) -> bool:
+    """Whether any message holds an image part (then its request's decode options matter)."""
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list)
+               and any(isinstance(x, dict) and image_parts(x) is not None for x in m["content"])
+               for m in messages)
+
+
 class SourceGuard:
     """What ``install_sources`` calls where featcache does not cache the model (an architecture
     it does not serve): the media policy alone (``guarded``), so lmdeploy still reads no source
@@ -296,8 +304,10 @@ class SourceGuard:
 
     def resolve_sources(self, messages: list[Any], media_io_kwargs: dict[str, Any],
                         allowed_media_domains: list[str] | None = None) -> list[Any]:
-        return guarded(messages, media_io_kwargs.get("image", {}), allowed_media_domains,
-                       self.media)
+        # the request's decode options, checked as the caching frontend checks them: a client's
+        # malformed options are its 400, never a failure inside lmdeploy's decoding
+        io_kwargs = image_io_options(media_io_kwargs) if has_image_items(messages) else {}
+        return guarded(messages, io_kwargs, allowed_media_domains, self.media)
 
 
 def install_sources(prompt_processor: Any, frontend: Any) -> None:
