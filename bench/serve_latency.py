@@ -50,6 +50,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 
+import pyspy  # noqa: E402
 import serve_chat  # noqa: E402
 import serve_stages  # noqa: E402
 from runmeta import write_report  # noqa: E402
@@ -431,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text-clients", type=int, default=0,
                    help="load test: clients whose chats have no image, beside --clients")
     p.add_argument("--images", type=int, default=8)
+    p.add_argument("--profile", action="store_true",
+                   help="py-spy the server's processes during the load test (top frames per process "
+                        "and thread in the load report's profile)")
     p.add_argument("--mixed", type=int, default=0, metavar="ROUNDS",
                    help="issue 27's stall case, one request at a time: ROUNDS x (a 4-turn chat over "
                         "a new image, a 4-turn text chat); per class p50/p99 (0: none)")
@@ -530,9 +534,13 @@ def main(argv: list[str] | None = None) -> int:
                 if args.load and server in LOAD_SERVERS and left > 20:
                     seconds = min(args.load, left)
                     print(f"[{server}] load {args.clients} clients, {seconds:.0f} s", flush=True)
+                    profiler = (pyspy.Profile(proc.pid, seconds, os.path.join(out, f"pyspy-{server}.txt"))
+                                if args.profile else None)
                     report["load"][server] = load_test(base, model, load_urls, args.clients, seconds,
                                                        args.max_tokens,
                                                        text_clients=args.text_clients)
+                    if profiler is not None:
+                        report["load"][server]["profile"] = profiler.summary()
             finally:
                 report["servers"][server]["rc"] = serve_chat.stop(proc, wait=20)
     finally:

@@ -112,3 +112,19 @@ def test_latency_rounds_and_load_through_the_openai_client(fake_server, tmp_path
     sl.print_tables({}, {"featcache_mp": mixed})
     table = capsys.readouterr().out
     assert "per request class" in table and "text_first_turn" in table
+
+
+def test_the_profile_summary_reads_py_spys_raw_stacks_per_process_and_thread():
+    spec = importlib.util.spec_from_file_location("pyspy", os.path.join(ROOT, "bench", "pyspy.py"))
+    pyspy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pyspy)
+
+    raw = ('process 7:"python3 -c \nimport a; b()\n";thread (8): MainThread;main (a.py:1);parse (j.py:2) 5\n'
+           'process 7:"python3 -c \nimport a; b()\n";thread (8): MainThread;main (a.py:1) 3\n'
+           'process 9:"engine";thread (10): loop;step (e.py:4) 7\n')
+    s = pyspy.summarize(raw)
+    main = s['process 7:"python3 -c import a; b()" / thread (8): MainThread']
+    assert main["samples"] == 8
+    assert main["self"] == [("parse (j.py:2)", 5), ("main (a.py:1)", 3)]
+    assert main["inclusive"][0] == ("main (a.py:1)", 8)
+    assert s['process 9:"engine" / thread (10): loop']["self"] == [("step (e.py:4)", 7)]
