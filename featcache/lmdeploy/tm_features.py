@@ -83,16 +83,34 @@ def install_features(pipe: Any, cache: FeatureCache, arch: str, namespace: str |
     check_host_cache(cache)
     engine = pipe.async_engine
     encoder = engine.vl_encoder
+    tower, dtype, own = features_tower(encoder, arch, engine.backend_config,
+                                       engine_vision_dtype(getattr(engine, "engine", None)))
+    namespace = namespace or own
+    install_frontend(encoder.model, cache, namespace, engine.prompt_processor)
+    FeatureServer(cache, tower, dtype).install(encoder.model)
+    pipe.featcache = cache
+    log.info("featcache: serving %s features to TurboMind (namespace %s)", arch, namespace)
+
+
+def features_tower(encoder: Any, arch: str, backend_config: Any, vision_dtype: torch.dtype | None
+                   ) -> tuple[InternVLTower | LegacyInternVLTower, torch.dtype, str]:
+    """The checkpoint's vision tower (on the GPU when there is one, else the CPU), the engine
+    dtype its features are served in, and the namespace they are keyed under. ``encoder``:
+    lmdeploy's ``ImageEncoder``; ``backend_config``: the TurboMind engine config (its ``dtype``
+    resolved); ``vision_dtype``: TurboMind's (``engine_vision_dtype``; None: the engine dtype).
+    Raises ``ValueError`` for an architecture the features path cannot serve."""
+    check_features_arch(arch)
     if encoder._uses_new_preprocess:
         raise ValueError(f"featcache: {arch} uses lmdeploy's new preprocess API; not supported")
-    dtype = engine_dtype(engine.backend_config, encoder.mm_feature_dtype)
+    dtype = engine_dtype(backend_config, encoder.mm_feature_dtype)
     # TurboMind runs its C++ ViT in its own vision dtype (resolved from vision_config) and casts
     # the features to the engine dtype (internvit.cc, EnsureFloatDtype): the tower does the same
-    tower_dtype = engine_vision_dtype(getattr(engine, "engine", None)) or dtype
+    tower_dtype = vision_dtype or dtype
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
+    tower: InternVLTower | LegacyInternVLTower
     if arch == LEGACY_ARCH:
-        tower: Any = LegacyInternVLTower.from_pretrained(encoder.model.model_path, tower_dtype, device)
+        tower = LegacyInternVLTower.from_pretrained(encoder.model.model_path, tower_dtype, device)
         differences = legacy_vit_differences(tower.config)
         extra = {"turbomind": "features", "tower": "lmdeploy-pytorch"}
     else:
@@ -103,11 +121,7 @@ def install_features(pipe: Any, cache: FeatureCache, arch: str, namespace: str |
         log.warning("featcache: features path on %s: %s", arch, line)
     if tower_dtype != dtype:  # (equal dtypes keep the namespace features were cached under)
         extra["tower_dtype"] = str(tower_dtype).removeprefix("torch.")
-    namespace = namespace or model_identity(encoder.model.model_path, arch, dtype, extra=extra)
-    install_frontend(encoder.model, cache, namespace, engine.prompt_processor)
-    FeatureServer(cache, tower, dtype).install(encoder.model)
-    pipe.featcache = cache
-    log.info("featcache: serving %s features to TurboMind (namespace %s)", arch, namespace)
+    return tower, dtype, model_identity(encoder.model.model_path, arch, dtype, extra=extra)
 
 
 def turbomind_vit_differences(config: Any) -> list[str]:
@@ -297,14 +311,14 @@ class FeatureServer:
             ref = item.get(REF_KEY)
             if isinstance(ref, FeatRef) and ref.hit:
                 assert ref.lease is not None
-                features[i] = self._checked(ref.lease.tensor, item)
+                features[i] = self.checked(ref.lease.tensor, item)
             else:
                 misses.append(i)
         self.cache.count(SECTION, "tm_features_served", len(items) - len(misses))
         step = max(1, max_batch_size)
         for start in range(0, len(misses), step):
             chunk = misses[start:start + step]
-            for i, host in zip(chunk, self._run([items[i] for i in chunk]), strict=True):
+            for i, host in zip(chunk, self.run([items[i] for i in chunk]), strict=True):
                 ref = items[i].get(REF_KEY)
                 if isinstance(ref, FeatRef):
                     self.cache.put(ref.key, host, meta=ref.meta)
@@ -312,14 +326,15 @@ class FeatureServer:
         messages.append(dict(role="forward", content=features))
         return messages
 
-    def _checked(self, tensor: torch.Tensor, item: dict[str, Any]) -> torch.Tensor:
+    def checked(self, tensor: torch.Tensor, item: dict[str, Any]) -> torch.Tensor:
+        """``tensor`` (cached features) if it is what ``item``'s image needs, else raises."""
         tokens = int(item["image_tokens"])
         if tensor.device.type != "cpu" or tensor.dtype != self.dtype or tensor.shape[0] != tokens:
             raise RuntimeError(f"cached features {tuple(tensor.shape)} {tensor.dtype} on "
                                f"{tensor.device} do not fit an image of {tokens} tokens")
         return tensor
 
-    def _run(self, items: list[dict[str, Any]]) -> list[torch.Tensor]:
+    def run(self, items: list[dict[str, Any]]) -> list[torch.Tensor]:
         """The vision tower over the images of ``items`` (one call), as host tensors per image."""
         pixels = torch.cat([item["pixel_values"] for item in items])
         out = self.tower(pixels)

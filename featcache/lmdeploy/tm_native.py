@@ -73,12 +73,18 @@ def install_native_path(pipe: Any, cache: FeatureCache, arch: str, namespace: st
         return
     check_host_cache(cache)
     dtype = engine_vision_dtype(getattr(engine, "engine", None))
-    namespace = namespace or model_identity(
-        encoder.model.model_path, arch, dtype or encoder.mm_feature_dtype,
-        extra={"turbomind": "pixels"})
+    namespace = namespace or pixels_namespace(encoder, arch, dtype)
     install_native(encoder.model, cache, namespace, engine.prompt_processor, dtype)
     pipe.featcache = cache
     log.info("featcache: caching %s pixels for TurboMind (namespace %s)", arch, namespace)
+
+
+def pixels_namespace(encoder: Any, arch: str, vision_dtype: torch.dtype | None) -> str:
+    """The model identity the native path keys pixels under (``encoder``: lmdeploy's
+    ``ImageEncoder``; ``vision_dtype``: TurboMind's, ``engine_vision_dtype``). ``featcache warm``
+    computes it too, without an engine: the two must agree for a warmed store to be hit."""
+    return model_identity(encoder.model.model_path, arch, vision_dtype or encoder.mm_feature_dtype,
+                          extra={"turbomind": "pixels"})
 
 
 def install_native(vision_model: Any, cache: FeatureCache, namespace: str,

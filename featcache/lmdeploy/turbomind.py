@@ -5,8 +5,11 @@ TurboMind runs the vision model of every VLM it accepts in C++, and takes host t
 - ``"native"`` (the default, ``tm_native``): the cache holds each image's engine-ready pixels and
   hands TurboMind a fingerprint derived from the key; TurboMind's own vision model still runs on
   a miss and its prefix cache covers repeated images;
-- ``"features"`` (opt-in, InternVL-HF, ``tm_features``): the cache holds vision features, served
-  to TurboMind's LLM as ``input_embeddings``; the vision tower runs in Python on misses only.
+- ``"features"`` (opt-in, InternVL, ``tm_features``): the cache holds vision features, served
+  to TurboMind's LLM as ``input_embeddings``; the vision tower runs in Python on misses only;
+- ``"combined"`` (opt-in, InternVL, ``tm_combined``): both, routed per request (``tm_route``): a
+  chat turn continuing a context TurboMind indexed goes native (its prefix cache skips the ViT
+  and the history's prefill), a fresh context whose images featcache holds goes features.
 
 See docs/turbomind.md for when each wins.
 """
@@ -17,12 +20,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ..cache import FeatureCache
+from .tm_combined import install_combined
 from .tm_features import install_features
 from .tm_native import install_native_path
 
 PATHS: dict[str, Callable[[Any, FeatureCache, str, str | None], None]] = {
     "native": install_native_path,
     "features": install_features,
+    "combined": install_combined,
 }
 
 
