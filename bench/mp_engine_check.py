@@ -13,7 +13,7 @@ executor is asked for by that variable.) Three pipelines in turn, each with the 
 - ``featcache``: ``featcache.lmdeploy.pipeline`` (a ``FeatcacheEngineConfig``; every model
   process has its own cache over one disk directory).
 
-Each runs ``e2e_lmdeploy.check_requests()`` (greedy, 12 tokens), then ``featcache`` runs
+Each runs ``bench.e2e.check.check_requests()`` (greedy, 12 tokens), then ``featcache`` runs
 ``--again`` fresh prompts over the same five images (new text: no KV reuse), which its model
 processes must serve from their caches. The verdict: greedy tokens per request identical to
 ``plain_prefix`` (same prefix caching) and to ``plain``; each rank's ``vision_images`` equal to
@@ -32,43 +32,24 @@ import tempfile
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_lmdeploy import (  # noqa: E402
-    check_requests,
-    close_pipeline,
-    exit_after_close,
-    image,
-    remote_code,
-)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.lib
+
+from bench.e2e.check import check_requests  # noqa: E402
+from bench.lib.engines import ask, build, close_pipeline, exit_after_close  # noqa: E402
+from bench.lib.images import image  # noqa: E402
+from bench.lib.results import write_report  # noqa: E402
 
 DISTINCT = 5  # images a..e of check_requests()
 
 
-def build(kind: str, args: argparse.Namespace, store: str) -> Any:
-    from lmdeploy import PytorchEngineConfig
-    from lmdeploy import pipeline as plain_pipeline
-
-    cfg = PytorchEngineConfig(session_len=8192, cache_max_entry_count=args.kv_fraction,
-                              eager_mode=True, enable_prefix_caching=True, tp=args.tp,
-                              enable_mp_engine=args.mp_engine)
-    kw = dict(backend_config=cfg, log_level="ERROR", trust_remote_code=remote_code(args.model))
-    if kind == "plain":
-        return plain_pipeline(args.model, **kw)
-    if kind == "plain_prefix":
-        from featcache.lmdeploy.engine import keep_prefix_caching
-        from featcache.lmdeploy.models import SPECS
-
-        with keep_prefix_caching(True, supported=set(SPECS)):
-            return plain_pipeline(args.model, **kw)
-    from featcache.lmdeploy import pipeline
-    from featcache.lmdeploy.processes import FeatcacheEngineConfig
-
+def pipeline(kind: str, args: argparse.Namespace, store: str) -> Any:
+    """Eager, prefix caching asked for; featcache's model processes get their cache settings
+    through the engine config (``cache=None`` would size them from the machine)."""
     settings = {"feature_cache": {"device_bytes": args.tier_bytes, "host_bytes": args.tier_bytes,
                                   "disk_path": store, "disk_bytes": 1 << 30}}
-    # the cache settings of every model process, through the config (cache=None would size
-    # them from the machine)
-    kw["backend_config"] = FeatcacheEngineConfig.of(cfg, settings)
-    return pipeline(args.model, **kw)
+    return build("fc" if kind == "featcache" else kind, args.model, True, eager=True,
+                 kv_fraction=args.kv_fraction, tp=args.tp, mp_engine=args.mp_engine,
+                 cache_settings=settings if kind == "featcache" else None)
 
 
 def run(pipe: Any, requests: list[tuple[str, Any]]) -> list[dict[str, Any]]:
@@ -77,12 +58,7 @@ def run(pipe: Any, requests: list[tuple[str, Any]]) -> list[dict[str, Any]]:
     gen = GenerationConfig(max_new_tokens=12, do_sample=False, ignore_eos=True)
     rows = []
     for label, prompt in requests:
-        if isinstance(prompt, list) and isinstance(prompt[0], tuple):
-            outs = pipe(prompt, gen_config=gen)
-        elif isinstance(prompt, list):
-            outs = [pipe([prompt], gen_config=gen)[0]]
-        else:
-            outs = [pipe(prompt, gen_config=gen)]
+        outs = ask(pipe, prompt, gen)
         rows.append(dict(label=label, token_ids=[list(o.token_ids) for o in outs],
                          cached_tokens=[o.cached_tokens for o in outs]))
     return rows
@@ -128,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as store:
         for kind in args.engines.split(","):
             t = time.perf_counter()
-            pipe = build(kind, args, store)
+            pipe = pipeline(kind, args, store)
             built = time.perf_counter() - t
             try:
                 rows = run(pipe, check_requests())
@@ -160,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     results["verdict"] = verdict
     print(json.dumps(verdict, indent=1))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        write_report(args.json, results)
     v = verdict.get("vision", {})
     ok = (not verdict.get("tokens_vs_plain_prefix", {}).get("differ")
           and v.get("once_per_distinct_image") and v.get("same_calls_on_every_rank")

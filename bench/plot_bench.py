@@ -17,9 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.lib
+
+from bench.lib import models  # noqa: E402
+from bench.lib.results import at  # noqa: E402
+from bench.lib.timing import percentile  # noqa: E402
 
 GROUPS = [("(a) same image", "a_same_image_fresh_context"),
           *[(f"(b) turn {t}", f"b_multi_turn.turn_{t}") for t in range(1, 5)],
@@ -29,19 +36,12 @@ ENGINES = [("plain", "plain lmdeploy", "#9e9e9e"), ("featcache", "featcache", "#
            ("featcache_noprefix", "featcache (prefix caching off)", "#6baed6")]
 
 
-def _get(d: dict[str, Any], path: str) -> dict[str, Any]:
-    for k in path.split("."):
-        d = d.get(k, {}) if isinstance(d, dict) else {}
-    return d
-
-
 def _summary(ms: list[float]) -> dict[str, Any]:
-    """turbomind_bench.py's own median and p90 (its ``stats``), plus the p10 it does not keep."""
-    from turbomind_bench import pct  # (bench/, beside this script: stdlib imports only)
-
+    """turbomind_bench.py's own median and p90 (its ``stats``: nearest rank), plus the p10 it
+    does not keep."""
     med = round(statistics.median(ms), 2)
-    p90 = pct(ms, 0.9)
-    return dict(n=len(ms), median_ms=med, p10_ms=round(pct(ms, 0.1), 2), p90_ms=round(p90, 2),
+    p90 = percentile(ms, 0.9)
+    return dict(n=len(ms), median_ms=med, p10_ms=round(percentile(ms, 0.1), 2), p90_ms=round(p90, 2),
                 noisy=p90 > 2 * med)
 
 
@@ -76,8 +76,7 @@ def from_turbomind(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def _model_label(result: dict[str, Any]) -> str:
-    model = str(result.get("meta", {}).get("args", {}).get("model", "?")).rstrip("/")
-    return model.rsplit("/", 1)[-1]
+    return models.label(str(result.get("meta", {}).get("args", {}).get("model", "?")))
 
 
 def panel_data(result: dict[str, Any]) -> dict[str, Any]:
@@ -89,7 +88,7 @@ def panel_data(result: dict[str, Any]) -> dict[str, Any]:
     for e in engines:
         row = []
         for _, path in GROUPS:
-            s = _get(result[e], path)
+            s = at(result[e], path)
             row.append((s["median_ms"], s["p10_ms"], s["p90_ms"], bool(s.get("noisy")))
                        if s.get("n") else None)
         data[e] = row

@@ -1,107 +1,22 @@
-"""What every bench records about the run it measured: versions, GPU, commit, start time, and a
-digest of the code that ran.
-
-The device machine's copy of the checkout carries the working tree but its ``.git`` may lag behind
-(a run on 2026-11-30 reported the session's first commit for code three commits later), so the
-commit is recorded with ``dirty`` (the tracked sources differ from it) and ``source_digest``: the
-sha256 of featcache/ and bench/'s Python files, which names the code exactly. Which commit was it?
-
-    python bench/runmeta.py which DIGEST [N]   # the commits among the last N (50) with that digest
+"""Which commit ran: ``python bench/runmeta.py which DIGEST [N]`` (the commits among the last N
+with that source digest). Run metadata and results files live in bench/lib/results.py; this name
+stays for ``from runmeta import run_meta`` in bench/turbomind_bench.py and for the command above.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import subprocess
 import sys
-import time
-from typing import Any
 
-ROOTS = ("featcache", "bench")
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.lib
 
-
-def _digest(files: dict[str, bytes]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(files):
-        h.update(name.encode() + b"\0" + hashlib.sha256(files[name]).digest())
-    return h.hexdigest()[:16]
-
-
-def source_digest(root: str = HERE) -> str:
-    """sha256 over (path, content) of every ``*.py`` under featcache/ and bench/ in ``root``."""
-    files = {}
-    for top in ROOTS:
-        for d, _, names in os.walk(os.path.join(root, top)):
-            for n in names:
-                if n.endswith(".py"):
-                    p = os.path.join(d, n)
-                    with open(p, "rb") as f:
-                        files[os.path.relpath(p, root)] = f.read()
-    return _digest(files)
-
-
-def commit_digest(commit: str, root: str = HERE) -> str:
-    """``source_digest`` of the tree at ``commit`` (from git, not the working tree)."""
-    def git(*a: str) -> bytes:
-        return subprocess.run(["git", "-C", root, *a], capture_output=True, check=True).stdout
-
-    names = [n for n in git("ls-tree", "-r", "--name-only", commit, *ROOTS).decode().splitlines()
-             if n.endswith(".py")]
-    return _digest({n: git("show", f"{commit}:{n}") for n in names})
-
-
-def run_meta(**fields: Any) -> dict[str, Any]:
-    """``fields`` plus torch's and lmdeploy's versions (None if absent), the GPU's name when CUDA
-    is available, the checkout's short commit and whether the sources differ from it (None where
-    there is no .git), the sources' digest and the start time."""
-    import torch
-
-    try:
-        import lmdeploy
-
-        lmdeploy_version: str | None = lmdeploy.__version__
-    except ImportError:
-        lmdeploy_version = None
-    m: dict[str, Any] = dict(fields, torch=torch.__version__, lmdeploy=lmdeploy_version,
-                             started=time.strftime("%Y-%m-%d %H:%M:%S"))
-    if torch.cuda.is_available():
-        m["gpu"] = torch.cuda.get_device_name()
-    try:
-        m["commit"] = subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"],
-                                     capture_output=True, text=True, timeout=5).stdout.strip() or None
-        m["dirty"] = subprocess.run(["git", "-C", HERE, "diff", "--quiet", "HEAD", "--", *ROOTS],
-                                    capture_output=True, timeout=5).returncode != 0 if m["commit"] else None
-    except Exception:  # noqa: BLE001 - the device copy may have no .git
-        m["commit"] = m["dirty"] = None
-    m["source_digest"] = source_digest()
-    return m
-
-
-def write_report(path: str, report: dict[str, Any]) -> None:
-    """Write ``report`` as JSON to ``path`` with this run's metadata under ``"run"`` (``run_meta``;
-    where that fails, its error: the figures stand without it)."""
-    try:
-        report["run"] = run_meta()
-    except Exception as e:  # noqa: BLE001
-        report["run"] = {"error": str(e)}
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) >= 2 and argv[0] == "which":
-        n = int(argv[2]) if len(argv) > 2 else 50
-        commits = subprocess.run(["git", "-C", HERE, "log", f"-{n}", "--format=%h"], capture_output=True,
-                                 text=True, check=True).stdout.split()
-        hits = [c for c in commits if commit_digest(c) == argv[1]]
-        print("\n".join(hits) if hits else f"no commit among the last {n} has digest {argv[1]}")
-        return 0 if hits else 1
-    print(f"usage: python bench/runmeta.py which DIGEST [N]  (this tree: {source_digest()})")
-    return 2
-
+from bench.lib.results import (  # noqa: E402,F401
+    commit_digest,
+    main,
+    run_meta,
+    source_digest,
+    write_report,
+)
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

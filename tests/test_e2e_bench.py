@@ -1,4 +1,5 @@
-"""bench/e2e_lmdeploy.py's statistics and dry-run, bench/plot_bench.py on a synthetic result (CPU)."""
+"""bench/e2e_lmdeploy.py's statistics and dry-run (bench/e2e/), bench/plot_bench.py on a synthetic
+result (CPU)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ import sys
 import pytest
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(_ROOT, "bench"))
-import e2e_lmdeploy as e2e  # noqa: E402
-import plot_bench  # noqa: E402
+sys.path.insert(0, _ROOT)
+from bench import plot_bench  # noqa: E402
+from bench.e2e.check import last_logits_diff, logits_verdict  # noqa: E402
+from bench.e2e.speed import add_ratios  # noqa: E402
+from bench.lib.timing import spread  # noqa: E402
 
 
 def _series(xs: list[float]) -> dict:
-    return e2e.spread(xs)
+    return spread(xs)
 
 
 def _result(label: str, plain_a: list[float]) -> dict:
@@ -30,14 +33,14 @@ def _result(label: str, plain_a: list[float]) -> dict:
                     ttft=_series([300.0 * k] * 5))}
     r = {"meta": {"label": label}, "model": label, "engines": ["plain", "featcache"],
          "plain": engine(plain_a, 1.0), "featcache": engine([20.0, 21.0, 22.0], 0.5)}
-    e2e.add_ratios(r, 2.0)
+    add_ratios(r, 2.0)
     return r
 
 
 def test_spread_and_ratios_flag_a_noisy_series() -> None:
-    s = e2e.spread([60.0] * 7 + [400.0] * 3)
+    s = spread([60.0] * 7 + [400.0] * 3)
     assert s["median_ms"] == 60.0 and s["p90_ms"] == 400.0 and s["noisy"]
-    assert not e2e.spread([60.0, 61.0, 70.0])["noisy"]
+    assert not spread([60.0, 61.0, 70.0])["noisy"]
     quiet = _result("m", [60.0, 62.0, 64.0])["ratios"]
     assert quiet["a_same_image_speedup"] == round(62.0 / 21.0, 2) and not quiet["flagged"]
     assert quiet["c_distinct_slowdown"] == 1.0 and quiet["d_requests_per_s_gain"] == 2.0
@@ -104,7 +107,7 @@ def test_logits_verdict_compares_only_like_for_like() -> None:
              row("e", ["v"], cached=64)]
     other = [row("a", ["x"]), row("b", ["DIFF"]), row("c", ["q"], cached=64), row("d", ["w"], lens=[10]),
              row("e", ["v"], cached=64)]
-    v = e2e.logits_verdict(plain, other)
+    v = logits_verdict(plain, other)
     assert v["identical"] == 2 and v["differ"] == ["b"]
     assert v["not_compared"] == ["c (cached tokens)", "d (scheduled otherwise)"]
 
@@ -114,4 +117,4 @@ def test_last_logits_diff() -> None:
 
     a = [dict(label="x", _last=[torch.tensor([1.0, 2.0])]), dict(label="y", _last=[])]
     b = [dict(label="x", _last=[torch.tensor([1.0, 2.5])]), dict(label="y", _last=[])]
-    assert e2e.last_logits_diff(a, b) == {"x": 0.5}
+    assert last_logits_diff(a, b) == {"x": 0.5}

@@ -1,0 +1,42 @@
+"""The images benchmarks send: random noise, seeded, so every run and every engine sees the same
+pixels (a seed names an image; a different seed is a different image, never a cache hit).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from typing import Any
+
+CHAT_SIZE = (1344, 1008)  # (width, height): 12 InternVL tiles + a thumbnail (3328 image tokens)
+
+
+def image(seed: int, size: tuple[int, int]) -> Any:
+    """A ``size`` (width, height) RGB PIL image of uniform noise from ``seed``."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def png(seed: int, size: tuple[int, int] = CHAT_SIZE) -> bytes:
+    """``image(seed, size)`` encoded as PNG (the same bytes as examples/chat.py's for a seed)."""
+    buf = io.BytesIO()
+    image(seed, size).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def data_url(raw: bytes, kind: str = "png") -> str:
+    """Encoded image bytes as a base64 data URL, as an OpenAI client sends them."""
+    return f"data:image/{kind};base64," + base64.b64encode(raw).decode()
+
+
+def chat_url(seed: int) -> str:
+    """The served benches' image: a 1344x1008 noise PNG as a data URL."""
+    return data_url(png(seed))
+
+
+def url_bytes(url: str) -> bytes:
+    """The encoded bytes of a data URL (to write the same image to a file)."""
+    return base64.b64decode(url.split(",", 1)[1])
