@@ -25,8 +25,6 @@ plain's). --dry-run prints the commands and the cases, then exits.
 from __future__ import annotations
 
 import argparse
-import base64
-import io
 import json
 import os
 import shlex
@@ -34,30 +32,19 @@ import sys
 import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.lib
 
-from runmeta import write_report  # noqa: E402
-from serve_chat import _extra, run_chat, server_flags, start, stop, tail  # noqa: E402
+from bench.lib.client import connect, extra_field, run_chat, served_model  # noqa: E402
+from bench.lib.images import data_url, png  # noqa: E402
+from bench.lib.results import write_report  # noqa: E402
+from bench.lib.servers import featcache_command, lmdeploy_command, server_flags, start, stop, tail  # noqa: E402
 
 PORTS = {"plain": 23410, "featcache_mp": 23411, "featcache_in": 23412}
 CAP = "8MiB"
 GREY = {"image": {"image_mode": "L"}}
 
 
-def png(seed: int, size: tuple[int, int] = (448, 336)) -> bytes:
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
-
-
-def data_url(raw: bytes, kind: str = "png") -> str:
-    return f"data:image/{kind};base64," + base64.b64encode(raw).decode()
+SIZE = (448, 336)  # the PNGs' size
 
 
 def prepare(media: str, outside: str) -> dict[str, str]:
@@ -65,7 +52,7 @@ def prepare(media: str, outside: str) -> dict[str, str]:
     os.makedirs(media, exist_ok=True)
     os.makedirs(outside, exist_ok=True)
     with open(os.path.join(outside, "secret.png"), "wb") as f:
-        f.write(png(7))
+        f.write(png(7, SIZE))
     fifo = os.path.join(media, "fifo.png")
     if not os.path.exists(fifo):
         os.mkfifo(fifo)
@@ -75,7 +62,7 @@ def prepare(media: str, outside: str) -> dict[str, str]:
     if not os.path.lexists(link):
         os.symlink(os.path.join(outside, "secret.png"), link)
     with open(os.path.join(media, "ok.png"), "wb") as f:
-        f.write(png(8))
+        f.write(png(8, SIZE))
     return {
         "dev_zero": "/dev/zero",
         "fifo_in_media": fifo,
@@ -92,17 +79,11 @@ PLAIN_SKIPS = {"dev_zero": "takes all of plain lmdeploy's memory (issue 26): not
 
 
 def commands(model: str, media: str, store: str, servers: list[str]) -> dict[str, list[str]]:
-    py = sys.executable
-    common = server_flags("pytorch", True, ["--logprobs-mode", "raw_logprobs"])
+    flags = server_flags("pytorch", True, ["--logprobs-mode", "raw_logprobs"])
     ours = ["--allowed-local-media-path", media, "--max-image-bytes", CAP]
-    cmds = {
-        "plain": [py, "-m", "lmdeploy", "serve", "api_server", model, "--server-port",
-                  str(PORTS["plain"]), *common],
-        "featcache_mp": [py, "-m", "featcache", "serve", model, *ours, "--cache-dir", store + "-mp",
-                         "--engine-process", "mp", "--server-port", str(PORTS["featcache_mp"]), *common],
-        "featcache_in": [py, "-m", "featcache", "serve", model, *ours, "--cache-dir", store + "-in",
-                         "--engine-process", "in", "--server-port", str(PORTS["featcache_in"]), *common],
-    }
+    cmds = {"plain": lmdeploy_command(model, PORTS["plain"], flags)}
+    for name, process in (("featcache_mp", "mp"), ("featcache_in", "in")):
+        cmds[name] = featcache_command(model, f"{store}-{process}", PORTS[name], flags, process, ours)
     return {k: v for k, v in cmds.items() if k in servers}
 
 
@@ -129,7 +110,7 @@ def ask(client: Any, model: str, url: str, extra: dict[str, Any] | None = None,
         return {"status": "connection error", "s": round(time.perf_counter() - t, 3),
                 "message": str(e)[:200]}
     choice = r.choices[0]
-    ids = _extra(choice, "output_ids")
+    ids = extra_field(choice, "output_ids")
     content = getattr(choice.logprobs, "content", None) or []
     return {"status": 200, "s": round(time.perf_counter() - t, 3), "output_ids": ids,
             "text": choice.message.content,
@@ -138,15 +119,13 @@ def ask(client: Any, model: str, url: str, extra: dict[str, Any] | None = None,
 
 def run_server(name: str, cmd: list[str], cases: dict[str, str], good: str, out: str,
                ready_timeout: float) -> dict[str, Any]:
-    from openai import OpenAI
-
     port = PORTS[name]
     base = f"http://127.0.0.1:{port}"
     proc, took = start(cmd, port, os.path.join(out, f"{name}.log"), ready_timeout)
     res: dict[str, Any] = {"command": shlex.join(cmd), "ready_s": round(took, 1), "sources": {},
                            "options": [], "chat": None}
-    client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
-    model = client.models.list().data[0].id
+    client = connect(base, timeout=600)  # (openai's default; each request sets its own)
+    model = served_model(client)
     try:
         for case, url in cases.items():
             if name == "plain" and case in PLAIN_SKIPS:
@@ -233,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     os.makedirs(args.out, exist_ok=True)
     cases = prepare(media, outside)
-    good = data_url(png(9))
+    good = data_url(png(9, SIZE))
     results = {}
     for name, cmd in cmds.items():
         results[name] = run_server(name, cmd, cases, good, args.out, args.ready_timeout)

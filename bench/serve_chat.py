@@ -39,25 +39,33 @@ lmdeploy is installed) and the chat plan, then exits: no GPU, no server.
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
-import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.lib
 
-QUESTIONS = ["What is in this picture?", "Describe the colours.", "What stands out most?",
-             "Summarise it in five words.", "What would you title it?", "Anything unusual?"]
+from bench.lib.client import QUESTIONS, run_chat, short, stream_turn  # noqa: E402,F401 (serve_latency's)
+from bench.lib.images import chat_url, url_bytes  # noqa: E402
+from bench.lib.models import label  # noqa: E402
+from bench.lib.results import write_report  # noqa: E402
+from bench.lib.servers import (  # noqa: E402,F401 (start, stop: serve_latency's)
+    engine_args,
+    featcache_command,
+    lmdeploy_command,
+    parse_command,
+    server_flags,
+    start,
+    stop,
+    tail,
+)
+
 # (name, image, turns, index of the first question): A twice (the second time in a fresh context
 # with another first question: an image hit in featcache, not a prefix hit), B once
 CHATS = [("image_a", "a", 4, 0), ("image_b", "b", 4, 0), ("image_a_again", "a", 3, 4)]
@@ -65,212 +73,40 @@ IMAGE_SEEDS = {"a": 1, "b": 2, "warmup": 3}
 PORTS = {"plain": 23400, "featcache": 23401, "featcache_ids": 23402, "featcache_mp": 23403}
 SERVERS = tuple(PORTS)  # the order they run in
 STORES = {"featcache": "", "featcache_ids": "-ids", "featcache_mp": "-mp"}  # suffix of STORE
-
-
-# -- servers ---------------------------------------------------------------------------------------
-
-def server_flags(backend: str, eager: bool, extra: list[str]) -> list[str]:
-    """The flags both servers get (TurboMind's as bench/turbomind_bench.py builds its engines)."""
-    flags = ["--backend", backend, "--enable-prefix-caching", "--session-len", "8192",
-             "--log-level", "WARNING"]
-    if backend == "turbomind":
-        flags += ["--cache-max-entry-count", "0.2"]
-    else:
-        flags += ["--cache-max-entry-count", "0.05"] + (["--eager-mode"] if eager else [])
-    return flags + list(extra)
+WARMED = ("featcache", "featcache_mp")  # the servers `featcache warm` fills first (PyTorch)
 
 
 def commands(model: str, backend: str, store: str, eager: bool = False,
              extra: list[str] | None = None, image_ids: bool = False,
              mp_engine: bool = False, featcache_args: tuple[str, ...] = ()) -> dict[str, list[str]]:
-    common = server_flags(backend, eager, extra or [])
-    py = sys.executable
-    cmds = {
-        "plain": [py, "-m", "lmdeploy", "serve", "api_server", model, "--server-port",
-                  str(PORTS["plain"]), *common],
-        "featcache": [py, "-m", "featcache", "serve", model, "--cache-dir", store,
-                      "--engine-process", "in", "--server-port", str(PORTS["featcache"]), *common],
-    }
+    """Each server's command line, the same engine flags for all: plain, featcache (engine in its
+    process), featcache_ids (``image_ids``: it trusts the clients' image ids), featcache_mp
+    (``mp_engine``, PyTorch: lmdeploy's engine process); ``featcache_args`` to featcache's only."""
+    flags = server_flags(backend, eager, extra or [])
+    ours = tuple(featcache_args)
+    cmds = {"plain": lmdeploy_command(model, PORTS["plain"], flags),
+            "featcache": featcache_command(model, store, PORTS["featcache"], flags, "in", ours)}
     if image_ids:  # the clients name their images: bytes on a chat's first turn only
-        cmds["featcache_ids"] = [py, "-m", "featcache", "serve", model, "--cache-dir", store + "-ids",
-                                 "--trust-client-image-ids", "--engine-process", "in", "--server-port",
-                                 str(PORTS["featcache_ids"]), *common]
+        cmds["featcache_ids"] = featcache_command(model, store + STORES["featcache_ids"],
+                                                  PORTS["featcache_ids"], flags, "in",
+                                                  (*ours, "--trust-client-image-ids"))
     if mp_engine and backend == "pytorch":  # lmdeploy's process model: the engine in a second process
-        cmds["featcache_mp"] = [py, "-m", "featcache", "serve", model, "--cache-dir", store + "-mp",
-                                "--engine-process", "mp", "--server-port",
-                                str(PORTS["featcache_mp"]), *common]
-    for name, cmd in cmds.items():  # featcache's own options, before lmdeploy's
-        if name != "plain":
-            cmd[5:5] = list(featcache_args)
+        cmds["featcache_mp"] = featcache_command(model, store + STORES["featcache_mp"],
+                                                 PORTS["featcache_mp"], flags, "mp", ours)
     return cmds
 
 
 def check_commands(cmds: dict[str, list[str]]) -> dict[str, Any]:
     """Parse every command line with featcache's and lmdeploy's own parsers (needs lmdeploy)."""
-    from featcache.cli.serving import featcache_parser
-    from featcache.serve import lmdeploy_parser
-
-    def engine(a: argparse.Namespace) -> dict[str, Any]:
-        return {"model_path": a.model_path, "backend": a.backend, "server_port": a.server_port,
-                "enable_prefix_caching": a.enable_prefix_caching, "session_len": a.session_len,
-                "cache_max_entry_count": a.cache_max_entry_count}
-
-    out: dict[str, Any] = {"plain": engine(lmdeploy_parser().parse_args(cmds["plain"][5:]))}
-    for name in SERVERS[1:]:
+    out: dict[str, Any] = {}
+    for name in SERVERS:
         if name in cmds:
-            ours, rest = featcache_parser().parse_known_args(cmds[name][4:])
-            out[name] = {**engine(lmdeploy_parser().parse_args(rest)), "cache_dir": ours.cache_dir,
-                         "engine_process": ours.engine_process,
-                         "trust_client_image_ids": ours.trust_client_image_ids}
+            ours, engine = parse_command(cmds[name])
+            out[name] = engine_args(engine)
+            if ours is not None:
+                out[name].update(cache_dir=ours.cache_dir, engine_process=ours.engine_process,
+                                 trust_client_image_ids=ours.trust_client_image_ids)
     return out
-
-
-def wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read()
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"server not ready in {timeout:.0f} s")
-
-
-def start(cmd: list[str], port: int, log: str, timeout: float) -> tuple[subprocess.Popen, float]:
-    f = open(log, "w")
-    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    t = time.monotonic()
-    try:
-        wait_ready(port, proc, timeout)
-    except BaseException:
-        stop(proc)
-        print(f"[serve] FAILED to start: {shlex.join(cmd)}\n{tail(log)}", flush=True)
-        raise
-    took = time.monotonic() - t
-    print(f"[serve] ready in {took:.1f} s: {shlex.join(cmd[1:6])} ...", flush=True)
-    return proc, took
-
-
-def stop(proc: subprocess.Popen, wait: float = 45) -> int:
-    try:
-        os.killpg(proc.pid, signal.SIGINT)
-    except ProcessLookupError:
-        return proc.wait()
-    try:
-        return proc.wait(wait)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        return proc.wait()
-
-
-def tail(path: str, n: int = 4000) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()[-n:]
-    except OSError:
-        return ""
-
-
-# -- the client ------------------------------------------------------------------------------------
-
-def counters(base: str) -> dict[str, float]:
-    """featcache's counters (featcache_*_total, labels kept) from the server's /metrics."""
-    text = urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
-    out = {}
-    for line in text.splitlines():
-        m = re.match(r"^(featcache_[A-Za-z0-9_]*_total)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
-        if m:
-            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
-    return out
-
-
-def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: v - before.get(k, 0.0) for k, v in sorted(after.items()) if v != before.get(k, 0.0)}
-
-
-def _extra(obj: Any, name: str) -> Any:
-    """A field the openai types do not declare (lmdeploy's ``output_ids``)."""
-    value = getattr(obj, name, None)
-    if value is None:
-        value = (getattr(obj, "model_extra", None) or {}).get(name)
-    return value
-
-
-def stream_turn(client: Any, model: str, messages: list[dict], max_tokens: int) -> dict[str, Any]:
-    """One streamed, greedy chat request through the openai ``client``: time to first token
-    (the first chunk with a choice: return_token_ids puts the first token's id in it even when it
-    decodes to no text), whole request, usage (prompt, cached, completion tokens), the messages'
-    size, the answer's token ids and text."""
-    body_bytes = len(json.dumps(messages))
-    start = time.perf_counter()
-    ttft, parts, ids, usage = None, [], [], None
-    stream = client.chat.completions.create(
-        model=model, messages=messages, stream=True, max_tokens=max_tokens, temperature=0,
-        stream_options={"include_usage": True},
-        extra_body={"return_token_ids": True, "ignore_eos": True, "top_k": 1})
-    for chunk in stream:
-        usage = chunk.usage or usage
-        if not chunk.choices:
-            continue
-        if ttft is None:
-            ttft = time.perf_counter() - start
-        choice = chunk.choices[0]
-        parts.append(choice.delta.content or "")
-        ids.extend(_extra(choice, "output_ids") or [])
-    total = time.perf_counter() - start
-    details = getattr(usage, "prompt_tokens_details", None)
-    return {"ttft_ms": round(ttft * 1e3, 2) if ttft is not None else None,
-            "total_ms": round(total * 1e3, 2),
-            "prompt_tokens": getattr(usage, "prompt_tokens", None),
-            "cached_tokens": getattr(details, "cached_tokens", None),
-            "completion_tokens": getattr(usage, "completion_tokens", None),
-            "messages_bytes": body_bytes, "output_ids": ids, "text": "".join(parts)}
-
-
-def run_chat(base_url: str, image_url: str, turns: int, first_question: int = 0,
-             max_tokens: int = 8, metrics: bool = False, model: str | None = None,
-             image_id: str | None = None, id_known: bool = False) -> list[dict]:
-    """One chat through the openai client: the image in the first user message, resent with the
-    history every turn (``image_id``: named by that id, its bytes sent on the first turn only, as
-    a ``--trust-client-image-ids`` server allows; ``id_known``: sent in an earlier chat, so not
-    even the first turn carries the bytes). One dict per turn."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=120)
-    model = model or client.models.list().data[0].id
-    history: list[dict] = []
-    out = []
-    for turn in range(turns):
-        question = QUESTIONS[(first_question + turn) % len(QUESTIONS)]
-        content: list[dict] | str = question
-        if turn == 0:
-            image: dict[str, Any] = {"type": "image_url", "image_url": {"url": image_url}}
-            if image_id is not None:
-                image = {"type": "image_url", "uuid": image_id} if id_known else {**image, "uuid": image_id}
-            content = [{"type": "text", "text": question}, image]
-        elif image_id is not None:  # the history names the image: no bytes after the first turn
-            history[0]["content"][1] = {"type": "image_url", "uuid": image_id}
-        history.append({"role": "user", "content": content})
-        before = counters(base_url) if metrics else {}
-        row = {"turn": turn + 1, **stream_turn(client, model, history, max_tokens)}
-        ids = row["output_ids"]
-        if metrics:
-            row["featcache"] = delta(before, counters(base_url))
-        out.append(row)
-        print(f"  turn {turn + 1}: ttft {row['ttft_ms']} ms, total {row['total_ms']} ms, "
-              f"{row['prompt_tokens']} prompt tokens ({row['cached_tokens']} cached), ids "
-              f"{ids[:8]}{'...' if len(ids) > 8 else ''}"
-              + (f", featcache {_short(row['featcache'])}" if metrics else ""), flush=True)
-        history.append({"role": "assistant", "content": row["text"]})
-    return out
-
-
-def _short(counts: dict[str, float]) -> str:
-    keep = {k.removeprefix("featcache_").removesuffix("_total"): int(v) for k, v in counts.items()
-            if not k.startswith("featcache_lookup_seconds")}
-    return json.dumps(keep, separators=(",", ":"))
 
 
 def serve_and_chat(name: str, cmd: list[str], port: int, images: dict[str, str], out: str,
@@ -353,7 +189,7 @@ def print_table(model: str, cmp: dict) -> None:
         print(f"  {r['chat']:<15} {r['turn']:>4}  "
               f"{r['ttft_ms_plain']!s:>10} / {r['ttft_ms_featcache']!s:<10} "
               f"{r['speedup']!s:>5}  {r['cached_plain']!s:>6} / {r['cached_featcache']!s:<6}   "
-              f"{'same' if r['tokens_identical'] else 'DIFF'}  {_short(r['featcache_hits'])}", flush=True)
+              f"{'same' if r['tokens_identical'] else 'DIFF'}  {short(r['featcache_hits'])}", flush=True)
 
 
 # -- main ------------------------------------------------------------------------------------------
@@ -393,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     out_root = os.path.abspath(args.out)
     plans = []
     for model in args.model:
-        name = os.path.basename(model.rstrip("/"))
+        name = label(model)
         out = os.path.join(out_root, name) if len(args.model) > 1 else out_root
         store = os.path.join(os.path.abspath(args.store_root), name)
         cmds = commands(model, args.backend, store, args.eager, args.server_arg, args.image_ids,
@@ -401,95 +237,113 @@ def main(argv: list[str] | None = None) -> int:
         plans.append((model, out, store, {k: v for k, v in cmds.items() if k not in args.skip}))
     warm = args.backend == "pytorch" and not args.skip_warm
     if args.dry_run:
-        for model, out, store, cmds in plans:
-            print(f"[dry-run] model {model} -> {out} (store {store})")
-            for name, cmd in cmds.items():
-                print(f"[dry-run] {name}: {shlex.join(cmd)}")
-            if warm:
-                for name in (n for n in ("featcache", "featcache_mp") if n in cmds):
-                    print(f"[dry-run] before {name}: {sys.executable} -m featcache warm {model} "
-                          f"{out}/a.png --cache-dir {store}{STORES[name]}")
-            try:
-                print("[dry-run] parsed:", json.dumps(check_commands(cmds)))
-            except ImportError as e:
-                print(f"[dry-run] not parsed ({e}; needs lmdeploy)")
-        print("[dry-run] chats (each server, in order): warmup 1 turn, "
-              + ", ".join(f"{c} {t} turns (image {i})" for c, i, t, _ in CHATS)
-              + f"; {args.max_tokens} new tokens per turn, greedy, ignore_eos, return_token_ids")
+        print_plan(plans, warm, args.max_tokens)
         return 0
 
-    from chat import data_url  # examples/chat.py: 1344x1008 noise PNG
+    def left() -> float:  # seconds of the budget
+        return args.budget - (time.monotonic() - t0)
 
     result: dict[str, Any] = {"backend": args.backend, "max_tokens": args.max_tokens, "models": {},
                               "skipped": []}
+    path = os.path.join(out_root, "serve_chat.json")
     rc = 0
     for model, out, store, cmds in plans:
         os.makedirs(out, exist_ok=True)
         for suffix in STORES.values():  # featcache starts cold
             shutil.rmtree(store + suffix, ignore_errors=True)
-        images = {name: data_url(None, seed) for name, seed in IMAGE_SEEDS.items()}
+        images = {name: chat_url(seed) for name, seed in IMAGE_SEEDS.items()}
         if warm:  # `featcache warm` reads a file: the same bytes the chats send
             with open(os.path.join(out, "a.png"), "wb") as f:
-                f.write(base64.b64decode(images["a"].split(",", 1)[1]))
+                f.write(url_bytes(images["a"]))
         res: dict[str, Any] = {}
         result["models"][model] = res
         for name in [n for n in SERVERS if n in cmds]:
-            left = args.budget - (time.monotonic() - t0)
-            if left < 60:
-                result["skipped"].append(f"{model} {name}: {left:.0f} s left")
-                print(f"[serve] SKIPPED {model} {name}: {left:.0f} s left", flush=True)
+            if skipped(result, f"{model} {name}", left(), ""):
                 continue
-            if name in ("featcache", "featcache_mp") and warm:
-                t = time.monotonic()
-                w = subprocess.run([sys.executable, "-m", "featcache", "warm", model,
-                                    os.path.join(out, "a.png"), "--cache-dir", store + STORES[name]],
-                                   capture_output=True, text=True, timeout=max(30, left - 60))
-                print(w.stdout, w.stderr[-3000:], flush=True)
-                res["warm" + STORES[name].replace("-", "_")] = {
-                    "rc": w.returncode, "stdout": w.stdout.strip(),
-                    "seconds": round(time.monotonic() - t, 1)}
-                left = args.budget - (time.monotonic() - t0)
-                if left < 60:  # no time left to start the server after all
-                    result["skipped"].append(f"{model} {name}: {left:.0f} s left after warm")
-                    print(f"[serve] SKIPPED {model} {name}: {left:.0f} s left after warm", flush=True)
+            if name in WARMED and warm:
+                res["warm" + STORES[name].replace("-", "_")] = warm_store(
+                    model, os.path.join(out, "a.png"), store + STORES[name], max(30, left() - 60))
+                if skipped(result, f"{model} {name}", left(), " after warm"):  # none left to start it
                     continue
             try:
                 res[name] = serve_and_chat(name, cmds[name], PORTS[name], images, out, args.max_tokens,
-                                           ready_timeout=min(300, max(30, left - 30)))
+                                           ready_timeout=min(300, max(30, left() - 30)))
             except Exception as e:
                 res[name] = {"command": shlex.join(cmds[name]), "error": f"{type(e).__name__}: {e}"}
-            if name in ("featcache", "featcache_mp"):
-                stats = subprocess.run([sys.executable, "-m", "featcache", "stats",
-                                        store + STORES[name], "--json"],
-                                       capture_output=True, text=True, timeout=60)
-                res["stats" + STORES[name].replace("-", "_")] = (
-                    json.loads(stats.stdout) if stats.returncode == 0 else stats.stderr[-2000:])
-        if "plain" in res and "featcache" in res:
-            res["compare"] = compare(res["plain"], res["featcache"])
-            print_table(model, res["compare"])
-            rc |= 0 if res["compare"]["tokens_identical"] else 1
-        if "plain" in res and "featcache_ids" in res:  # the same chats, images named by id
-            res["compare_ids"] = compare(res["plain"], res["featcache_ids"])
-            print_table(model + " (image ids)", res["compare_ids"])
-            rc |= 0 if res["compare_ids"]["tokens_identical"] else 1
-            if "featcache" in res:
-                res["ids_vs_bytes"] = ids_vs_bytes(res["featcache"], res["featcache_ids"])
-                print(f"[serve] image ids vs bytes: {json.dumps(res['ids_vs_bytes'])}", flush=True)
-        if "plain" in res and "featcache_mp" in res:  # lmdeploy's process model, both sides
-            res["compare_mp"] = compare(res["plain"], res["featcache_mp"])
-            print_table(model + " (engine process mp)", res["compare_mp"])
-            rc |= 0 if res["compare_mp"]["tokens_identical"] else 1
-        if any("error" in res.get(k, {}) for k in SERVERS):
-            rc |= 2
-        with open(os.path.join(out_root, "serve_chat.json"), "w") as f:
-            json.dump(result, f, indent=1)
+            if name in WARMED:
+                res["stats" + STORES[name].replace("-", "_")] = store_stats(store + STORES[name])
+        rc |= comparisons(model, res)
+        write_report(path, result)  # rewritten after each model, with the run's metadata
     result["seconds"] = round(time.monotonic() - t0, 1)
-    with open(os.path.join(out_root, "serve_chat.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_report(path, result)
     for model, res in result["models"].items():
         for line in res.get("featcache", {}).get("metrics_featcache_lines", []):
-            print(f"[metrics] {os.path.basename(model)} {line}")
-    print(f"[serve] done in {result['seconds']} s, rc={rc}; {out_root}/serve_chat.json", flush=True)
+            print(f"[metrics] {label(model)} {line}")
+    print(f"[serve] done in {result['seconds']} s, rc={rc}; {path}", flush=True)
+    return rc
+
+
+def print_plan(plans: list[tuple[str, str, str, dict[str, list[str]]]], warm: bool, max_tokens: int) -> None:
+    """--dry-run: each server's command (parsed by featcache's and lmdeploy's parsers when
+    lmdeploy is installed), the warm-ups and the chats."""
+    for model, out, store, cmds in plans:
+        print(f"[dry-run] model {model} -> {out} (store {store})")
+        for name, cmd in cmds.items():
+            print(f"[dry-run] {name}: {shlex.join(cmd)}")
+        if warm:
+            for name in (n for n in WARMED if n in cmds):
+                print(f"[dry-run] before {name}: {sys.executable} -m featcache warm {model} "
+                      f"{out}/a.png --cache-dir {store}{STORES[name]}")
+        try:
+            print("[dry-run] parsed:", json.dumps(check_commands(cmds)))
+        except ImportError as e:
+            print(f"[dry-run] not parsed ({e}; needs lmdeploy)")
+    print("[dry-run] chats (each server, in order): warmup 1 turn, "
+          + ", ".join(f"{c} {t} turns (image {i})" for c, i, t, _ in CHATS)
+          + f"; {max_tokens} new tokens per turn, greedy, ignore_eos, return_token_ids")
+
+
+def skipped(result: dict[str, Any], what: str, left: float, when: str) -> bool:
+    """A server starts only with 60 s of the budget left; one that does not is recorded."""
+    if left >= 60:
+        return False
+    result["skipped"].append(f"{what}: {left:.0f} s left{when}")
+    print(f"[serve] SKIPPED {what}: {left:.0f} s left{when}", flush=True)
+    return True
+
+
+def warm_store(model: str, image_file: str, store: str, timeout: float) -> dict[str, Any]:
+    """``featcache warm MODEL IMAGE --cache-dir STORE``: its exit code, output and seconds."""
+    t = time.monotonic()
+    w = subprocess.run([sys.executable, "-m", "featcache", "warm", model, image_file, "--cache-dir", store],
+                       capture_output=True, text=True, timeout=timeout)
+    print(w.stdout, w.stderr[-3000:], flush=True)
+    return {"rc": w.returncode, "stdout": w.stdout.strip(), "seconds": round(time.monotonic() - t, 1)}
+
+
+def store_stats(store: str) -> Any:
+    """``featcache stats STORE --json`` (its stderr's tail where it failed)."""
+    stats = subprocess.run([sys.executable, "-m", "featcache", "stats", store, "--json"],
+                           capture_output=True, text=True, timeout=60)
+    return json.loads(stats.stdout) if stats.returncode == 0 else stats.stderr[-2000:]
+
+
+def comparisons(model: str, res: dict[str, Any]) -> int:
+    """Each featcache server against plain (and the ids server against the bytes one), tables
+    printed; the exit code's bits: 1 tokens differ, 2 a server failed."""
+    rc = 0
+    for name, key, title in (("featcache", "compare", model),
+                             ("featcache_ids", "compare_ids", model + " (image ids)"),
+                             ("featcache_mp", "compare_mp", model + " (engine process mp)")):
+        if "plain" in res and name in res:
+            res[key] = compare(res["plain"], res[name])
+            print_table(title, res[key])
+            rc |= 0 if res[key]["tokens_identical"] else 1
+    if "featcache" in res and "compare_ids" in res:  # the same chats, images named by id
+        res["ids_vs_bytes"] = ids_vs_bytes(res["featcache"], res["featcache_ids"])
+        print(f"[serve] image ids vs bytes: {json.dumps(res['ids_vs_bytes'])}", flush=True)
+    if any("error" in res.get(k, {}) for k in SERVERS):
+        rc |= 2
     return rc
 
 

@@ -30,12 +30,12 @@ import sys
 import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.lib
 
-from runmeta import write_report  # noqa: E402
-from serve_chat import run_chat, tail, wait_ready  # noqa: E402
+from bench.lib.client import run_chat  # noqa: E402
+from bench.lib.images import chat_url  # noqa: E402
+from bench.lib.results import write_report  # noqa: E402
+from bench.lib.servers import featcache_command, kill, lmdeploy_command, server_flags, start, tail  # noqa: E402
 
 PORT = 23420
 PYTORCH = ("plain", "plain_prefix", "fc_mp", "fc_mp_prefix", "fc_in", "fc_in_prefix")
@@ -43,18 +43,15 @@ TURBOMIND = ("plain_tm", "fc_tm")
 
 
 def command(name: str, model: str, store: str) -> list[str]:
-    py = sys.executable
-    prefix = ["--enable-prefix-caching"] if name.endswith("_prefix") or name.endswith("_tm") else []
-    if name.endswith("_tm"):
-        backend = ["--backend", "turbomind", "--cache-max-entry-count", "0.2"]
-    else:
-        backend = ["--backend", "pytorch", "--cache-max-entry-count", "0.05", "--eager-mode"]
-    common = ["--server-port", str(PORT), "--session-len", "8192", "--log-level", "INFO",
-              *backend, *prefix]
+    """The configuration's server: prefix caching for ``*_prefix`` and TurboMind (``*_tm``), the
+    engine in featcache's process (``fc_in*``) or lmdeploy's engine process (``fc_mp*``)."""
+    tm = name.endswith("_tm")
+    flags = server_flags("turbomind" if tm else "pytorch", eager=True,
+                         prefix=name.endswith("_prefix") or tm, log_level="INFO")
     if name.startswith("plain"):
-        return [py, "-m", "lmdeploy", "serve", "api_server", model, *common]
-    process = [] if name == "fc_tm" else ["--engine-process", "in" if name.startswith("fc_in") else "mp"]
-    return [py, "-m", "featcache", "serve", model, "--cache-dir", store, *process, *common]
+        return lmdeploy_command(model, PORT, flags)
+    process = None if tm else ("in" if name.startswith("fc_in") else "mp")
+    return featcache_command(model, store, PORT, flags, process)
 
 
 def group_alive(pgid: int) -> list[int]:
@@ -82,20 +79,18 @@ def gpu_pids() -> list[int]:
 def one_run(name: str, cmd: list[str], image: str, logs: str, rep: int, sig: int,
             ready_timeout: float, wait_s: float) -> dict[str, Any]:
     log_path = os.path.join(logs, f"{name}-{rep}-{signal.Signals(sig).name}.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     row: dict[str, Any] = {"config": name, "rep": rep, "command": shlex.join(cmd)}
+    proc = None
     try:
-        t = time.monotonic()
-        wait_ready(PORT, proc, ready_timeout)
-        row["ready_s"] = round(time.monotonic() - t, 1)
+        proc, ready = start(cmd, PORT, log_path, ready_timeout)  # in its own process group
+        row["ready_s"] = round(ready, 1)
         row["turn"] = run_chat(f"http://127.0.0.1:{PORT}", image, 1, max_tokens=4)[0]["ttft_ms"]
         before = gpu_pids()
-        start = time.monotonic()
+        signalled = time.monotonic()
         os.killpg(proc.pid, sig)  # what Ctrl-C does: the signal to the whole group
         try:
             proc.wait(wait_s)
-            row["exit_s"] = round(time.monotonic() - start, 2)
+            row["exit_s"] = round(time.monotonic() - signalled, 2)
         except subprocess.TimeoutExpired:
             row["exit_s"] = None  # did not exit: killed below
         row["rc"] = proc.returncode
@@ -106,11 +101,8 @@ def one_run(name: str, cmd: list[str], image: str, logs: str, rep: int, sig: int
     except Exception as e:  # keep what ran; the log says why
         row["error"] = f"{type(e).__name__}: {e}"
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        if proc is not None:
+            kill(proc)
         time.sleep(1)
     row["log_tail"] = tail(log_path, 1500).splitlines()[-8:]
     print(f"[{name} #{rep}] exit {row.get('exit_s')} s, rc {row.get('rc')}, left {row.get('left')}, "
@@ -143,9 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.logs, exist_ok=True)
-    from chat import data_url
-
-    image = data_url(None, 1)
+    image = chat_url(1)
     sig = getattr(signal, f"SIG{args.signal}")
     rows: list[dict[str, Any]] = []
     path = os.path.join(args.out, f"shutdown-{args.signal}.json")
