@@ -3,8 +3,8 @@
     python3 bench/turbomind_bench.py run --model DIR --out bench.json [--n 10 --reps 3 ...]
     python3 bench/turbomind_bench.py dry-run [--out dry.json]      # CPU, a stand-in pipeline
 
-``run`` builds one engine at a time (plain TurboMind, featcache ``turbomind="native"``, featcache
-``turbomind="features"``; TurboMind prefix caching on for all three; GPU memory freed between), warms
+``run`` builds one engine at a time (plain TurboMind, featcache ``turbomind="native"``, ``"features"``
+and ``"combined"``; TurboMind prefix caching on for all; GPU memory freed between), warms
 each, then sends the same requests to each, one new token per request (greedy), so a request's wall
 time is its time to first token:
 
@@ -52,7 +52,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-PATHS = ("plain", "native", "features")
+PATHS = ("plain", "native", "features", "combined")
 TURNS = 4
 POOL = 8
 
@@ -179,10 +179,11 @@ def instrument(pipe: Any, path: str) -> dict[str, Any]:
         hook._serve = PROBE.wrap("fc_serve", hook._serve)
         found["pin"] = getattr(hook, "pin", False)
         found["vision_dtype"] = str(hook.vision_dtype)
-    if path == "features":
+    if path in ("features", "combined"):
         server = vm.forward.__self__
+        server = getattr(server, "features", server)  # combined: its FeatureServer
         vm.forward = PROBE.wrap("fc_forward", vm.forward)
-        server._run = PROBE.wrap("fc_vision", server._run)
+        server.run = PROBE.wrap("fc_vision", server.run)
     return found
 
 
@@ -638,6 +639,15 @@ def compare(results: dict[str, Any]) -> None:
         turns = [ratios["native"].get(f"b_turn_{t}_speedup_median") for t in range(1, TURNS + 1)]
         targets["native_b_never_slower_by_median"] = all(x is not None and x >= 1 for x in turns)
         targets["native_c_at_most_2pct_slower"] = (ratios["native"]["c_slowdown_median"] or 9) <= 1.02
+    if "combined" in ratios:  # issue 28 item 1: >= 4x on (a), turns 2-4 within 1.1x of native
+        cb = ratios["combined"]
+        targets["combined_a_at_least_4x"] = (cb["a_speedup_median"] or 0) >= 4
+        targets["combined_c_at_most_2pct_slower"] = (cb["c_slowdown_median"] or 9) <= 1.02
+        if "native" in eng:
+            nb, cbt = eng["native"]["b_chat"], eng["combined"]["b_chat"]
+            targets["combined_b_turns_2_4_within_1_1x_native"] = all(
+                cbt[f"turn_{t}"]["median_ms"] <= 1.1 * nb[f"turn_{t}"]["median_ms"]
+                for t in range(2, TURNS + 1))
     if "features" in ratios:
         targets["features_c_at_most_2pct_slower"] = (ratios["features"]["c_slowdown_median"] or 9) <= 1.02
     gains = [v.get("d_requests_per_s_gain") for v in ratios.values() if v.get("d_requests_per_s_gain")]
@@ -693,6 +703,7 @@ def fake_builder(args: argparse.Namespace) -> Callable[[str, Any], Any]:
     from lmdeploy.turbomind.turbomind import TurboMind
 
     from featcache.lmdeploy.frontend import install_frontend
+    from featcache.lmdeploy.tm_combined import CombinedServer
     from featcache.lmdeploy.tm_features import FeatureServer
     from featcache.lmdeploy.tm_native import install_native
 
@@ -738,9 +749,10 @@ def fake_builder(args: argparse.Namespace) -> Callable[[str, Any], Any]:
                     for m in messages]
             vm = self.vl_encoder.model
             msgs = vm.preprocess(msgs)
-            if getattr(vm, "_turbomind_native_vision", True) is False:  # the features path
+            if getattr(vm, "_turbomind_native_vision", True) is False:  # features (combined: by route)
                 msgs = vm.forward(msgs, 1)
-                return dict(multimodal=None, tokens=10)
+                if msgs[-1].get("featcache_route", "features") == "features":
+                    return dict(multimodal=None, tokens=10)
             items = [m for m in msgs if m.get("role") == "preprocess"][0]["content"]
             return dict(multimodal=[dict(x, offset=3 + 10 * i) for i, x in enumerate(items)],
                         tokens=10 + sum(int(x["image_tokens"]) for x in items))
@@ -784,6 +796,10 @@ def fake_builder(args: argparse.Namespace) -> Callable[[str, Any], Any]:
         elif path == "features":
             install_frontend(vm, cache, "dry-run:features")
             FeatureServer(cache, Tower(), torch.bfloat16).install(vm)  # type: ignore[arg-type]
+        elif path == "combined":
+            install_native(vm, cache, "dry-run:native")
+            CombinedServer(cache, FeatureServer(cache, Tower(), torch.bfloat16),  # type: ignore[arg-type]
+                           "dry-run:features").install(vm)
         if cache is not None:
             pipe.featcache = cache
         return pipe
@@ -811,7 +827,7 @@ def dry_run(args: argparse.Namespace) -> int:
         assert sum(len(rep["rows"]) + 1 for rep in e["raw"]["a"]) + sum(
             len(x) for x in e["raw"]["c"]) + sum(len(ch) for rep in e["raw"]["b"] for ch in rep) \
             == args.reps * reqs_per_rep
-    plain_c, native_c, feat_c = (eng[p]["c_distinct"]["parts"] for p in PATHS)
+    plain_c, native_c, feat_c, _ = (eng[p]["c_distinct"]["parts"] for p in PATHS)
     # every step was seen where it should run, and only there
     assert plain_c["image_preprocess"] > 0 and plain_c["tm_fingerprint"] > 0 and "hook" not in plain_c
     for k in ("hook", "fc_key", "fc_acquire", "fc_tag", "fc_serve", "fc_put", "fc_fingerprint", "tm_convert"):
@@ -825,7 +841,11 @@ def dry_run(args: argparse.Namespace) -> int:
     a_native = [r["parts"].get("calls", {}) for rep in eng["native"]["raw"]["a"] for r in rep["rows"]]
     assert not any(c.get("image_preprocess") or c.get("fc_put") for c in a_native), "hits preprocessed"
     assert eng["native"]["featcache"]["hits"] > 0 and eng["features"]["featcache"]["tm_features_served"] > 0
-    assert set(res["ratios"]) == {"native", "features"} and "c_minus_plain" in res["miss_cost"]["native"]
+    assert set(res["ratios"]) == set(PATHS[1:]) and "c_minus_plain" in res["miss_cost"]["native"]
+    routes = eng["combined"]["featcache"]  # (a) features after its priming miss; (b) turns 2-4 native
+    assert routes["tm_route_repeat"] >= args.reps * args.n and routes["tm_route_continued"] >= args.reps * 3
+    assert all(c.get("fc_vision") is None for rep in eng["combined"]["raw"]["c"] for c in
+               (r["parts"].get("calls", {}) for r in rep)), "combined ran the tower on a miss"
     assert res["micro"]["pixels"]["shape"] == [2, 3, 28, 28], res["micro"]["pixels"]
     print(f"DRY-RUN OK: {len(PATHS)} engines x {args.reps} reps; featcache native "
           f"{json.dumps(eng['native']['featcache'])}")

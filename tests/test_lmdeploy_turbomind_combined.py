@@ -355,3 +355,18 @@ def test_features_keys_are_derived_from_pixel_keys():
     k = features_key(b"p" * 32, "ns")
     assert k == features_key(b"p" * 32, "ns") and k.namespace == "ns" and len(k) == 32
     assert k != features_key(b"p" * 32, "other") and k != features_key(b"r" * 32, "ns")
+
+
+def test_turbomind_bench_dry_run_measures_the_combined_configuration():
+    """bench/turbomind_bench.py's CPU dry-run (stand-in pipelines, featcache's real hooks) runs the
+    combined engine beside plain, native and features: (a) goes features after its priming miss,
+    (b) turns 2-4 go native, (c) never runs featcache's tower (its own assertions)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "bench", "turbomind_bench.py"), "dry-run"],
+                         capture_output=True, text=True, timeout=600, cwd=root)
+    assert out.returncode == 0 and "DRY-RUN OK: 4 engines" in out.stdout, out.stderr[-3000:]
+    assert '"combined_b_turns_2_4_within_1_1x_native"' in out.stdout
