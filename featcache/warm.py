@@ -1,15 +1,22 @@
 """Compute image features offline into the disk tier, so a server starts hot (``featcache warm``).
 
-Each image goes through a featcache pipeline of the model (lmdeploy's PyTorch engine, one GPU), as
-a one-token request whose image is a local file: the key is the one a server computes for the
-same file sent as a file path or a base64 data URL (keys of encoded images are digests of their
-bytes, the model's namespace and the per-image parameters), so ``featcache serve`` over the same
-cache directory with the same ``--dtype`` and parameters serves them from disk. Images already
-cached are not computed again. No write is dropped: the puts (made by featcache's model hook in
-lmdeploy's engine) run inside ``cache.blocking_puts()``, so when the disk falls behind they wait
-for room in the write-through queues instead of dropping the entry, as a server's puts do. The
-store is flushed to disk before ``warm_images`` returns. The command line is
-``featcache.cli.serving``'s.
+For a PyTorch-engine server (the default), each image goes through a featcache pipeline of the
+model (lmdeploy's PyTorch engine, one GPU), as a one-token request whose image is a local file:
+the key is the one a server computes for the same file sent as a file path or a base64 data URL
+(keys of encoded images are digests of their bytes, the model's namespace and the per-image
+parameters), so ``featcache serve`` over the same cache directory with the same ``--dtype`` and
+parameters serves them from disk. Images already cached are not computed again. No write is
+dropped: the puts (made by featcache's model hook in lmdeploy's engine) run inside
+``cache.blocking_puts()``, so when the disk falls behind they wait for room in the write-through
+queues instead of dropping the entry, as a server's puts do. The store is flushed to disk before
+``warm_images`` returns. The command line is ``featcache.cli.serving``'s.
+
+For a TurboMind server (``backend="turbomind"``), what its path serves is filled without building
+TurboMind's engine (``featcache.lmdeploy.tm_warm``): the native path's engine-ready pixels
+(lmdeploy's preprocessing: no GPU needed), the features path's features (the vision tower: on the
+GPU, else slowly on the CPU), or both for the combined configuration; keyed as a TurboMind
+``featcache.lmdeploy.pipeline(..., turbomind=PATH)`` keys them (``featcache serve --backend
+turbomind`` serves the native path).
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .cache import FeatureCache
 
+BACKENDS = ("pytorch", "turbomind")
+TURBOMIND_PATHS = ("native", "features", "combined")  # featcache.lmdeploy.turbomind.PATHS' names
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
 
@@ -75,28 +84,31 @@ def request(path: str, params: dict[str, Any]) -> list[dict[str, Any]]:
 class WarmReport:
     images: int  # images asked for
     image_bytes: int  # bytes of their files
-    computed: int  # images whose features were computed (misses)
+    computed: int  # images whose features (TurboMind native, combined: pixels) were computed (misses)
     cached: int  # images already cached (hits)
     entries: int  # entries of the store afterwards
     bytes: int  # bytes of the store afterwards
     seconds: float  # from the first batch to the flushed store
     failed: list[str] = field(default_factory=list)  # "PATH: ERROR" of each image that failed
+    vision_images: int = 0  # TurboMind features, combined: images the vision tower ran on
 
 
 def warm_images(model: str, cache: FeatureCache, paths: list[str], *, params: dict[str, Any],
                 dtype: str = "auto", batch: int = 8,
-                progress: Callable[[int, int], None] | None = None) -> WarmReport:
+                progress: Callable[[int, int], None] | None = None, backend: str = "pytorch",
+                turbomind: str = "native") -> WarmReport:
     """Run ``model``'s vision model over ``paths`` in batches of ``batch``, storing features in
     ``cache`` (the caller's: it stays open, flushed). Its puts block for queue room meanwhile
     (``blocking_puts``): every computed feature reaches the disk. An image that fails is
-    reported, not raised; ``progress(done, bytes)`` is called after each batch."""
-    from lmdeploy import GenerationConfig, PytorchEngineConfig
+    reported, not raised; ``progress(done, bytes)`` is called after each batch.
+    ``backend="turbomind"``: fill what ``turbomind`` ("native", "features" or "combined") serves
+    instead (a host cache: ``FeatureCache(device="cpu", ...)``); no engine is built."""
+    from .lmdeploy import SECTION  # (here: collect and parse_params need no torch)
 
-    from .lmdeploy import SECTION, pipeline  # (here: collect and parse_params need no torch)
-
-    pipe = pipeline(model, cache=cache, log_level="ERROR",
-                    backend_config=PytorchEngineConfig(dtype=dtype, session_len=16384))
-    gen = GenerationConfig(max_new_tokens=1, do_sample=False)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
+    send, close = (_turbomind(model, cache, turbomind, dtype, batch) if backend == "turbomind"
+                   else _pytorch(model, cache, dtype))
     failed: list[str] = []
     start = time.perf_counter()
     done = nbytes = 0
@@ -105,11 +117,11 @@ def warm_images(model: str, cache: FeatureCache, paths: list[str], *, params: di
             for i in range(0, len(paths), batch):
                 chunk = paths[i:i + batch]
                 try:
-                    pipe([request(p, params) for p in chunk], gen_config=gen)
+                    send([request(p, params) for p in chunk])
                 except Exception:  # one bad file fails its batch: find it, keep the others
                     for p in chunk:
                         try:
-                            pipe([request(p, params)], gen_config=gen)
+                            send([request(p, params)])
                         except Exception as e:
                             failed.append(f"{p}: {type(e).__name__}: {e}")
                 done += len(chunk)
@@ -119,9 +131,39 @@ def warm_images(model: str, cache: FeatureCache, paths: list[str], *, params: di
         cache.flush()
         stats = cache.stats()
     finally:
-        pipe.close()
+        close()
     counts, disk = stats.get(SECTION, {}), stats.get("disk", {})
     return WarmReport(images=len(paths), image_bytes=nbytes, computed=counts.get("misses", 0),
                       cached=counts.get("hits", 0), entries=disk.get("entries", 0),
                       bytes=disk.get("bytes", 0), seconds=time.perf_counter() - start,
-                      failed=failed)
+                      failed=failed, vision_images=counts.get("vision_images", 0))
+
+
+Send = Callable[[list[list[dict[str, Any]]]], None]
+
+
+def _pytorch(model: str, cache: FeatureCache, dtype: str) -> tuple[Send, Callable[[], None]]:
+    """Requests through a featcache pipeline on lmdeploy's PyTorch engine (one token each)."""
+    from lmdeploy import GenerationConfig, PytorchEngineConfig
+
+    from .lmdeploy import pipeline
+
+    pipe = pipeline(model, cache=cache, log_level="ERROR",
+                    backend_config=PytorchEngineConfig(dtype=dtype, session_len=16384))
+    gen = GenerationConfig(max_new_tokens=1, do_sample=False)
+    return (lambda requests: pipe(requests, gen_config=gen)), pipe.close
+
+
+def _turbomind(model: str, cache: FeatureCache, path: str, dtype: str,
+               batch: int) -> tuple[Send, Callable[[], None]]:
+    """Requests through lmdeploy's TurboMind prompt path with featcache's ``path`` (no engine):
+    all the images of a batch in one request, so the features tower runs over them at once."""
+    from .lmdeploy.tm_warm import PromptPath
+
+    prompt = PromptPath(model, cache, path, dtype, batch)
+
+    def send(requests: list[list[dict[str, Any]]]) -> None:
+        prompt.send([[{"role": "user", "content": [
+            part for messages in requests for part in messages[0]["content"]]}]])
+
+    return send, prompt.close

@@ -22,7 +22,7 @@ from ..config import (
 )
 from ..errors import FeatCacheError
 from ..sizes import parse_bytes
-from ..warm import IMAGE_SUFFIXES, collect, parse_params
+from ..warm import BACKENDS, IMAGE_SUFFIXES, TURBOMIND_PATHS, collect, parse_params
 from .command import EXIT_BAD, EXIT_ERROR, EXIT_OK, Command, at_least_one, json_argument
 from .progress import ProgressBar
 
@@ -234,6 +234,13 @@ def _warm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="as the server's --dtype (default auto)")
     p.add_argument("--batch", type=at_least_one, default=8, metavar="N",
                    help="images per batch (default 8)")
+    p.add_argument("--backend", choices=BACKENDS, default=BACKENDS[0],
+                   help="the server's engine: pytorch (features, through lmdeploy's PyTorch engine: "
+                   "needs a GPU; the default) or turbomind (what --turbomind serves; no engine built)")
+    p.add_argument("--turbomind", choices=TURBOMIND_PATHS, default=TURBOMIND_PATHS[0],
+                   help="with --backend turbomind, the server's path: native (engine-ready pixels: "
+                   "no GPU needed; the default), features or combined (vision features, and for "
+                   "combined pixels too: the vision tower runs on the GPU, else slowly on the CPU)")
     json_argument(p, "print the report as one JSON object (no progress bar; failures in it)")
 
 
@@ -249,11 +256,16 @@ def _warm(args: argparse.Namespace) -> int:
         print("featcache warm: error: no images (give IMAGE files or --from-dir DIR)", file=sys.stderr)
         return EXIT_BAD
     # The GPU first, as serve does: without one, nothing else matters, and the model's probe
-    # may spend half a minute retrying the hub (issue 29 item 3).
+    # may spend half a minute retrying the hub (issue 29 item 3). TurboMind: no engine is built.
+    turbomind = args.backend == "turbomind"
     why = cuda_problem()
-    if why:
+    if why and not turbomind:
         print(f"featcache warm: error: {why}", file=sys.stderr)
         return EXIT_ERROR
+    if why and args.turbomind != "native":
+        print(f"featcache warm: no CUDA GPU: {args.turbomind} needs the vision tower, which runs "
+              "on the CPU here (correct, slow; InternVL2-26B's InternViT-6B needs the GPU)",
+              file=sys.stderr)
     from ..lmdeploy import default_cache  # lmdeploy: only when warming
     from ..warm import warm_images
 
@@ -262,14 +274,16 @@ def _warm(args: argparse.Namespace) -> int:
         print(f"featcache warm: error: {why}", file=sys.stderr)
         return EXIT_ERROR
     try:
-        cache = default_cache(path=args.cache_dir, disk_bytes=disk_bytes)
+        cache = (default_cache(path=args.cache_dir, disk_bytes=disk_bytes, host_only=True)
+                 if turbomind else default_cache(path=args.cache_dir, disk_bytes=disk_bytes))
     except (FeatCacheError, TypeError, ValueError) as e:  # e.g. a --disk-bytes it cannot map
         print(f"featcache warm: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     bar = None if args.json else ProgressBar(len(paths), "warm")
     try:
         report = warm_images(args.model, cache, paths, params=params, dtype=args.dtype,
-                             batch=args.batch, progress=bar.update if bar else None)
+                             batch=args.batch, progress=bar.update if bar else None,
+                             backend=args.backend, turbomind=args.turbomind)
     finally:
         cache.close()
     if args.json:
@@ -278,17 +292,19 @@ def _warm(args: argparse.Namespace) -> int:
     assert bar is not None
     bar.close(report.images, report.image_bytes)
     print(f"warmed {report.images - len(report.failed)} of {report.images} images in "
-          f"{report.seconds:.1f} s: {report.computed} computed, {report.cached} already cached; "
-          f"store: {report.entries} entries, {report.bytes / 2**20:.1f} MiB")
+          f"{report.seconds:.1f} s: {report.computed} computed, {report.cached} already cached"
+          + (f", the vision tower over {report.vision_images}" if report.vision_images else "")
+          + f"; store: {report.entries} entries, {report.bytes / 2**20:.1f} MiB")
     for line in report.failed:
         print(f"featcache warm: failed: {line}", file=sys.stderr)
     return EXIT_ERROR if report.failed else EXIT_OK
 
 
 WARM = Command(
-    "warm", help="compute features of image files into the disk tier (needs a GPU)",
+    "warm", help="compute features of image files into the disk tier (PyTorch engine: needs a GPU)",
     description="Run MODEL's vision model (a featcache pipeline, lmdeploy's PyTorch engine) "
-    "over image files so a server over the same store starts hot. Exit code 1 if some "
-    "images failed (listed on stderr).",
+    "over image files so a server over the same store starts hot; --backend turbomind fills what "
+    "a TurboMind path serves instead (--turbomind). Exit code 1 if some images failed (listed on "
+    "stderr).",
     add_arguments=_warm_arguments, run=_warm,
 )
