@@ -57,7 +57,7 @@ def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: s
     Same arguments and return type. ``cache=None`` builds ``default_cache()`` (closed with the
     pipeline; ``host_only`` when the backend is TurboMind). ``enable_prefix_caching=True`` in a
     ``PytorchEngineConfig`` stays on for the supported models (lmdeploy alone turns it off for
-    them). ``turbomind`` ("native" or "features"), ``trust_image_ids`` and ``media_policy``: see
+    them). ``turbomind`` ("native", "features" or "combined"), ``trust_image_ids`` and ``media_policy``: see
     ``wrap``.
 
     Several processes (a ``PytorchEngineConfig`` with ``enable_mp_engine=True``, ``tp > 1``, or
@@ -157,8 +157,9 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
 
     A pipeline built without featcache has had prefix caching switched off by lmdeploy for these
     models; build it with ``featcache.lmdeploy.pipeline`` to keep it on. On TurboMind (a cache
-    whose device is "cpu"), ``turbomind="native"`` caches engine-ready pixels and
-    ``"features"`` (InternVL-HF) vision features: see ``featcache.lmdeploy.turbomind``.
+    whose device is "cpu"), ``turbomind="native"`` caches engine-ready pixels, ``"features"``
+    (InternVL) vision features, ``"combined"`` both, routed per request: see
+    ``featcache.lmdeploy.turbomind``.
     ``trust_image_ids``: honour the ids clients give their images (``"uuid"``, see
     ``featcache.lmdeploy.sources``); only where every client may read every image.
     ``media_policy``: where local image files may lie and how many bytes any image source may
