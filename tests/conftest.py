@@ -1,5 +1,19 @@
+import os
+
 import pytest
 import torch
+
+from featcache.config import DEFAULTS
+
+# FEATCACHE_TEST_EVICTION=value runs the tests with that eviction policy as every cache's default
+# (issue 30: the reliability suite passes with "lru" and "value"); it reaches this process and its
+# forked children, not children started with spawn or as new interpreters (they keep "lru").
+if os.environ.get("FEATCACHE_TEST_EVICTION"):
+    DEFAULTS["eviction"] = os.environ["FEATCACHE_TEST_EVICTION"]
+
+
+def pytest_report_header(config):
+    return f"featcache eviction default: {DEFAULTS['eviction']}"
 
 
 def pytest_collection_modifyitems(config, items):

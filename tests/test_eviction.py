@@ -252,8 +252,7 @@ def test_put_records_the_cost_and_value_eviction_keeps_the_costly_entry(tmp_path
         assert lease is not None and cost_of(lease.meta) == 0.271
         lease.release()
         assert cache.config.eviction == "value"
-    with FeatureCache(device="cpu", device_bytes=4 * 4096, host_bytes=0) as cache:
-        assert cache.config.eviction == "lru"
+    with FeatureCache(device="cpu", device_bytes=4 * 4096, host_bytes=0, eviction="lru") as cache:
         cache.put(k(0), torch.zeros(1024), cost_s=0.271)
         for i in range(1, 8):
             cache.put(k(i), torch.zeros(1024), cost_s=0.002)
