@@ -261,6 +261,28 @@ def test_a_wrong_guess_costs_speed_only(rig):
     assert_native(got, rig.want(chat(a1, 3)))
 
 
+def test_an_image_featcache_cannot_key_sends_the_request_native(rig):
+    """An image whose parameters cannot be keyed is lmdeploy's alone (its own sha256 fingerprint);
+    the request goes native even where its other image's features are cached."""
+    import hashlib
+
+    for text in ("one", "two"):
+        rig.send([user(text, 1)])  # image 1: pixels, then features cached
+    odd = {"type": "image_data", "image_data": {"data": IMG[2], "note": object()}}
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "fresh"},
+                                         tiny.image_item(IMG[1]), odd]}]
+    got = rig.send(msgs)
+    assert got.route == NATIVE and rig.counts()["tm_route_unkeyed"] == 1
+    want = rig.want([{"role": "user", "content": [{"type": "text", "text": "fresh"},
+                                                  tiny.image_item(IMG[1]), tiny.image_item(IMG[2])]}])
+    assert got.inputs["input_ids"].tolist() == want.ids
+    for item, px in zip(got.items, want.pixels, strict=True):
+        assert torch.equal(item.kwargs["data"].args[0], px)
+    unkeyed = got.items[1].kwargs
+    pixels = unkeyed["data"].args[0].contiguous().view(torch.uint8).numpy().tobytes()
+    assert unkeyed["fingerprint"] == hashlib.sha256(pixels).digest()  # lmdeploy's own
+
+
 def test_a_failure_while_routing_sends_the_request_native(rig, monkeypatch):
     rig.send([user("one", 1)])
 

@@ -120,8 +120,11 @@ class CombinedServer:
             items = _preprocessed(messages)
             refs = [item.get(REF_KEY) for item in items]
             keys = [ref.key if isinstance(ref, FeatRef) else None for ref in refs]
-            digests = context_digests(messages, keys, self.namespace)
-            route = decide(digests, self.book, lambda: self._seen(refs, held))
+            if not keys or None in keys:  # an image featcache does not key (or passed through)
+                route = Route(NATIVE, "unkeyed")
+            else:
+                digests = context_digests(messages, keys, self.namespace)
+                route = decide(digests, self.book, lambda: self._seen(refs, held))
             if self.force is not None and route.reason != "unkeyed":
                 route = Route(self.force, "forced")
             if route.path == FEATURES:
