@@ -51,16 +51,16 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.lib
 
-from bench.lib.client import QUESTIONS, run_chat, short, stream_turn  # noqa: E402,F401 (serve_latency's)
+from bench.lib.client import run_chat, short  # noqa: E402
 from bench.lib.images import chat_url, url_bytes  # noqa: E402
 from bench.lib.models import label  # noqa: E402
 from bench.lib.results import write_report  # noqa: E402
-from bench.lib.servers import (  # noqa: E402,F401 (start, stop: serve_latency's)
-    engine_args,
-    featcache_command,
-    lmdeploy_command,
-    parse_command,
-    server_flags,
+from bench.lib.servers import (  # noqa: E402
+    PORTS,
+    SERVERS,
+    STORES,
+    check_commands,
+    commands,
     start,
     stop,
     tail,
@@ -70,43 +70,7 @@ from bench.lib.servers import (  # noqa: E402,F401 (start, stop: serve_latency's
 # with another first question: an image hit in featcache, not a prefix hit), B once
 CHATS = [("image_a", "a", 4, 0), ("image_b", "b", 4, 0), ("image_a_again", "a", 3, 4)]
 IMAGE_SEEDS = {"a": 1, "b": 2, "warmup": 3}
-PORTS = {"plain": 23400, "featcache": 23401, "featcache_ids": 23402, "featcache_mp": 23403}
-SERVERS = tuple(PORTS)  # the order they run in
-STORES = {"featcache": "", "featcache_ids": "-ids", "featcache_mp": "-mp"}  # suffix of STORE
 WARMED = ("featcache", "featcache_mp")  # the servers `featcache warm` fills first (PyTorch)
-
-
-def commands(model: str, backend: str, store: str, eager: bool = False,
-             extra: list[str] | None = None, image_ids: bool = False,
-             mp_engine: bool = False, featcache_args: tuple[str, ...] = ()) -> dict[str, list[str]]:
-    """Each server's command line, the same engine flags for all: plain, featcache (engine in its
-    process), featcache_ids (``image_ids``: it trusts the clients' image ids), featcache_mp
-    (``mp_engine``, PyTorch: lmdeploy's engine process); ``featcache_args`` to featcache's only."""
-    flags = server_flags(backend, eager, extra or [])
-    ours = tuple(featcache_args)
-    cmds = {"plain": lmdeploy_command(model, PORTS["plain"], flags),
-            "featcache": featcache_command(model, store, PORTS["featcache"], flags, "in", ours)}
-    if image_ids:  # the clients name their images: bytes on a chat's first turn only
-        cmds["featcache_ids"] = featcache_command(model, store + STORES["featcache_ids"],
-                                                  PORTS["featcache_ids"], flags, "in",
-                                                  (*ours, "--trust-client-image-ids"))
-    if mp_engine and backend == "pytorch":  # lmdeploy's process model: the engine in a second process
-        cmds["featcache_mp"] = featcache_command(model, store + STORES["featcache_mp"],
-                                                 PORTS["featcache_mp"], flags, "mp", ours)
-    return cmds
-
-
-def check_commands(cmds: dict[str, list[str]]) -> dict[str, Any]:
-    """Parse every command line with featcache's and lmdeploy's own parsers (needs lmdeploy)."""
-    out: dict[str, Any] = {}
-    for name in SERVERS:
-        if name in cmds:
-            ours, engine = parse_command(cmds[name])
-            out[name] = engine_args(engine)
-            if ours is not None:
-                out[name].update(cache_dir=ours.cache_dir, engine_process=ours.engine_process,
-                                 trust_client_image_ids=ours.trust_client_image_ids)
-    return out
 
 
 def serve_and_chat(name: str, cmd: list[str], port: int, images: dict[str, str], out: str,

@@ -5,9 +5,9 @@ test. Issue 16. GPU; ``--dry-run`` runs on the CPU.
         [--servers plain,featcache,featcache_ids,featcache_mp] [--sources data,http,file] [--repeats N]
         [--load SECONDS] [--clients 32] [--images 8] [--budget S] [--eager] [--dry-run]
 
-Servers (bench/serve_chat.py's commands, CUDA graphs on unless --eager), one at a time, each run
-under bench/serve_stages.py (per-stage times recorded in the server's process, loopback image URLs
-allowed): plain ``lmdeploy serve api_server``, ``featcache serve``, ``featcache serve
+Servers (bench/lib/servers.py's, as serve_chat.py runs them; CUDA graphs on unless --eager), one
+at a time, each run under bench/serve_stages.py (per-stage times recorded in the server's process,
+loopback image URLs allowed): plain ``lmdeploy serve api_server``, ``featcache serve``, ``featcache serve
 --trust-client-image-ids`` (its images named by ids: bytes on the warm-up turn only), ``featcache
 serve --engine-process mp`` (lmdeploy's own process model: the engine in a second process; the
 server-side stages are then the API process's only). Per server
@@ -34,7 +34,6 @@ requests. Writes OUT/latency.json and prints the tables.
 from __future__ import annotations
 
 import argparse
-import base64
 import functools
 import http.server
 import os
@@ -47,13 +46,17 @@ import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+sys.path.insert(0, os.path.dirname(HERE))  # bench.lib
 
-import pyspy  # noqa: E402
-import serve_chat  # noqa: E402
-import serve_stages  # noqa: E402
-from runmeta import write_report  # noqa: E402
+from bench import pyspy  # noqa: E402
+from bench.lib.client import connect, served_model, stream_turn  # noqa: E402
+from bench.lib.images import chat_url, url_bytes  # noqa: E402
+from bench.lib.load import attach_mixed_stages, load_test, mixed, print_mixed  # noqa: E402
+from bench.lib.results import write_report  # noqa: E402
+from bench.lib.servers import PORTS, STORES, commands, start, stop  # noqa: E402
+from bench.lib.stages import read as read_stages  # noqa: E402
+from bench.lib.stages import summarize  # noqa: E402
+from bench.lib.timing import quantile  # noqa: E402
 
 SERVERS = ("plain", "featcache", "featcache_ids", "featcache_mp")
 DEFAULT_SERVERS = SERVERS[:3]  # --servers' default (with featcache_mp: past the default budget)
@@ -104,16 +107,6 @@ def text_messages(filler_words: int, question_text: str, answer: str | None) -> 
     return out
 
 
-def pct(values: list[float], q: float) -> float | None:
-    """The q-quantile (0..1) by linear interpolation, or None for no values."""
-    vals = sorted(v for v in values if v is not None)
-    if not vals:
-        return None
-    pos = (len(vals) - 1) * q
-    lo, hi = int(pos), min(int(pos) + 1, len(vals) - 1)
-    return round(vals[lo] + (vals[hi] - vals[lo]) * (pos - lo), 2)
-
-
 def side_by_side(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (server, source): hit vs text time to first token (median, p90, ratio), cached
     and new tokens, server-side featcache / lmdeploy ms of the hit (medians)."""
@@ -121,19 +114,19 @@ def side_by_side(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     for server, per_source in results.items():
         for source, r in per_source.items():
             hit, text = r.get("hit", []), r.get("text", [])
-            h50, t50 = pct([x["ttft_ms"] for x in hit], 0.5), pct([x["ttft_ms"] for x in text], 0.5)
+            h50, t50 = quantile([x["ttft_ms"] for x in hit], 0.5), quantile([x["ttft_ms"] for x in text], 0.5)
             rows.append({
                 "server": server, "source": source, "n": len(hit),
-                "hit_p50": h50, "hit_p90": pct([x["ttft_ms"] for x in hit], 0.9),
-                "text_p50": t50, "text_p90": pct([x["ttft_ms"] for x in text], 0.9),
+                "hit_p50": h50, "hit_p90": quantile([x["ttft_ms"] for x in hit], 0.9),
+                "text_p50": t50, "text_p90": quantile([x["ttft_ms"] for x in text], 0.9),
                 "ratio": round(h50 / t50, 2) if h50 and t50 else None,
-                "hit_cached": pct([x["cached_tokens"] for x in hit], 0.5),
-                "text_cached": pct([x["cached_tokens"] for x in text], 0.5),
-                "hit_new": pct([new_tokens(x) for x in hit], 0.5),
-                "text_new": pct([new_tokens(x) for x in text], 0.5),
-                "hit_fc_ms": pct([x.get("stages", {}).get("totals", {}).get("featcache", 0.0)
+                "hit_cached": quantile([x["cached_tokens"] for x in hit], 0.5),
+                "text_cached": quantile([x["cached_tokens"] for x in text], 0.5),
+                "hit_new": quantile([new_tokens(x) for x in hit], 0.5),
+                "text_new": quantile([new_tokens(x) for x in text], 0.5),
+                "hit_fc_ms": quantile([x.get("stages", {}).get("totals", {}).get("featcache", 0.0)
                                   for x in hit if x.get("stages")], 0.5),
-                "hit_lmdeploy_ms": pct([x.get("stages", {}).get("totals", {}).get("lmdeploy")
+                "hit_lmdeploy_ms": quantile([x.get("stages", {}).get("totals", {}).get("lmdeploy")
                                         for x in hit if x.get("stages")], 0.5),
                 "errors": r.get("errors", []),
             })
@@ -192,22 +185,6 @@ def print_tables(results: dict[str, dict[str, Any]], load: dict[str, Any]) -> No
 
 
 # -- running (GPU) ------------------------------------------------------------------------------------
-def print_mixed(mixed_runs: dict[str, Any]) -> None:
-    if not mixed_runs:
-        return
-    print("\nmixed chats, one request at a time (issue 27: p99 at most 1.2x p50)")
-    print(f"  {'server':<14} {'class':<20} {'n':>4} {'p50':>9} {'p99':>9} {'p99/p50':>8}  "
-          "slowest turns (round.turn ms)")
-    for server, res in mixed_runs.items():
-        for kind, c in res.get("classes", {}).items():
-            slow = sorted((t for t in res["turns"] if t["class"] == kind), key=lambda x: -x["ttft_ms"])[:3]
-            slowest = ", ".join(f"{t['round']}.{t['turn']} {t['ttft_ms']:.0f}" for t in slow)
-            print(f"  {server:<14} {kind:<20} {c['n']:>4} {c['ttft_p50']:>9} {c['ttft_p99']:>9} "
-                  f"{c['p99_over_p50']:>8}  {slowest}")
-        if res.get("errors"):
-            print(f"  {server}: ERRORS {res['errors']}")
-
-
 def wrapped(cmd: list[str], stages: str) -> list[str]:
     """``cmd`` (python -m lmdeploy|featcache ...) run under bench/serve_stages.py."""
     return [cmd[0], os.path.join(HERE, "serve_stages.py"), "--stages-out", stages,
@@ -235,9 +212,7 @@ def image_item(kind: str, url: str, http_url: str, path: str, image_id: str, fir
 def latency(base: str, model: str, kinds: list[str], files: dict[str, Any], repeats: int,
             max_tokens: int) -> tuple[dict[str, Any], int]:
     """The warm-ups and rounds of every source kind; (results, chat requests sent)."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+    client = connect(base)
     out: dict[str, Any] = {}
     sent = 0
     for kind in kinds:
@@ -246,9 +221,9 @@ def latency(base: str, model: str, kinds: list[str], files: dict[str, Any], repe
         image_id = f"latency-{kind}"
         try:
             item = functools.partial(image_item, kind, files["url"], files["http"], files["path"], image_id)
-            warm = serve_chat.stream_turn(client, model, messages(item(True), Q0, None), max_tokens)
+            warm = stream_turn(client, model, messages(item(True), Q0, None), max_tokens)
             answer = warm["text"] or "ok"
-            probes = [serve_chat.stream_turn(client, model, text_messages(n, Q0, None), 1)
+            probes = [stream_turn(client, model, text_messages(n, Q0, None), 1)
                       for n in (0, 256)]
             sent += 3
             per_word = max(1e-3, (probes[1]["prompt_tokens"] - probes[0]["prompt_tokens"]) / 256)
@@ -260,14 +235,14 @@ def latency(base: str, model: str, kinds: list[str], files: dict[str, Any], repe
                 for which in order:
                     msgs = (messages(item(False), question(r), answer) if which == "hit"
                             else text_messages(words, question(r), answer))
-                    row = serve_chat.stream_turn(client, model, msgs, max_tokens)
+                    row = stream_turn(client, model, msgs, max_tokens)
                     row["seq"] = sent
                     sent += 1
                     row.pop("output_ids", None)
                     if r > 0:  # round 0 primes the prefix cache
                         res[which].append(row)
-            print(f"  [{kind}] hit p50 {pct([x['ttft_ms'] for x in res['hit']], 0.5)} ms, text p50 "
-                  f"{pct([x['ttft_ms'] for x in res['text']], 0.5)} ms", flush=True)
+            print(f"  [{kind}] hit p50 {quantile([x['ttft_ms'] for x in res['hit']], 0.5)} ms, text p50 "
+                  f"{quantile([x['ttft_ms'] for x in res['text']], 0.5)} ms", flush=True)
         except Exception as e:  # noqa: BLE001 (reported, the run goes on)
             res["errors"].append(f"{type(e).__name__}: {e}")
             print(f"  [{kind}] ERROR {res['errors'][-1]}", flush=True)
@@ -280,7 +255,7 @@ def attach_stages(results: dict[str, Any], stages_file: str, sent: int) -> None:
     if any(res.get("errors") for res in results.values()):
         return
     try:
-        rows = serve_stages.read(stages_file)
+        rows = read_stages(stages_file)
     except OSError:
         return
     if len(rows) < sent:
@@ -289,132 +264,8 @@ def attach_stages(results: dict[str, Any], stages_file: str, sent: int) -> None:
     for res in results.values():
         for which in ("hit", "text"):
             for t in res.get(which, []):
-                t["stages"] = serve_stages.summarize(rows[t["seq"]])
+                t["stages"] = summarize(rows[t["seq"]])
                 t["server_body_bytes"] = rows[t["seq"]]["body_bytes"]
-
-
-def class_table(by_class: dict[str, list[float]]) -> dict[str, Any]:
-    """Per request class: count, p50, p99 and p99/p50 of time to first token."""
-    classes = {}
-    for kind, values in sorted(by_class.items()):
-        p50, p99 = pct(values, 0.5), pct(values, 0.99)
-        classes[kind] = {"n": len(values), "ttft_p50": p50, "ttft_p99": p99,
-                         "p99_over_p50": round(p99 / p50, 2) if p50 and p99 else None}
-    return classes
-
-
-def mixed(base: str, model: str, urls: list[str], rounds: int, max_tokens: int, seq0: int,
-          turns: int = 4) -> dict[str, Any]:
-    """Issue 27's stall case, one request at a time: per round a ``turns``-turn chat over a new
-    image (its first turn a miss; the image resent with the history every later turn), then a
-    ``turns``-turn text-only chat. Nothing overlaps, so a turn far above its class's p50 waited on
-    work left behind by an earlier request (a disk write, a demotion, a rebuild, a collection).
-    Per class p50/p99 (``classes``) and every turn (``turns``: class, round, ttft, request seq)."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
-    rows: list[dict[str, Any]] = []
-    errors: list[str] = []
-    seq = seq0
-    for r in range(rounds):
-        for text_only in (False, True):
-            history: list[dict] = []
-            for turn in range(turns):
-                kind = ("text" if text_only else "image") + ("_first_turn" if turn == 0 else "_later_turns")
-                content: Any = f"{serve_chat.QUESTIONS[turn % len(serve_chat.QUESTIONS)]} (chat {r})"
-                if turn == 0 and not text_only:
-                    content = [{"type": "text", "text": content},
-                               {"type": "image_url", "image_url": {"url": urls[r % len(urls)]}}]
-                history.append({"role": "user", "content": content})
-                try:
-                    row = serve_chat.stream_turn(client, model, history, max_tokens)
-                except Exception as e:  # noqa: BLE001 (reported; the order of seq is lost)
-                    errors.append(f"{type(e).__name__}: {e}"[:300])
-                    return {"rounds": rounds, "turns": rows, "errors": errors, "classes": {}}
-                rows.append({"class": kind, "round": r, "turn": turn, "ttft_ms": row["ttft_ms"],
-                             "prompt_tokens": row["prompt_tokens"], "cached_tokens": row["cached_tokens"],
-                             "seq": seq})
-                seq += 1
-                history.append({"role": "assistant", "content": row["text"] or "ok"})
-    by_class: dict[str, list[float]] = {}
-    for row in rows:
-        by_class.setdefault(row["class"], []).append(row["ttft_ms"])
-    return {"rounds": rounds, "turns": rows, "errors": errors, "classes": class_table(by_class)}
-
-
-def attach_mixed_stages(res: dict[str, Any], stages_file: str, slowest: int = 4) -> None:
-    """The server's stage summaries onto the ``slowest`` turns of each class (where the time went)."""
-    try:
-        rows = serve_stages.read(stages_file)
-    except OSError:
-        return
-    by_class: dict[str, list[dict[str, Any]]] = {}
-    for t in res.get("turns", []):
-        by_class.setdefault(t["class"], []).append(t)
-    for turns in by_class.values():
-        for t in sorted(turns, key=lambda x: -(x["ttft_ms"] or 0))[:slowest]:
-            if t["seq"] < len(rows):
-                t["stages"] = serve_stages.summarize(rows[t["seq"]])
-
-
-def load_test(base: str, model: str, urls: list[str], clients: int, seconds: float,
-              max_tokens: int, turns: int = 4, text_clients: int = 0) -> dict[str, Any]:
-    """``clients`` threads chatting for ``seconds``, client c's k-th chat over image (c+k) % n,
-    beside ``text_clients`` threads whose chats have no image. Besides the totals, per request
-    class (``classes``: an image chat's first turn, its later turns that resend the image, a
-    text chat's first and later turns) the count, p50, p99 and p99/p50 of time to first token:
-    a request that waits on another's work (a disk write, a demotion, a rebuild) shows as a p99
-    far above its class's p50 (issue 27: target p99 <= 1.2x p50)."""
-    from openai import OpenAI
-
-    deadline = time.monotonic() + seconds
-    lock = threading.Lock()
-    ttfts: list[float] = []
-    by_class: dict[str, list[float]] = {}
-    failures: list[str] = []
-
-    def client_loop(c: int) -> None:
-        client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
-        chat = 0
-        text_only = c >= clients
-        while time.monotonic() < deadline:
-            url = urls[(c + chat) % len(urls)]
-            history: list[dict] = []
-            for turn in range(turns):
-                if time.monotonic() >= deadline:
-                    return
-                kind = ("text" if text_only else "image") + ("_first_turn" if turn == 0 else "_later_turns")
-                content: Any = serve_chat.QUESTIONS[turn % len(serve_chat.QUESTIONS)]
-                if turn == 0 and not text_only:
-                    content = [{"type": "text", "text": content},
-                               {"type": "image_url", "image_url": {"url": url}}]
-                history.append({"role": "user", "content": content})
-                try:
-                    row = serve_chat.stream_turn(client, model, history, max_tokens)
-                    if row["ttft_ms"] is None:
-                        raise RuntimeError("no token")
-                except Exception as e:  # noqa: BLE001 (counted: must stay 0)
-                    with lock:
-                        failures.append(f"{type(e).__name__}: {e}"[:300])
-                    break
-                with lock:
-                    ttfts.append(row["ttft_ms"])
-                    by_class.setdefault(kind, []).append(row["ttft_ms"])
-                history.append({"role": "assistant", "content": row["text"] or "ok"})
-            chat += 1
-
-    t = time.monotonic()
-    threads = [threading.Thread(target=client_loop, args=(c,)) for c in range(clients + text_clients)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    took = time.monotonic() - t
-    classes = class_table(by_class)
-    return {"clients": clients, "text_clients": text_clients, "seconds": round(took, 1),
-            "requests": len(ttfts), "rps": round(len(ttfts) / took, 2),
-            "ttft_p50": pct(ttfts, 0.5), "ttft_p99": pct(ttfts, 0.99), "classes": classes,
-            "failed": len(failures), "failures": failures[:10]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -456,9 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     # featcache serve reads no local file unless told where from (issue 26): the file source's
     # image is written into OUT
     local = ("--allowed-local-media-path", out) if "file" in sources else ()
-    cmds = serve_chat.commands(args.model, args.backend, store, args.eager, args.server_arg,
-                               image_ids="featcache_ids" in servers,
-                               mp_engine="featcache_mp" in servers, featcache_args=local)
+    cmds = commands(args.model, args.backend, store, args.eager, args.server_arg,
+                    image_ids="featcache_ids" in servers, mp_engine="featcache_mp" in servers,
+                    featcache_args=local)
     steps = plan(servers, sources, args.repeats)
     if args.dry_run:
         for s in servers:
@@ -480,16 +331,14 @@ def main(argv: list[str] | None = None) -> int:
                                         "rps": 0.0, "ttft_p50": None, "ttft_p99": None, "failed": 0}})
         return 0
 
-    from chat import data_url
-
     os.makedirs(out, exist_ok=True)
-    url = data_url(None, 1)
+    url = chat_url(1)
     path = os.path.join(out, "a.png")
     with open(path, "wb") as f:
-        f.write(base64.b64decode(url.split(",", 1)[1]))
+        f.write(url_bytes(url))
     files = {"url": url, "http": f"http://127.0.0.1:{HTTP_PORT}/a.png", "path": path}
-    load_urls = [data_url(None, 10 + i) for i in range(args.images)] if args.load else []
-    mixed_urls = [data_url(None, 100 + i) for i in range(args.mixed)]
+    load_urls = [chat_url(10 + i) for i in range(args.images)] if args.load else []
+    mixed_urls = [chat_url(100 + i) for i in range(args.mixed)]
     http_server = serve_files(out)
     report: dict[str, Any] = {"model": args.model, "backend": args.backend, "eager": args.eager,
                               "repeats": args.repeats, "max_tokens": args.max_tokens,
@@ -504,21 +353,19 @@ def main(argv: list[str] | None = None) -> int:
             if os.path.exists(stages_file):
                 os.remove(stages_file)
             if server.startswith("featcache"):
-                shutil.rmtree(store + serve_chat.STORES[server], ignore_errors=True)
+                shutil.rmtree(store + STORES[server], ignore_errors=True)
             cmd = wrapped(cmds[server], stages_file)
-            port = serve_chat.PORTS[server]
+            port = PORTS[server]
             try:
-                proc, ready = serve_chat.start(cmd, port, os.path.join(out, f"{server}.log"),
-                                               min(240, max(30, left - 60)))
+                proc, ready = start(cmd, port, os.path.join(out, f"{server}.log"),
+                                    min(240, max(30, left - 60)))
             except Exception as e:  # noqa: BLE001
                 report["servers"][server] = {"command": shlex.join(cmd), "error": f"{type(e).__name__}: {e}"}
                 continue
             base = f"http://127.0.0.1:{port}"
             report["servers"][server] = {"command": shlex.join(cmd), "ready_s": round(ready, 1)}
             try:
-                from openai import OpenAI
-
-                model = OpenAI(base_url=f"{base}/v1", api_key="none").models.list().data[0].id
+                model = served_model(connect(base))
                 print(f"[{server}] latency", flush=True)
                 res, sent = latency(base, model, sources_for(server, sources), files, args.repeats,
                                     args.max_tokens)
@@ -542,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                     if profiler is not None:
                         report["load"][server]["profile"] = profiler.summary()
             finally:
-                report["servers"][server]["rc"] = serve_chat.stop(proc, wait=20)
+                report["servers"][server]["rc"] = stop(proc, wait=20)
     finally:
         http_server.shutdown()
         report["side_by_side"] = side_by_side(report["latency"])

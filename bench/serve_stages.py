@@ -11,8 +11,9 @@ line's own ``main``. Each ``POST /v1/chat/completions`` appends one JSON line to
 ``$FEATCACHE_STAGES_OUT``): marks (ms since the request reached the app: body read, endpoint
 entered, prepared, first engine output, first byte sent) and spans (name path -> [ms, calls]:
 JSON parsing, image parsing, base64 and image decoding, featcache's keying and lookups, lmdeploy's
-preprocessing, chat template, tokenization, ...). ``summarize`` turns a line into stages, each
-owned by featcache or lmdeploy. The timers add microseconds per call; nothing else changes, except:
+preprocessing, chat template, tokenization, ...). bench/lib/stages.py reads them (``summarize``
+turns a line into stages, each owned by featcache or lmdeploy). The timers add microseconds per
+call; nothing else changes, except:
 
 - the event loop's default executor and the vision encoder's one-worker executor are replaced by
   executors of the same sizes whose threads run in the submitting request's context (as
@@ -46,6 +47,10 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.lib
+
+from bench.lib.patching import Patches  # noqa: E402
 
 ENV = "FEATCACHE_STAGES_OUT"
 CHAT_PATH = "/v1/chat/completions"
@@ -248,20 +253,13 @@ def timed_generate(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 # -- installing ---------------------------------------------------------------------------------------
-_UNDO: list[tuple[Any, str, Any]] = []  # (owner, name, original), in the order installed
+PATCHES = Patches()
 
 
 def _patch(owner: Any, name: str, make: Callable[[Any], Any], installed: list[str],
            label: str, kind: str = "function") -> None:
-    original = inspect.getattr_static(owner, name)
-    _UNDO.append((owner, name, original))
-    if kind == "static":
-        setattr(owner, name, staticmethod(make(original.__func__)))
-    elif kind == "class":
-        setattr(owner, name, classmethod(make(original.__func__)))
-    else:
-        setattr(owner, name, make(original))
-    installed.append(label)
+    if PATCHES.patch(owner, name, make, kind):
+        installed.append(label)
 
 
 def install(sink: Sink, allow_loopback_media: bool = False) -> list[str]:
@@ -407,96 +405,7 @@ def install(sink: Sink, allow_loopback_media: bool = False) -> list[str]:
 
 def uninstall() -> None:
     """Put back everything ``install`` replaced (for tests)."""
-    while _UNDO:
-        owner, name, original = _UNDO.pop()
-        setattr(owner, name, original)
-
-
-# -- reading the records ----------------------------------------------------------------------------
-# (span name -> label) in the order a request meets them; a span's time is its own (its children's
-# taken out). Owner: featcache for fc_*, lmdeploy otherwise.
-LABELS = [
-    ("json_parse", "JSON parse (body)"),
-    ("parse_items", "image items parsed (lmdeploy's thread hops)"),
-    ("load_from_url", "image source read (data URL split/file open)"),
-    ("http_fetch", "http fetch"),
-    ("load_base64", "base64 decode (lmdeploy)"),
-    ("load_file", "file read + decode (lmdeploy)"),
-    ("image_decode", "PNG decode + convert"),
-    ("fc_resolve", "featcache resolve (rest)"),
-    ("fc_source_bytes", "featcache source bytes (base64/file/http)"),
-    ("fc_key", "featcache keying"),
-    ("fc_acquire", "featcache lookup"),
-    ("vl_preprocess", "preprocess queue + hops"),
-    ("fc_frontend", "featcache frontend (rest)"),
-    ("model_preprocess", "lmdeploy image preprocessing"),
-    ("template", "chat template (+ multimodal wrap)"),
-    ("text_prompt", "chat template (text)"),
-    ("tokenize", "tokenization"),
-    ("engine_preprocess", "lmdeploy preprocess (rest)"),
-    ("prepare", "request setup (rest)"),
-]
-
-
-def exclusive(spans: dict[str, list[float]]) -> dict[str, float]:
-    """Per span name, the time of its own (summed over paths, children taken out), in ms."""
-    own: dict[str, float] = collections.defaultdict(float)
-    for path, (ms, _) in spans.items():
-        children = sum(v[0] for p, v in spans.items()
-                       if p.startswith(path + ">") and ">" not in p[len(path) + 1:])
-        own[path.rsplit(">", 1)[-1]] += ms - children
-    return dict(own)
-
-
-def summarize(row: dict[str, Any]) -> dict[str, Any]:
-    """One request's stages: ``rows`` [(label, owner, ms)] in order, and totals per owner. The
-    timeline's pieces (body read, validation, prepare, engine, send) add up to the first byte."""
-    marks, spans = row["marks_ms"], row["spans_ms"]
-    own = exclusive(spans)
-    rows: list[tuple[str, str, float]] = []
-
-    def add(label: str, owner: str, ms: float | None) -> None:
-        if ms is not None:
-            rows.append((label, owner, round(ms, 3)))
-
-    body = marks.get("body_read")
-    add("read body", "lmdeploy", body)
-    if body is not None and "endpoint" in marks:
-        add("validate (pydantic, deps) + hops", "lmdeploy",
-            marks["endpoint"] - body - own.get("json_parse", 0.0))
-    for name, label in LABELS:
-        if name in own:
-            add(label, "featcache" if name.startswith("fc_") else "lmdeploy", own[name])
-    if "prepared" in marks and "generate_start" in marks:
-        add("prepared -> generate", "lmdeploy", marks["generate_start"] - marks["prepared"])
-    first = marks.get("first_output")
-    start = marks.get("generate_start")
-    engine = row.get("engine")
-    if first is not None and start is not None:
-        if engine:  # in process: queueing, the add, prefill steps, the rest
-            add("engine: queue to add", "lmdeploy", engine["add_at_ms"] - start)
-            spans_e = engine.get("add_spans_ms", {})
-            fc_in = spans_e.get("fc_input_processor", 0.0)
-            add("engine: featcache input processor", "featcache", fc_in)
-            add("engine: add message (rest)", "lmdeploy", engine["add_ms"] - fc_in)
-            prefill = sum(s[1] for s in engine["steps"] if not s[2])
-            add("engine: prefill step(s)", "lmdeploy", prefill)
-            add("engine: waits, decode steps, output", "lmdeploy",
-                first - engine["add_at_ms"] - engine["add_ms"] - prefill)
-        else:
-            add("submit -> first output (engine process)", "lmdeploy", first - start)
-    if first is not None and "first_byte" in marks:
-        add("first output -> first byte (detokenize, SSE)", "lmdeploy", marks["first_byte"] - first)
-    totals: dict[str, float] = collections.defaultdict(float)
-    for _, owner, ms in rows:
-        totals[owner] += ms
-    return {"rows": rows, "totals": {k: round(v, 3) for k, v in totals.items()},
-            "first_byte_ms": marks.get("first_byte")}
-
-
-def read(path: str) -> list[dict[str, Any]]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    PATCHES.undo()
 
 
 # -- main -------------------------------------------------------------------------------------------
@@ -504,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--" not in argv:
         print(__doc__)
-        return 2
+        return 0 if argv in (["-h"], ["--help"]) else 2
     cut = argv.index("--")
     p = argparse.ArgumentParser(prog="serve_stages.py")
     p.add_argument("--stages-out", default=os.environ.get(ENV))

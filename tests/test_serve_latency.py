@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import threading
 from http.server import ThreadingHTTPServer
 
@@ -12,6 +13,9 @@ import _lmdeploy_stack
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from bench.lib.load import load_test  # noqa: E402
+from bench.lib.timing import quantile  # noqa: E402
 
 
 def load():
@@ -43,8 +47,8 @@ def test_plan_fits_the_budget_and_the_ids_server_sends_ids():
 
 def test_statistics_and_side_by_side_rows():
     sl = load()
-    assert sl.pct([], 0.5) is None and sl.pct([3.0, 1.0, 2.0], 0.5) == 2.0
-    assert sl.pct([float(i) for i in range(1, 11)], 0.9) == 9.1
+    assert quantile([], 0.5) is None and quantile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert quantile([float(i) for i in range(1, 11)], 0.9) == 9.1
     results = {"featcache": {"data": {
         "hit": [{"ttft_ms": 24.0, "prompt_tokens": 3500, "cached_tokens": 3456,
                  "stages": {"rows": [("featcache keying", "featcache", 0.2)],
@@ -97,10 +101,10 @@ def test_latency_rounds_and_load_through_the_openai_client(fake_server, tmp_path
     assert ids[0]["image_url"]["url"] == "data:image/png;base64,AAAA"  # the warm-up sends the bytes
     assert all("image_url" not in item for item in ids[1:])  # the hit turns the id alone
 
-    lt = sl.load_test(base, "tiny", ["data:image/png;base64,AAAA", "data:image/png;base64,BBBB"],
+    lt = load_test(base, "tiny", ["data:image/png;base64,AAAA", "data:image/png;base64,BBBB"],
                       clients=4, seconds=0.5, max_tokens=2)
     assert lt["failed"] == 0 and lt["requests"] > 0 and lt["ttft_p99"] >= lt["ttft_p50"]
-    mixed = sl.load_test(base, "tiny", ["data:image/png;base64,AAAA"], clients=2, seconds=0.5,
+    mixed = load_test(base, "tiny", ["data:image/png;base64,AAAA"], clients=2, seconds=0.5,
                          max_tokens=2, text_clients=2)
     classes = mixed["classes"]
     assert {"image_first_turn", "text_first_turn"} <= set(classes)  # per request class

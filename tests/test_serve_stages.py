@@ -1,6 +1,7 @@
 """bench/serve_stages.py on the CPU: its middleware marks a request's body and first byte, its
 timers see the work lmdeploy and featcache do on executor threads (charged to the right request),
-and ``summarize`` splits a request into stages owned by featcache or lmdeploy."""
+and bench/lib/stages.py's ``summarize`` splits a request into stages owned by featcache or
+lmdeploy."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ import importlib.util
 import io
 import json
 import os
+import sys
 
 import _lmdeploy_stack
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from bench.lib import stages  # noqa: E402
 
 
 def load(name: str):
@@ -51,7 +55,7 @@ def test_the_middleware_records_body_first_byte_and_spans(tmp_path):
         chunks[:] = [{"type": "http.request", "body": b"x" * 10, "more_body": True},
                      {"type": "http.request", "body": b"y" * 5, "more_body": False}]
         asyncio.run(mw({"type": "http", "path": path}, receive, send))
-    rows = st.read(sink.path)
+    rows = stages.read(sink.path)
     assert len(rows) == 1 and rows[0]["body_bytes"] == 15
     marks = rows[0]["marks_ms"]
     assert 0 <= marks["body_read"] <= marks["first_byte"] <= marks["end"]
@@ -63,7 +67,6 @@ def record(spans, marks, engine=None):
 
 
 def test_summarize_splits_featcache_from_lmdeploy():
-    st = load("serve_stages")
     marks = {"body_read": 5.0, "endpoint": 17.0, "prepared": 40.0, "generate_start": 41.0,
              "first_output": 90.0, "first_byte": 91.0}
     spans = {"json_parse": 10.0, "prepare": 23.0, "prepare>engine_preprocess": 22.0,
@@ -73,7 +76,7 @@ def test_summarize_splits_featcache_from_lmdeploy():
              "prepare>engine_preprocess>parse_items>fc_resolve>fc_key": 0.5,
              "prepare>engine_preprocess>template": 9.0,
              "prepare>engine_preprocess>template>tokenize": 7.0}
-    plain = st.summarize(record(spans, marks))
+    plain = stages.summarize(record(spans, marks))
     labels = {label: (owner, ms) for label, owner, ms in plain["rows"]}
     assert labels["featcache resolve (rest)"] == ("featcache", 2.0)  # its children taken out
     assert labels["featcache keying"] == ("featcache", 0.5)
@@ -87,7 +90,7 @@ def test_summarize_splits_featcache_from_lmdeploy():
 
     engine = {"add_at_ms": 45.0, "add_ms": 2.0, "add_spans_ms": {"fc_input_processor": 0.5},
               "steps": [[47.0, 30.0, False, 1], [80.0, 5.0, True, 1]]}
-    inproc = st.summarize(record(spans, marks, engine))
+    inproc = stages.summarize(record(spans, marks, engine))
     labels = {label: (owner, ms) for label, owner, ms in inproc["rows"]}
     assert labels["engine: prefill step(s)"] == ("lmdeploy", 30.0)
     assert labels["engine: queue to add"] == ("lmdeploy", 4.0)
@@ -148,7 +151,7 @@ def test_timers_charge_executor_work_to_its_request(tmp_path_factory):
         cache.close()
     finally:
         st.uninstall()
-    miss_own, hit_own = st.exclusive(miss.spans), st.exclusive(hit.spans)
+    miss_own, hit_own = stages.exclusive(miss.spans), stages.exclusive(hit.spans)
     assert {"fc_resolve", "fc_source_bytes", "fc_key", "fc_acquire", "image_decode",
             "model_preprocess", "vl_preprocess", "template", "tokenize"} <= set(miss_own)
     assert {"fc_resolve", "fc_key", "fc_acquire", "fc_frontend", "template", "tokenize"} <= set(hit_own)

@@ -2,7 +2,7 @@
 (``VisionCounter``), prompt logits (``PromptLogits``), per-request spans of host and GPU time
 (``SPANS``, ``install_stage_timers``, ``instrument_preprocess``) and device-to-host copies
 (``D2HCounter``). Each wrapper calls what it replaces with the same arguments and returns what it
-returns; a class is patched once per process (``_patch``)."""
+returns; each is installed once per process (``PATCHES``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import time
 from typing import Any
 
 import torch
+
+from bench.lib.patching import Patches
 
 
 class VisionCounter:
@@ -87,7 +89,7 @@ class PromptLogits:
 
         for spec in fcm.SPECS.values():
             cls = getattr(importlib.import_module(f"lmdeploy.pytorch.models.{spec.module}"), spec.cls)
-            _patch(getattr(cls, "__wrapped__", cls), "forward", make)
+            PATCHES.patch(getattr(cls, "__wrapped__", cls), "forward", make)
 
     def take(self) -> list[dict[str, Any]]:
         out, self.rows = self.rows, []
@@ -151,16 +153,7 @@ class Spans:
 
 
 SPANS = Spans()
-_PATCHED: dict[Any, Any] = {}
-
-
-def _patch(owner: Any, attr: str, make: Any) -> None:
-    """Replace ``owner.attr`` by ``make(original)``, once per (owner, attr)."""
-    if (owner, attr) in _PATCHED:
-        return
-    original = getattr(owner, attr)
-    _PATCHED[(owner, attr)] = original
-    setattr(owner, attr, make(original))
+PATCHES = Patches()  # class-level wrappers, once per process
 
 
 def _is_decoding(a: tuple[Any, ...], k: dict[str, Any]) -> bool:
@@ -197,28 +190,28 @@ def install_stage_timers(models: list[tuple[Any, str | None, Any]] | None = None
                     name = "forward_decode" if _is_decoding(a, k) else "forward_prefill"
                     return SPANS.span(name, orig, self_, *a, **k)
                 return forward
-            _patch(cls, "forward", fwd)
+            PATCHES.patch(cls, "forward", fwd)
             done.append(f"{cls.__name__}.forward")
         if cls is not None and vision is not None:
             def vis(orig: Any) -> Any:
                 def call(self_: Any, *a: Any, **k: Any) -> Any:
                     return SPANS.span("vision", orig, self_, *a, **k)
                 return call
-            _patch(cls, vision, vis)
+            PATCHES.patch(cls, vision, vis)
             done.append(f"{cls.__name__}.{vision}")
         if tower is not None:
             def tow(orig: Any) -> Any:
                 def forward(self_: Any, *a: Any, **k: Any) -> Any:
                     return SPANS.span("vision", orig, self_, *a, **k)
                 return forward
-            _patch(tower, "forward", tow)
+            PATCHES.patch(tower, "forward", tow)
             done.append(f"{tower.__name__}.forward")
 
     def serve(orig: Any) -> Any:
         def _serve(*a: Any, **k: Any) -> Any:
             return SPANS.span("fc_serve", orig, *a, **k)
         return _serve
-    _patch(fcm, "_serve", serve)  # looked up by name in featcache's vision wrapper, per call
+    PATCHES.patch(fcm, "_serve", serve)  # looked up by name in featcache's vision wrapper, per call
     done.append("featcache.lmdeploy.models._serve")
     return done
 

@@ -56,6 +56,46 @@ def parse_command(cmd: list[str]) -> tuple[argparse.Namespace | None, argparse.N
     return ours, lmdeploy_parser().parse_args(rest)
 
 
+# The served benchmarks' servers (bench/serve_chat.py, bench/serve_latency.py), in the order they
+# run: each on its own port, featcache's each over its own store (STORE + suffix)
+PORTS = {"plain": 23400, "featcache": 23401, "featcache_ids": 23402, "featcache_mp": 23403}
+SERVERS = tuple(PORTS)  # the order they run in
+STORES = {"featcache": "", "featcache_ids": "-ids", "featcache_mp": "-mp"}  # suffix of STORE
+
+
+def commands(model: str, backend: str, store: str, eager: bool = False,
+             extra: list[str] | None = None, image_ids: bool = False,
+             mp_engine: bool = False, featcache_args: tuple[str, ...] = ()) -> dict[str, list[str]]:
+    """Each server's command line, the same engine flags for all: plain, featcache (engine in its
+    process), featcache_ids (``image_ids``: it trusts the clients' image ids), featcache_mp
+    (``mp_engine``, PyTorch: lmdeploy's engine process); ``featcache_args`` to featcache's only."""
+    flags = server_flags(backend, eager, extra or [])
+    ours = tuple(featcache_args)
+    cmds = {"plain": lmdeploy_command(model, PORTS["plain"], flags),
+            "featcache": featcache_command(model, store, PORTS["featcache"], flags, "in", ours)}
+    if image_ids:  # the clients name their images: bytes on a chat's first turn only
+        cmds["featcache_ids"] = featcache_command(model, store + STORES["featcache_ids"],
+                                                  PORTS["featcache_ids"], flags, "in",
+                                                  (*ours, "--trust-client-image-ids"))
+    if mp_engine and backend == "pytorch":  # lmdeploy's process model: the engine in a second process
+        cmds["featcache_mp"] = featcache_command(model, store + STORES["featcache_mp"],
+                                                 PORTS["featcache_mp"], flags, "mp", ours)
+    return cmds
+
+
+def check_commands(cmds: dict[str, list[str]]) -> dict[str, Any]:
+    """Parse every command line with featcache's and lmdeploy's own parsers (needs lmdeploy)."""
+    out: dict[str, Any] = {}
+    for name in SERVERS:
+        if name in cmds:
+            ours, engine = parse_command(cmds[name])
+            out[name] = engine_args(engine)
+            if ours is not None:
+                out[name].update(cache_dir=ours.cache_dir, engine_process=ours.engine_process,
+                                 trust_client_image_ids=ours.trust_client_image_ids)
+    return out
+
+
 def wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
     """Until the server on ``port`` answers ``/v1/models``; raises when ``proc`` exits first or
     ``timeout`` seconds pass."""

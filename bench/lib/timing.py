@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -25,7 +25,7 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def quantile(values: list[float | None], q: float) -> float | None:
+def quantile(values: Sequence[float | None], q: float) -> float | None:
     """The q-quantile (0..1) by linear interpolation, rounded to 0.01; None for no values (a
     None among them is left out)."""
     vals = sorted(v for v in values if v is not None)
