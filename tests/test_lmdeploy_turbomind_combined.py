@@ -392,3 +392,46 @@ def test_turbomind_bench_dry_run_measures_the_combined_configuration():
                          capture_output=True, text=True, timeout=600, cwd=root)
     assert out.returncode == 0 and "DRY-RUN OK: 4 engines" in out.stdout, out.stderr[-3000:]
     assert '"combined_b_turns_2_4_within_1_1x_native"' in out.stdout
+
+
+def test_legacy_internvl_chat_model_routes_too(tmp_path, binding, monkeypatch):
+    """The seed models' architecture (legacy ``InternVLChatModel``, trust_remote_code; the
+    layer-norm InternViT of InternVL2-2B, tiny): a miss natively, a fresh context as features from
+    ``LegacyInternVLTower`` in the engine dtype, the chat turn natively."""
+    import importlib.util
+    import sys
+
+    import test_seed_models as seeds  # (its tiny checkpoint builder and torchvision stand-in)
+    from lmdeploy.messages import TurbomindEngineConfig
+
+    if importlib.util.find_spec("torchvision") is None:
+        for name, module in seeds._torchvision_stand_in().items():
+            monkeypatch.setitem(sys.modules, name, module)
+    path = seeds.seed.build("tiny2b", str(tmp_path), device="cpu")["path"]
+    prompt = tiny.PromptPath(path, ENGINE_DTYPE, backend="turbomind", trust_remote_code=True)
+    engine = types.SimpleNamespace(vl_encoder=prompt.encoder, prompt_processor=prompt.processor,
+                                   backend_config=TurbomindEngineConfig(dtype=ENGINE_DTYPE))
+    image = seeds.IMAGE()
+
+    def turn(text: str) -> dict:
+        return {"role": "user", "content": [{"type": "text", "text": text}, tiny.image_item(image)]}
+
+    with FeatureCache(device="cpu", device_bytes="64MiB", host_bytes=0) as cache:
+        wrap(types.SimpleNamespace(async_engine=engine), cache, turbomind="combined")
+        try:
+            first = prompt.prompt([turn("A")])
+            assert first["multimodal"][0]["pixel_values"].shape[0] == seeds.TILES
+            fresh = prompt.prompt([turn("B")])
+            assert "multimodal" not in fresh
+            feats = fresh["input_embeddings"][0]
+            assert feats.dtype == torch.float16 and feats.shape[0] == seeds.TILES * 4
+            again = prompt.prompt([turn("A"), {"role": "assistant", "content": "ok."},
+                                   {"role": "user", "content": "and?"}])
+            assert "multimodal" in again and len(prompt.calls) == 1
+            counts = cache.stats()[SECTION]
+            assert (counts["tm_route_miss"], counts["tm_route_repeat"],
+                    counts["tm_route_continued"], counts["vision_images"]) == (1, 1, 1, 1)
+            del first, fresh, again, feats
+        finally:
+            prompt.close()
+            gc.collect()
