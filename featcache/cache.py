@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from . import forks
+from . import autosize, forks
 from .chain import KINDS, MAX_KEY_BYTES, build_chain
 from .codec import check_meta, check_storable
 from .config import CacheConfig
@@ -80,6 +80,8 @@ class FeatureCache:
     disk_path="/var/cache/featcache", disk_bytes="100GiB")``: sizes are ints or strings like
     "64MiB"; a budget of 0 disables a tier; ``disk_path=None`` means no disk tier; ``device``
     defaults to "cuda" when available, else "cpu". Further options: see ``config.DEFAULTS``.
+    ``budgets="auto"``: each size not given is chosen from what the machine has free
+    (``featcache.autosize``; the choice and its reasons are logged).
     """
 
     def __init__(
@@ -91,6 +93,12 @@ class FeatureCache:
         disk_bytes: int | str | None = None,
         **options: Any,
     ) -> None:
+        budgets = options.pop("budgets", None)
+        if budgets is not None:
+            path = os.fspath(disk_path) if isinstance(disk_path, (str, os.PathLike)) else None
+            sizes = autosize.sized(budgets, None if device is None else str(device), path, {
+                "device_bytes": device_bytes, "host_bytes": host_bytes, "disk_bytes": disk_bytes})
+            device_bytes, host_bytes, disk_bytes = (sizes[f"{t}_bytes"] for t in autosize.TIERS)
         self.config = CacheConfig.create(
             device, device_bytes, host_bytes, disk_path, disk_bytes, **options
         )

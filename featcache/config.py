@@ -1,7 +1,7 @@
 """The store's settings: one frozen dataclass, validated at construction, units in the names; and
 the defaults, in tables: ``DEFAULTS`` (a cache's options), ``SERVING_BUDGETS`` (the tier budgets a
-serving process takes from the machine), ``MEDIA_DEFAULTS`` (what a server reads of a request's
-images), the default store directory.
+serving process takes from the machine), ``AUTO_BUDGETS`` (``budgets="auto"``'s rules),
+``MEDIA_DEFAULTS`` (what a server reads of a request's images), the default store directory.
 
 Invariant: each default is written here once; ``CacheConfig.create`` (and so ``FeatureCache``),
 the lmdeploy integration, ``featcache serve``/``warm`` and the CLI take theirs from these tables
@@ -127,6 +127,56 @@ SERVING_BUDGETS: dict[str, MachineBudget] = {
     "disk_bytes": MachineBudget(50, "the free space", "32GiB"),
 }
 
+# `budgets` (featcache.lmdeploy.pipeline/default_cache, `featcache serve --budgets`): "share" is
+# SERVING_BUDGETS' fixed shares, capped; "auto" sizes each tier from what the machine has free,
+# the device tier from what lmdeploy's KV cache left (AUTO_BUDGETS, featcache.autosize).
+# FeatureCache(budgets="auto") does the same; without it, FeatureCache takes DEFAULTS' sizes.
+BUDGETS = ("share", "auto")
+# The serving default stays "share" until bench/auto_budgets_check.py has run on a GPU (the
+# device rule rests on lmdeploy's memory accounting, so far checked on the CPU with faked
+# figures only): docs/tuning.md, "Budgets that size themselves".
+SERVING_BUDGETS_DEFAULT = "share"
+
+
+@dataclass(frozen=True)
+class AutoBudget:
+    """``budgets="auto"``'s rule for one tier: ``percent`` of what is free (``of``) less a margin
+    of ``margin_percent`` of the resource's total (``total``), at least ``margin_min``; split
+    evenly among the processes that size themselves from the same free amount (``split``)."""
+
+    percent: int
+    of: str  # what the free amount is, for help texts
+    margin_min: str
+    margin_percent: int = 0
+    total: str = ""  # what the margin is a share of
+    split: str = ""  # among whom the budget is split, if it is
+
+    def margin(self, total: int) -> int:
+        return max(parse_bytes(self.margin_min), total * self.margin_percent // 100)
+
+    def bytes_from(self, free: int, total: int, shared_by: int = 1) -> int:
+        """The budget for ``free`` of ``total`` bytes (integer arithmetic: exact)."""
+        return max(0, free - self.margin(total)) * self.percent // 100 // max(1, shared_by)
+
+    def __str__(self) -> str:
+        margin = (f"{self.margin_percent}% of {self.total} (at least {self.margin_min})"
+                  if self.margin_percent else self.margin_min)
+        split = f", split among {self.split}" if self.split else ""
+        return f"{self.percent}% of {self.of} less {margin}{split}"
+
+
+# Why each share (featcache.autosize has the measurements): the device tier takes a quarter of
+# what lmdeploy's KV cache left, because the rest still holds lmdeploy's activations, its runtime
+# buffers and the vision model's; the 1 GiB covers CUDA graphs and allocator fragmentation. The
+# host tier is page-locked (never swapped): a quarter of the available RAM, split among the GPUs'
+# processes. The disk keeps half of its free space, and 5% of the filesystem, for everything else.
+AUTO_BUDGETS: dict[str, AutoBudget] = {
+    "device_bytes": AutoBudget(25, "the GPU memory lmdeploy's KV cache leaves", "1GiB"),
+    "host_bytes": AutoBudget(25, "the available RAM", "2GiB", 5, "the RAM",
+                             "the machine's GPUs"),
+    "disk_bytes": AutoBudget(50, "the free space at the store (its own file counted free)",
+                             "1GiB", 5, "the filesystem"),
+}
 
 if TYPE_CHECKING:
     import torch
@@ -294,6 +344,9 @@ def size_option(name: str, value: object) -> int:
     """The byte count of size argument ``name`` (``value`` an int, a string like "2GiB", or None:
     the default); ``TypeError``/``ValueError`` naming ``name`` and what it takes otherwise."""
     raw = DEFAULTS[name] if value is None else value
+    if isinstance(raw, str) and raw.strip().lower() == "auto":
+        raise ValueError(f"{name}: 'auto' is not a size; pass budgets='auto' (featcache serve "
+                         "--budgets auto) to size every tier not given from the machine")
     if isinstance(raw, float):
         hint = f": pass int({raw!r}) or a string such as {_as_text(raw)!r}" if raw >= 0 else ""
         raise TypeError(

@@ -15,7 +15,7 @@ from featcache.cli import main
 ROOT = Path(__file__).resolve().parent.parent
 CORE = {"python", "featcache", "torch", "lmdb", "xxhash", "numpy", "core"}
 ALL = CORE | {"cuda", "lmdeploy", "lmdeploy.pytorch", "lmdeploy.turbomind", "redis",
-              "prometheus_client", "PIL", "store"}
+              "prometheus_client", "PIL", "store", "budget.device", "budget.host", "budget.disk"}
 
 
 def doctor(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -54,7 +54,8 @@ def test_doctor_json_shape(tmp_path):
     done = doctor("--json", env=environment(tmp_path))
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    assert set(report) == {"ok", "checks"} and report["ok"] is True
+    assert set(report) == {"ok", "checks", "budgets"} and report["ok"] is True
+    assert [t["tier"] for t in report["budgets"]["tiers"]] == ["device", "host", "disk"]
     assert {c["name"] for c in report["checks"]} == ALL
     for c in report["checks"]:
         assert set(c) == {"name", "status", "detail", "fix", "required"}

@@ -41,7 +41,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                     "featcache.codec", "featcache.config", "featcache.breaker", "featcache.lru",
                     "featcache.value", "featcache.eviction", "featcache.lrumap", "featcache.hostpool",
                     "featcache.copier",
-                    "featcache.singleflight")),
+                    "featcache.singleflight", "featcache.autosize")),
     ("LMDB store", ("featcache.store",)),
     ("tiers", ("featcache.tiers",)),
     ("cache", ("featcache.cache", "featcache.chain", "featcache.lookup", "featcache.writer",

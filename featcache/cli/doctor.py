@@ -25,6 +25,8 @@ from .command import EXIT_ERROR, EXIT_OK, Command, json_argument
 if TYPE_CHECKING:  # the rest is imported where used: the CLI's other commands start without it
     import subprocess
 
+    from ..autosize import Budgets
+
 OK, MISSING, FAIL = "ok", "--", "FAIL"
 PROBE_TIMEOUT_S = 180  # an engine's import, in a child process
 
@@ -195,6 +197,33 @@ def _store() -> Check:
                  "--cache-dir / DIR")
 
 
+def budgets() -> Budgets | None:
+    """What ``budgets="auto"`` would give a serving cache here, now, over the default store
+    (None without torch). A device tier on a GPU is decided once lmdeploy's engine reserved its
+    KV cache: before any engine, the most it can be (``autosize.before_engine``)."""
+    try:
+        import torch  # noqa: F401
+    except Exception:
+        return None
+    from .. import autosize
+    from ..config import default_store_dir
+
+    if not autosize.cuda_available():
+        return autosize.decide(device="cpu", disk_path=default_store_dir())
+    device = autosize.current_gpu()
+    chosen = autosize.decide(device=device, disk_path=default_store_dir(), given={"device_bytes": 0})
+    engine = autosize.EngineMemory(autosize.LMDEPLOY_KV_SHARE)
+    return autosize.Budgets(chosen.mode, device,
+                            (autosize.before_engine(device, engine), *chosen.choices[1:]))
+
+
+def _budget_checks(chosen: Budgets | None) -> list[Check]:
+    if chosen is None:
+        return [Check("budgets", MISSING, "unknown (no torch)", "install torch first")]
+    return [Check(f"budget.{c.tier}", OK, f"{c.size}: {c.reason}")
+            for c in chosen.choices]
+
+
 def _parents(path: str) -> list[str]:
     out = [path]
     while os.path.dirname(out[-1]) != out[-1]:
@@ -202,8 +231,9 @@ def _parents(path: str) -> list[str]:
     return out
 
 
-def checks() -> list[Check]:
-    """Every check, in the order printed."""
+def checks(chosen: Budgets | None = None) -> list[Check]:
+    """Every check, in the order printed; the last ones say what ``budgets="auto"`` chooses here
+    (``chosen``, else ``budgets()``)."""
     found = [_python(), _featcache()]
     lmdeploy = _lmdeploy()  # its probes run in children meanwhile
     found += _torch()
@@ -218,6 +248,7 @@ def checks() -> list[Check]:
                  "metrics.register"),
         _package("PIL", "pillow", False, "pip install 'featcache[image]'", "image_key of PIL images"),
         _store(),
+        *_budget_checks(chosen if chosen is not None else budgets()),
     ]
     return found
 
@@ -227,10 +258,12 @@ def _doctor_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    found = checks()
+    chosen = budgets()
+    found = checks(chosen)
     core_ok = all(c.status == OK for c in found if c.required)
     if args.json:
-        print(json.dumps({"ok": core_ok, "checks": [asdict(c) for c in found]}, indent=2))
+        print(json.dumps({"ok": core_ok, "checks": [asdict(c) for c in found],
+                          "budgets": chosen.as_dict() if chosen is not None else None}, indent=2))
     else:
         width = max(len(c.name) for c in found)
         for c in found:
@@ -245,8 +278,9 @@ DOCTOR = Command(
     "doctor", help="what this machine can do: Python, torch and CUDA, lmdeploy, lmdb, redis, store",
     description="Check the Python, featcache, torch and CUDA (devices and memory), lmdeploy (its "
     "PyTorch engine and TurboMind modules), lmdb, xxhash, numpy, redis, prometheus_client and "
-    "Pillow, a put and get through a tiny cache, and the default store directory. One line per "
-    "check (ok, -- for an optional part missing, FAIL for the core) with what to install. Exit "
-    "code 0 when featcache's core works, 1 otherwise.",
+    "Pillow, a put and get through a tiny cache, and the default store directory; then what "
+    "--budgets auto would give each tier here and why. One line per check (ok, -- for an "
+    "optional part missing, FAIL for the core) with what to install. Exit code 0 when "
+    "featcache's core works, 1 otherwise.",
     add_arguments=_doctor_arguments, run=_doctor,
 )

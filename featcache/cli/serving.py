@@ -13,11 +13,14 @@ import os
 import sys
 
 from ..config import (
+    AUTO_BUDGETS,
+    BUDGETS,
     ENGINE_PROCESSES,
     ID_MODES,
     KEY_ALGORITHMS,
     MEDIA_DEFAULTS,
     SERVING_BUDGETS,
+    SERVING_BUDGETS_DEFAULT,
     STORE_DIR_HELP,
 )
 from ..errors import FeatCacheError
@@ -28,6 +31,9 @@ from .progress import ProgressBar
 
 
 def _bytes(text: str) -> int:
+    if text.strip().lower() == "auto":
+        raise argparse.ArgumentTypeError("'auto' is not a size: --budgets auto sizes every tier "
+                                         "not given from the machine (a size given beside it is kept)")
     try:
         return parse_bytes(text)
     except (TypeError, ValueError) as e:
@@ -83,6 +89,12 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     for tier in ("device", "host", "disk"):
         g.add_argument(f"--{tier}-bytes", type=_bytes, metavar="N",
                        help=f"{tier} tier budget, e.g. 2GiB (default: {_budget_help(f'{tier}_bytes')})")
+    g.add_argument("--budgets", choices=BUDGETS, default=None,
+                   help=f"how the tiers not given a size are sized: 'share', fixed shares of the "
+                   f"machine as above (the default), or 'auto', from what is free: the device tier "
+                   f"{AUTO_BUDGETS['device_bytes']}, the host tier {AUTO_BUDGETS['host_bytes']}, "
+                   f"the disk {AUTO_BUDGETS['disk_bytes']}. Each process that holds a cache prints "
+                   "what it chose and why when it starts (docs/tuning.md)".replace("%", "%%"))
     g.add_argument("--remote-url", metavar="URL",
                    help="a shared remote tier: redis://[:password@]host:6379/0, rediss://..., "
                    "redis-cluster://node:port (default: none; docs/tuning.md)")
@@ -188,15 +200,21 @@ def _serve(args: argparse.Namespace) -> int:
     sizes = dict(path=args.cache_dir, device_bytes=args.device_bytes, host_bytes=args.host_bytes,
                  disk_bytes=args.disk_bytes, remote_url=args.remote_url,
                  key_algorithm=args.key_algorithm, key_secret_file=args.key_secret_file)
+    if args.budgets is not None:
+        sizes["budgets"] = args.budgets
     model_cache = None
     try:
         if multi_process_args(lmdeploy_args, backend, engine_process):
             # the model processes build their caches (sized there); this one only counts
             model_cache = {"default_cache": sizes}
             cache = counters_cache()
-        else:
+            print(f"featcache serve: budgets {args.budgets or SERVING_BUDGETS_DEFAULT}: decided by "
+                  "each model process once its engine has reserved its KV cache (it prints them "
+                  "at its first image)", file=sys.stderr)
+        else:  # the engine runs here: with "auto" (PyTorch) the cache is sized once it is built
             cache = default_cache(**sizes,  # type: ignore[arg-type]
-                                  host_only=backend == "turbomind")  # TurboMind: host tensors
+                                  host_only=backend == "turbomind",  # TurboMind: host tensors
+                                  before_engine=True, announce=_announce)
     except (FeatCacheError, TypeError, ValueError) as e:  # e.g. a --disk-bytes it cannot map
         print(f"featcache serve: error: {e}", file=sys.stderr)
         return EXIT_ERROR
@@ -208,6 +226,11 @@ def _serve(args: argparse.Namespace) -> int:
 
         print(close_reporting(cache), file=sys.stderr, flush=True)  # the last line: flushed
     return EXIT_OK
+
+
+def _announce(line: str) -> None:
+    """The server's start-up line on its cache's budgets (what each tier got and why)."""
+    print(f"featcache serve: {line}", file=sys.stderr, flush=True)
 
 
 SERVE = Command(

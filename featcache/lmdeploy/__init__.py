@@ -29,7 +29,7 @@ from typing import Any
 
 from ..cache import FeatureCache
 from ..config import DEFAULT_DIR
-from .budgets import default_cache
+from .budgets import EngineSizedCache, check_budgets, chosen_budgets, default_cache
 from .engine import KeyedInputProcessor, keep_prefix_caching
 from .frontend import SECTION, install_frontend
 from .identity import model_identity
@@ -42,20 +42,23 @@ from .sources import trust_image_ids as trust_image_ids_on
 from .tags import FeatTag
 from .turbomind import install_turbomind
 
-__all__ = ["DEFAULT_DIR", "SECTION", "SPECS", "FeatRef", "FeatTag", "MediaPolicy", "default_cache",
-           "model_stats", "multi_process", "pipeline", "wrap"]
+__all__ = ["DEFAULT_DIR", "SECTION", "SPECS", "FeatRef", "FeatTag", "MediaPolicy", "chosen_budgets",
+           "default_cache", "model_stats", "multi_process", "pipeline", "wrap"]
 
 log = logging.getLogger("featcache")
 
 
 def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: str | None = None,
              turbomind: str = "native", trust_image_ids: bool | str = False,
-             media_policy: MediaPolicy | None = None,
+             media_policy: MediaPolicy | None = None, budgets: str | None = None,
              **pipeline_kwargs: Any) -> Any:
     """``lmdeploy.pipeline(model_path, **pipeline_kwargs)`` with featcache wrapped in.
 
-    Same arguments and return type. ``cache=None`` builds ``default_cache()`` (closed with the
-    pipeline; ``host_only`` when the backend is TurboMind). ``enable_prefix_caching=True`` in a
+    Same arguments and return type. ``cache=None`` builds ``default_cache(budgets=budgets)``
+    once the engine is built (closed with the pipeline; ``host_only`` when the backend is
+    TurboMind): ``budgets="auto"`` sizes its device tier from what the engine's KV cache left
+    (``chosen_budgets(pipe.featcache)`` says what each tier got and why; docs/tuning.md).
+    ``enable_prefix_caching=True`` in a
     ``PytorchEngineConfig`` stays on for the supported models (lmdeploy alone turns it off for
     them). ``turbomind`` ("native", "features" or "combined"), ``trust_image_ids`` and ``media_policy``: see
     ``wrap``.
@@ -70,12 +73,22 @@ def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: s
     import lmdeploy
 
     owned = cache is None
+    if budgets is not None:
+        if cache is not None:
+            raise ValueError("budgets sizes the cache pipeline() builds (cache=None); a cache "
+                             "passed in keeps its own budgets")
+        check_budgets(budgets)
     backend_config = pipeline_kwargs.get("backend_config")
     if multi_process(backend_config):
         from .processes import FeatcacheEngineConfig, cache_settings
 
         settings = (cache_settings(cache) if cache is not None  # else the config's own, if any
                     else getattr(backend_config, "featcache_cache", None))
+        if budgets is not None:  # each model process sizes its own
+            if settings is not None:
+                raise ValueError("budgets and a FeatcacheEngineConfig's own featcache_cache: "
+                                 "give the budgets in its settings instead")
+            settings = {"default_cache": {"budgets": budgets}}
         backend_config = FeatcacheEngineConfig.of(backend_config, settings)
         pipeline_kwargs["backend_config"] = backend_config
         if cache is None:
@@ -84,10 +97,11 @@ def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: s
         backend_config, lmdeploy.PytorchEngineConfig)
     with keep_prefix_caching(wanted, supported=set(SPECS)):
         pipe = lmdeploy.pipeline(model_path, **pipeline_kwargs)
-    if cache is None:  # built once the backend is known (lmdeploy may choose it)
+    if cache is None:  # built once the engine is (lmdeploy may choose the backend)
         try:
-            cache = default_cache(host_only=not isinstance(
-                getattr(pipe.async_engine, "backend_config", None), lmdeploy.PytorchEngineConfig))
+            engine_config = getattr(pipe.async_engine, "backend_config", None)
+            cache = default_cache(host_only=not isinstance(engine_config, lmdeploy.PytorchEngineConfig),
+                                  budgets=budgets, engine=engine_config)
         except BaseException:
             pipe.close()
             raise
@@ -165,12 +179,16 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
     ``media_policy``: where local image files may lie and how many bytes any image source may
     have (``featcache.lmdeploy.media.MediaPolicy``); default ``media.LOCAL_FILES``, any file of
     the caller's, at most ``MEDIA_DEFAULTS["max_image_bytes"]``. featcache reads every image
-    source under it, for an architecture it does not cache too (lmdeploy reads none).
+    source under it, for an architecture it does not cache too (lmdeploy reads none). An
+    ``EngineSizedCache`` (``default_cache(budgets="auto", before_engine=True)``) is sized here,
+    from what this pipeline's engine left.
     """
     from lmdeploy import PytorchEngineConfig
 
     media = LOCAL_FILES if media_policy is None else media_policy
     engine = pipe.async_engine
+    if isinstance(cache, EngineSizedCache):  # built before this engine: sized from what it left
+        cache.size_after(getattr(engine, "backend_config", None))
     encoder = getattr(engine, "vl_encoder", None)
     if encoder is None or encoder.model is None:
         log.info("featcache: %s is not a vision-language pipeline; nothing to cache", pipe)

@@ -106,9 +106,12 @@ def settings_hasher(settings: dict[str, Any] | None) -> KeyHasher:
 # -- the rank hook file --------------------------------------------------------------------------
 def rank_settings(config: FeatcacheEngineConfig, model_path: str,
                   trust_remote_code: bool) -> dict[str, Any]:
-    """The model processes' settings: the cache's (``featcache_cache``) and, under ``rebuild``,
-    what rebuilds an image's pixels as the frontend's process makes them (``rebuild``)."""
+    """The model processes' settings: the cache's (``featcache_cache``), under ``rebuild`` what
+    rebuilds an image's pixels as the frontend's process makes them (``rebuild``), and under
+    ``engine`` the engine's KV-cache reservation (the reason of budgets sized after it)."""
     settings = dict(config.featcache_cache or {})
+    settings["engine"] = {"cache_max_entry_count": config.cache_max_entry_count,
+                          "num_gpu_blocks": config.num_gpu_blocks}
     settings["rebuild"] = {"model_path": model_path, "dtype": config.dtype,
                            "device_type": config.device_type,
                            "trust_remote_code": bool(trust_remote_code)}

@@ -126,7 +126,18 @@ def _build(settings: dict[str, Any] | None) -> FeatureCache:
         kwargs = dict(settings["feature_cache"])
         kwargs["disk_writes"] = writes and kwargs.get("disk_writes", True)
         return FeatureCache(**kwargs)
-    return default_cache(**(settings or {}).get("default_cache", {}), disk_writes=writes)
+    # built at the first image: the engine has reserved its KV cache (its config, "engine")
+    return default_cache(**(settings or {}).get("default_cache", {}), disk_writes=writes,
+                         engine=(settings or {}).get("engine"), announce=_announce)
+
+
+def _announce(line: str) -> None:
+    """This model process's start-up line on its budgets (what each tier got and why)."""
+    try:
+        who = f"featcache (model process, rank {rank()})"
+    except Exception:  # noqa: BLE001
+        who = "featcache (model process)"
+    print(f"{who}: {line}", file=sys.stderr, flush=True)
 
 
 def use_group(group: Any) -> None:
