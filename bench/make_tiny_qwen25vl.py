@@ -22,21 +22,13 @@ def build(out: str, dtype: str, shared: str) -> str:
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
         Qwen2_5_VLProcessor,
-        Qwen2TokenizerFast,
         Qwen2VLImageProcessor,
         Qwen2VLVideoProcessor,
     )
 
     out = os.path.join(out, "qwen25vl_tiny")
     os.makedirs(out, exist_ok=True)
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-               "<|image_pad|>", "<|video_pad|>"]
-    tmp = mk._bpe_tokenizer_file(out, special)
-    tok = Qwen2TokenizerFast(tokenizer_file=tmp, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    os.remove(tmp)
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}"
-                         "<|im_start|>assistant\n{% endif %}")
+    tok = mk.qwen_tokenizer(out, mk.QWEN_VL_SPECIAL)
     ip = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=28 * 28 * 64)
     proc = Qwen2_5_VLProcessor(image_processor=ip, tokenizer=tok,
                                video_processor=Qwen2VLVideoProcessor(),

@@ -39,6 +39,22 @@ def _bpe_tokenizer_file(out, special):
     return path
 
 
+QWEN_VL_SPECIAL = ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<|vision_start|>', '<|vision_end|>',
+                   '<|image_pad|>', '<|video_pad|>']
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def qwen_tokenizer(out, special):
+    """A Qwen2 tokenizer over the byte-level BPE (``special`` appended), ChatML's template."""
+    from transformers import Qwen2TokenizerFast
+    tmp = _bpe_tokenizer_file(out, special)
+    tok = Qwen2TokenizerFast(tokenizer_file=tmp, eos_token='<|im_end|>', pad_token='<|endoftext|>')
+    os.remove(tmp)
+    tok.chat_template = CHATML
+    return tok
+
+
 def _patch_config(out, arch, dtype):
     """Write architectures + dtype explicitly (save_pretrained may leave them null / float32)."""
     p = os.path.join(out, 'config.json')
@@ -120,7 +136,6 @@ def internvl_hf(out, dtype='bfloat16'):
 def qwen2vl(out, dtype='bfloat16'):
     """Qwen2-VL with a 2-layer ViT (embed 128, head_dim 64) and a 2-layer LLM (hidden 256, head_dim 64)."""
     from transformers import (
-        Qwen2TokenizerFast,
         Qwen2VLConfig,
         Qwen2VLForConditionalGeneration,
         Qwen2VLImageProcessor,
@@ -128,13 +143,7 @@ def qwen2vl(out, dtype='bfloat16'):
         Qwen2VLVideoProcessor,
     )
     os.makedirs(out, exist_ok=True)
-    special = ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<|vision_start|>', '<|vision_end|>',
-               '<|image_pad|>', '<|video_pad|>']
-    tmp = _bpe_tokenizer_file(out, special)
-    tok = Qwen2TokenizerFast(tokenizer_file=tmp, eos_token='<|im_end|>', pad_token='<|endoftext|>')
-    os.remove(tmp)
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = qwen_tokenizer(out, QWEN_VL_SPECIAL)
     ip = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=28 * 28 * 64)
     proc = Qwen2VLProcessor(image_processor=ip, tokenizer=tok, video_processor=Qwen2VLVideoProcessor(),
                             chat_template=tok.chat_template)
@@ -178,14 +187,10 @@ def internvl_chat(out, dtype='bfloat16'):
     patch 14, packed qkv, layer scale), pixel shuffle 0.5 (v2) -> MLP projector -> Qwen2 LLM.
     4 image tokens a tile, up to 4 tiles + thumbnail (lmdeploy's dynamic preprocess, torchvision)."""
     from safetensors.torch import save_file
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2TokenizerFast
+    from transformers import Qwen2Config, Qwen2ForCausalLM
     os.makedirs(out, exist_ok=True)
-    special = ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<img>', '</img>', '<IMG_CONTEXT>']
-    tmp = _bpe_tokenizer_file(out, special)
-    tok = Qwen2TokenizerFast(tokenizer_file=tmp, eos_token='<|im_end|>', pad_token='<|endoftext|>')
-    os.remove(tmp)
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = qwen_tokenizer(out, ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<img>', '</img>',
+                               '<IMG_CONTEXT>'])
     tok.save_pretrained(out)
     vit, inter, size, patch = 128, 256, 56, 14
     llm = dict(model_type='qwen2', architectures=['Qwen2ForCausalLM'], vocab_size=len(tok),
