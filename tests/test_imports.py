@@ -41,7 +41,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                     "featcache.codec", "featcache.config", "featcache.breaker", "featcache.lru",
                     "featcache.value", "featcache.eviction", "featcache.lrumap", "featcache.hostpool",
                     "featcache.copier",
-                    "featcache.singleflight", "featcache.autosize")),
+                    "featcache.singleflight", "featcache.autosize", "featcache.threads",
+                    "featcache.shutdown")),
     ("LMDB store", ("featcache.store",)),
     ("tiers", ("featcache.tiers",)),
     ("cache", ("featcache.cache", "featcache.chain", "featcache.lookup", "featcache.writer",
@@ -50,7 +51,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("public API", ("featcache",)),
     ("store tools", ("featcache.storetools",)),
     ("lmdeploy integration", ("featcache.lmdeploy",)),
-    ("applications", ("featcache.serve", "featcache.warm", "featcache.demo", "featcache.shutdown")),
+    ("applications", ("featcache.serve", "featcache.warm", "featcache.demo")),
     ("command line", ("featcache.cli", "featcache.__main__")),
 )
 
