@@ -24,6 +24,10 @@ import time
 from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # featcache and bench.lib from this checkout
+
+from bench.lib.results import write_report  # noqa: E402
+from bench.lib.timing import percentile  # noqa: E402
 
 
 def wall(cmd: list[str], n: int, prepare: Callable[[], None] | None = None) -> dict[str, float]:
@@ -36,9 +40,7 @@ def wall(cmd: list[str], n: int, prepare: Callable[[], None] | None = None) -> d
         t = time.perf_counter()
         subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, check=True)
         times.append((time.perf_counter() - t) * 1e3)
-    times.sort()
-    return dict(median_ms=round(statistics.median(times), 1),
-                p90_ms=round(times[min(len(times) - 1, round(0.9 * (len(times) - 1)))], 1))
+    return dict(median_ms=round(statistics.median(times), 1), p90_ms=round(percentile(times, 0.9), 1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +48,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=15)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    sys.path.insert(0, ROOT)
     import torch
 
     from featcache import FeatureCache
@@ -83,10 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     slow = [k for k, r in rows.items() if k.startswith("featcache") and r["median_ms"] > 300]
     verdict = "met" if not slow else "NOT met: " + ", ".join(slow)
     print(f"target: every featcache command under 300 ms (median): {verdict}")
-    if args.json:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from runmeta import write_report  # the run's commit, machine and date with the figures
-
+    if args.json:  # with the run's commit, machine and date
         write_report(args.json, dict(rows=rows, n=args.n, python=sys.version.split()[0],
                                      cores=os.cpu_count()))
     return 0

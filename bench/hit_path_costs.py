@@ -2,9 +2,10 @@
 
     PYTHONPATH=$PWD python bench/hit_path_costs.py [--repeats N] [--json FILE]
 
-One 1344x1008 noise PNG (examples/chat.py's, ~4 MB encoded, ~5.4 MB as a data URL), sent as a
-data URL inside an OpenAI chat body. Per step, the median over --repeats of a fresh input (a new
-string object each time, so no per-object cache, ``urlsplit``'s LRU included, answers for it):
+One 1344x1008 noise PNG (bench/lib/images.py's: examples/chat.py's bytes; ~4 MB encoded, ~5.4 MB as
+a data URL), sent as a data URL inside an OpenAI chat body. Per step, the median over --repeats of
+a fresh input (a new string object each time, so no per-object cache, ``urlsplit``'s LRU included,
+answers for it):
 
 - lmdeploy's server path: the body's ``json.loads``; ``ChatCompletionRequest`` validation;
   ``urlparse`` of the data URL (what ``load_from_url`` and, before issue 16, featcache did);
@@ -27,27 +28,22 @@ import base64
 import io
 import json
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # featcache, bench.lib
+
+from bench.lib.images import chat_url  # noqa: E402
+from bench.lib.results import write_report  # noqa: E402
+from bench.lib.timing import median_call_ms  # noqa: E402
 
 
 def timed(fn: Callable[..., Any], repeats: int, make: Callable[[], Any] | None = None) -> float:
     """Median wall time in ms of ``fn()``, or of ``fn(make())`` with each ``make()`` made before
     the clock starts."""
-    out = []
-    for _ in range(repeats):
-        args = () if make is None else (make(),)
-        t = time.perf_counter()
-        fn(*args)
-        out.append((time.perf_counter() - t) * 1e3)
-    return round(statistics.median(out), 3)
+    return round(median_call_ms(fn, repeats, make=make), 3)
 
 
 def fresh(s: str) -> Callable[[], str]:
@@ -58,14 +54,13 @@ def fresh(s: str) -> Callable[[], str]:
 def measure(repeats: int) -> dict[str, Any]:
     import pybase64
     import xxhash
-    from chat import data_url
     from PIL import Image
 
     from featcache import FeatureCache
     from featcache.keys import KeyHasher
 
     keyed = KeyHasher("blake3", os.urandom(32))  # what a FeatureCache keys with (its store's secret)
-    url = data_url(None, 1)
+    url = chat_url(1)
     raw = base64.b64decode(url.split(",", 1)[1])
     body = json.dumps({"model": "m", "stream": True, "max_tokens": 8, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
@@ -233,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, ms in res["median_ms"].items():
         print(f"  {name:<26} {ms:>9.3f} ms")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+        write_report(args.json, res)
     return 0
 
 

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from bench.lib.client import connect, extra_field, run_chat, served_model  # noqa: E402
 from bench.lib.images import data_url, png  # noqa: E402
 from bench.lib.results import write_report  # noqa: E402
-from bench.lib.servers import featcache_command, lmdeploy_command, server_flags, start, stop, tail  # noqa: E402
+from bench.lib.servers import featcache_command, lmdeploy_command, running, server_flags  # noqa: E402
 
 PORTS = {"plain": 23410, "featcache_mp": 23411, "featcache_in": 23412}
 CAP = "8MiB"
@@ -119,14 +119,11 @@ def ask(client: Any, model: str, url: str, extra: dict[str, Any] | None = None,
 
 def run_server(name: str, cmd: list[str], cases: dict[str, str], good: str, out: str,
                ready_timeout: float) -> dict[str, Any]:
-    port = PORTS[name]
-    base = f"http://127.0.0.1:{port}"
-    proc, took = start(cmd, port, os.path.join(out, f"{name}.log"), ready_timeout)
-    res: dict[str, Any] = {"command": shlex.join(cmd), "ready_s": round(took, 1), "sources": {},
-                           "options": [], "chat": None}
-    client = connect(base, timeout=600)  # (openai's default; each request sets its own)
-    model = served_model(client)
-    try:
+    res: dict[str, Any] = {}
+    with running(name, cmd, PORTS[name], os.path.join(out, f"{name}.log"), ready_timeout, res) as base:
+        res.update(sources={}, options=[], chat=None)
+        client = connect(base, timeout=600)  # (openai's default; each request sets its own)
+        model = served_model(client)
         for case, url in cases.items():
             if name == "plain" and case in PLAIN_SKIPS:
                 res["sources"][case] = {"skipped": PLAIN_SKIPS[case]}
@@ -145,13 +142,6 @@ def run_server(name: str, cmd: list[str], cases: dict[str, str], good: str, out:
             res["options"].append(row)
             print(f"[{name}] options {label}: {row['status']} {row.get('output_ids')}", flush=True)
         res["chat"] = run_chat(base, good, 3, model=model, max_tokens=8)
-    except Exception as e:  # keep what ran; the log tail says why
-        res["error"] = f"{type(e).__name__}: {e}"
-        print(f"[{name}] ERROR {res['error']}\n{tail(os.path.join(out, f'{name}.log'))}", flush=True)
-    finally:
-        t = time.monotonic()
-        res["server_rc"] = stop(proc)
-        res["stop_s"] = round(time.monotonic() - t, 1)
     return res
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import math
 import multiprocessing as mp
 import os
@@ -48,6 +47,7 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
 
+from bench.lib.results import write_report  # noqa: E402
 from featcache import FeatureCache  # noqa: E402
 
 SHAPES = {"InternVL2-2B": (13, 256, 2048), "InternVL2-26B": (13, 256, 6144)}
@@ -335,7 +335,7 @@ def main() -> int:
         print("* recompute extrapolated: " + "; ".join(
             f"{n}: {r['recompute_how']}" for n, r in results.items()))
     if args.out:
-        Path(args.out).write_text(json.dumps(doc, indent=2))
+        write_report(args.out, doc)
     return 0
 
 

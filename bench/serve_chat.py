@@ -61,9 +61,7 @@ from bench.lib.servers import (  # noqa: E402
     STORES,
     check_commands,
     commands,
-    start,
-    stop,
-    tail,
+    running,
 )
 
 # (name, image, turns, index of the first question): A twice (the second time in a fresh context
@@ -77,11 +75,10 @@ def serve_and_chat(name: str, cmd: list[str], port: int, images: dict[str, str],
                    max_tokens: int, ready_timeout: float) -> dict[str, Any]:
     ids = name == "featcache_ids"  # the client names each image; bytes only the first time
     known: set[str] = set()
-    base = f"http://127.0.0.1:{port}"
-    proc, took = start(cmd, port, os.path.join(out, f"{name}.log"), ready_timeout)
-    res: dict[str, Any] = {"command": shlex.join(cmd), "ready_s": round(took, 1), "chats": {}}
+    res: dict[str, Any] = {}
     metrics = name.startswith("featcache")
-    try:
+    with running(name, cmd, port, os.path.join(out, f"{name}.log"), ready_timeout, res) as base:
+        res["chats"] = {}
         print(f"[{name}] warm-up", flush=True)
         res["warmup"] = run_chat(base, images["warmup"], 1, max_tokens=max_tokens, metrics=metrics,
                                  image_id="warmup" if ids else None)
@@ -95,11 +92,6 @@ def serve_and_chat(name: str, cmd: list[str], port: int, images: dict[str, str],
             text = urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
             res["metrics_featcache_lines"] = [line for line in text.splitlines()
                                               if line.startswith("featcache_") and not line.endswith(" 0.0")]
-    except Exception as e:  # keep what ran; the log tail says why
-        res["error"] = f"{type(e).__name__}: {e}"
-        print(f"[{name}] ERROR {res['error']}\n{tail(os.path.join(out, f'{name}.log'))}", flush=True)
-    finally:
-        res["server_rc"] = stop(proc)
     return res
 
 

@@ -51,6 +51,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.lib
 
 from bench.lib.patching import Patches  # noqa: E402
+from bench.lib.timing import timed_call  # noqa: E402
 
 ENV = "FEATCACHE_STAGES_OUT"
 CHAT_PATH = "/v1/chat/completions"
@@ -168,16 +169,12 @@ ENGINE_SPANS: contextvars.ContextVar[dict[str, float] | None] = contextvars.Cont
 
 
 def engine_timed(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapper(*a: Any, **k: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            spans = ENGINE_SPANS.get()
-            if spans is not None:
-                spans[name] = spans.get(name, 0.0) + (time.perf_counter() - t) * 1e3
-    return wrapper
+    """``fn`` timed into the engine's add-message spans (``ENGINE_SPANS``) under ``name``."""
+    def add(ms: float) -> None:
+        spans = ENGINE_SPANS.get()
+        if spans is not None:
+            spans[name] = spans.get(name, 0.0) + ms
+    return timed_call(fn, add)
 
 
 # -- the request: ASGI middleware and the generator -----------------------------------------------------

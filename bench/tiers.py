@@ -15,16 +15,19 @@ Ratios, not absolute times, are the claims: the machines are noisy.
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 
 import torch
 
-from featcache import FeatureCache
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # featcache, bench.lib
+
+from bench.lib.results import write_report  # noqa: E402
+from bench.lib.timing import median_call_ms  # noqa: E402
+from featcache import FeatureCache  # noqa: E402
 
 SHAPES = {"InternVL2-2B 13 tiles": (13, 256, 2048), "InternVL2-26B 13 tiles": (13, 256, 6144)}
 
@@ -34,41 +37,15 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_ms(
-    fn: Callable[[], object],
-    iters: int,
-    device: torch.device,
-    warmup: int = 3,
-    setup: Callable[[], object] | None = None,
-) -> float:
+def median_ms(fn: Callable[[], object], iters: int, device: torch.device, warmup: int = 3,
+              setup: Callable[[], object] | None = None) -> float:
     """Median wall time of fn() until its device work is done, in ms; setup() runs untimed."""
-    for _ in range(warmup):
-        if setup is not None:
-            setup()
-        fn()
-    sync(device)
-    times = []
-    for _ in range(iters):
-        if setup is not None:
-            setup()
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return median_call_ms(fn, iters, setup=setup, warmup=warmup, sync=lambda: sync(device))
 
 
 def host_ms(fn: Callable[[], object], iters: int) -> float:
     """Median host (CPU) time of fn(), in ms: what the request path pays before it can go on."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return median_call_ms(fn, iters, warmup=3)
 
 
 def bench_shape(name: str, shape: tuple[int, ...], device: torch.device, iters: int) -> dict:
@@ -190,8 +167,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(+{po['put_overhead_pct']:.2f}%, target <= 1%; drops host {po['host_drops']} "
           f"disk {po['disk_drops']})")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+        write_report(args.out, results)
     return 0
 
 

@@ -12,6 +12,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import _lmdeploy_stack
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -140,3 +141,30 @@ def test_image_ids_send_the_bytes_once_then_the_id(tmp_path):
     assert again[0]["messages_bytes"] < 4000
     rows = sc.ids_vs_bytes({"chats": {"a": first}}, {"chats": {"a": first}})
     assert [r["turn"] for r in rows] == [1, 2] and rows[0]["ttft_ms_id"] == first[0]["ttft_ms"]
+
+
+def test_a_server_runs_for_the_block_and_an_error_in_it_is_recorded(tmp_path):
+    """bench/lib/servers.py's ``running``: the server is up inside the block (its /v1/models
+    answers), an error there is recorded with the server's exit code, and the server is stopped."""
+    import socket
+    import sys
+    import urllib.request
+
+    sys.path.insert(0, ROOT)
+    from bench.lib.servers import running
+
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "models").write_text('{"data": []}')
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory",
+           str(tmp_path)]
+    res: dict = {}
+    with running("stand-in", cmd, port, str(tmp_path / "server.log"), 30, res) as base:
+        assert urllib.request.urlopen(f"{base}/v1/models", timeout=5).read() == b'{"data": []}'
+        raise RuntimeError("the chat failed")
+    assert res["error"] == "RuntimeError: the chat failed" and res["ready_s"] >= 0
+    assert res["server_rc"] == 0 and res["command"].endswith(str(tmp_path))  # SIGINT: a clean exit
+    with pytest.raises(OSError):  # stopped
+        urllib.request.urlopen(f"{base}/v1/models", timeout=2)

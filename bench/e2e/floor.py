@@ -13,7 +13,7 @@ from typing import Any
 from bench.e2e.series import chat_turn, chats, timed
 from bench.lib.engines import bench_cache, build, close_pipeline, free_gpu
 from bench.lib.images import image
-from bench.lib.timing import summary
+from bench.lib.timing import summary, timed_call
 
 # profile's configurations: (pipeline kind, prefix caching asked for)
 PROFILED = {"plain": ("plain", True), "plain_prefix": ("plain_prefix", True),
@@ -33,25 +33,9 @@ def profile(model: str, size: tuple[int, int], n: int) -> dict[str, Any]:
         pipe = build(kind, model, prefix, cache)  # eager, as this diagnosis ran
         engine = pipe.async_engine
         spent: dict[str, list[float]] = {"request_preprocess_ms": [], "vision_preprocess_ms": []}
-        original_pre = engine.preprocess
-
-        async def timed_pre(*a: Any, _f: Any = original_pre, _s: Any = spent, **k: Any) -> Any:
-            t = time.perf_counter()
-            r = await _f(*a, **k)
-            _s["request_preprocess_ms"].append((time.perf_counter() - t) * 1e3)
-            return r
-
-        engine.preprocess = timed_pre
+        engine.preprocess = timed_call(engine.preprocess, spent["request_preprocess_ms"].append)
         vm = engine.vl_encoder.model
-        original_vm = vm.preprocess
-
-        def timed_vm(messages: Any, _f: Any = original_vm, _s: Any = spent) -> Any:
-            t = time.perf_counter()
-            r = _f(messages)
-            _s["vision_preprocess_ms"].append((time.perf_counter() - t) * 1e3)
-            return r
-
-        vm.preprocess = timed_vm
+        vm.preprocess = timed_call(vm.preprocess, spent["vision_preprocess_ms"].append)
         timed([(f"warm {i}", image(900 + i, size)) for i in range(2)], pipe, gen)
         for v in spent.values():
             v.clear()

@@ -6,6 +6,7 @@ returns; each is installed once per process (``PATCHES``)."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 
 from bench.lib.patching import Patches
+from bench.lib.timing import timed_call
 
 
 class VisionCounter:
@@ -283,29 +285,13 @@ def instrument_preprocess(pipe: Any) -> None:
     """Host-time wrappers on the live pipeline (instance attributes): lmdeploy's request
     preprocessing (template, tokenizer, image preprocessing), its image preprocessing, and
     featcache's frontend hook around it (keying, lookup, tagging)."""
+    def timed(name: str, fn: Any) -> Any:
+        return timed_call(fn, functools.partial(SPANS.add, name))
+
     engine = pipe.async_engine
-    original_pre = engine.preprocess
-
-    async def request_preprocess(*a: Any, **k: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return await original_pre(*a, **k)
-        finally:
-            SPANS.add("request_preprocess", (time.perf_counter() - t) * 1e3)
-
-    engine.preprocess = request_preprocess
+    engine.preprocess = timed("request_preprocess", engine.preprocess)
     vm = engine.vl_encoder.model
     hook = vm.preprocess
-
-    def timed(name: str, fn: Any) -> Any:
-        def wrapper(*a: Any, **k: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                SPANS.add(name, (time.perf_counter() - t) * 1e3)
-        return wrapper
-
     frontend = getattr(hook, "frontend", None)
     if frontend is None:
         vm.preprocess = timed("image_preprocess", hook)

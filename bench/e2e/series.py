@@ -106,18 +106,23 @@ def chats(pipe: Any, gen: Any, size: tuple[int, int], count: int, seed: int = 10
     t_cached: list[list[int]] = [[] for _ in range(4)]
     t_lens: list[list[int]] = [[] for _ in range(4)]
     out = None
+
+    def ask(kind: str, turn: int, hist: list[dict[str, Any]], into: tuple[list[list[Any]], ...]) -> Any:
+        """One turn: its time, cached and input tokens into ``into``'s lists for the turn."""
+        ms, response = _ask(pipe, hist, gen)
+        if observe is not None:
+            observe(kind, turn, ms, response)
+        for series, value in zip(into, (ms, response.cached_tokens, response.input_token_len), strict=True):
+            series[turn].append(value)
+        return response
+
     for c in range(count):
         im = image(seed + c, size)
         hist: list[dict[str, Any]] = []
         answers = []
         for turn in range(4):
             hist.append(chat_turn(seed + c, turn, im))
-            ms, out = _ask(pipe, hist, gen)
-            if observe is not None:
-                observe("chat", turn, ms, out)
-            walls[turn].append(ms)
-            cached[turn].append(out.cached_tokens)
-            lens[turn].append(out.input_token_len)
+            out = ask("chat", turn, hist, (walls, cached, lens))
             answers.append(out.text or "x")
             hist.append(dict(role="assistant", content=answers[-1]))
         if not twins:
@@ -126,12 +131,7 @@ def chats(pipe: Any, gen: Any, size: tuple[int, int], count: int, seed: int = 10
         for turn in range(4):
             if turn:
                 hist.append(chat_turn(seed + c, turn, None))
-            ms, t_out = _ask(pipe, hist, gen)
-            if observe is not None:
-                observe("twin", turn, ms, t_out)
-            t_walls[turn].append(ms)
-            t_cached[turn].append(t_out.cached_tokens)
-            t_lens[turn].append(t_out.input_token_len)
+            ask("twin", turn, hist, (t_walls, t_cached, t_lens))
             hist.append(dict(role="assistant", content=answers[turn]))
     return ChatSeries(walls, cached, lens, out, t_walls, t_cached, t_lens)
 

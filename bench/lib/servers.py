@@ -6,6 +6,7 @@ own process group, waited for, stopped with SIGINT (what Ctrl-C does), their log
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import signal
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -127,6 +129,25 @@ def start(cmd: list[str], port: int, log: str, timeout: float) -> tuple[subproce
     took = time.monotonic() - t
     print(f"[serve] ready in {took:.1f} s: {shlex.join(cmd[1:6])} ...", flush=True)
     return proc, took
+
+
+@contextlib.contextmanager
+def running(name: str, cmd: list[str], port: int, log: str, ready_timeout: float,
+            res: dict[str, Any]) -> Iterator[str]:
+    """The server of ``cmd`` for the block (its base URL), recorded in ``res``: its command and
+    seconds to ready, then its exit code and seconds to stop (``server_rc``, ``stop_s``). An error
+    in the block is recorded (``error``, the log's tail printed), not raised: what ran is kept."""
+    proc, took = start(cmd, port, log, ready_timeout)
+    res.update(command=shlex.join(cmd), ready_s=round(took, 1))
+    try:
+        yield f"http://127.0.0.1:{port}"
+    except Exception as e:  # noqa: BLE001 - keep what ran; the log tail says why
+        res["error"] = f"{type(e).__name__}: {e}"
+        print(f"[{name}] ERROR {res['error']}\n{tail(log)}", flush=True)
+    finally:
+        t = time.monotonic()
+        res["server_rc"] = stop(proc)
+        res["stop_s"] = round(time.monotonic() - t, 1)
 
 
 def stop(proc: subprocess.Popen, wait: float = 45) -> int:

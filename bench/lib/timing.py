@@ -13,6 +13,8 @@ A series is ``noisy`` when its p90 exceeds ``limit`` x its median: such a series
 
 from __future__ import annotations
 
+import functools
+import inspect
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -56,6 +58,29 @@ def spread(xs: list[float], limit: float = 2.0) -> dict[str, Any]:
 def rep_medians(reps: list[list[float]]) -> list[float]:
     """Each repetition's median (ms, 0.01), the empty ones left out."""
     return [round(statistics.median(r), 2) for r in reps if r]
+
+
+def timed_call(fn: Callable[..., Any], record: Callable[[float], Any]) -> Callable[..., Any]:
+    """``fn`` (a function or a coroutine function) wrapped: same arguments, same result, and each
+    call's wall time in ms handed to ``record`` once it returns or raises."""
+    if inspect.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def timed_async(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return await fn(*a, **k)
+            finally:
+                record((time.perf_counter() - t) * 1e3)
+        return timed_async
+
+    @functools.wraps(fn)
+    def timed(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            record((time.perf_counter() - t) * 1e3)
+    return timed
 
 
 def median_call_ms(fn: Callable[..., Any], repeats: int, make: Callable[[], Any] | None = None,
