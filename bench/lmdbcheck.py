@@ -16,15 +16,18 @@ import argparse
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
 import lmdb
 import torch
 
-from featcache import codec
-from featcache.store.lmdbcheck import check_data_file
-from featcache.tiers.disk import DiskOp, DiskTier
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's featcache
+
+from featcache import codec  # noqa: E402
+from featcache.store.lmdbcheck import check_data_file  # noqa: E402
+from featcache.tiers.disk import DiskOp, DiskTier  # noqa: E402
 
 
 def encoded(nbytes: int, fill: float) -> bytes:
