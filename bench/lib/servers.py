@@ -1,6 +1,7 @@
 """Servers a benchmark starts: ``lmdeploy serve api_server`` and ``featcache serve`` command lines
-built alike (the same engine flags for both, so a run compares like with like), started in their
-own process group, waited for, stopped with SIGINT (what Ctrl-C does), their logs' tails.
+built alike (the same engine flags for both, so a run compares like with like; ``commands``: the
+served benches' set of them), started in their own process group, waited for, run for a block
+(``running``), stopped with SIGINT (what Ctrl-C does), their logs' tails.
 """
 
 from __future__ import annotations
