@@ -43,7 +43,7 @@ def test_the_readme_quick_start_is_the_example_file():
 
 
 def test_the_first_screen_says_what_it_is_the_problem_a_number_and_the_two_commands():
-    first_benchmark = README.index("**InternVL2-26B on one H200**")  # the benchmark paragraph
+    first_benchmark = README.index("**InternVL2-26B, tp=1 on an H200**")  # the benchmark paragraph
     top = README[:first_benchmark]
     assert top.index("tiered") < top.index("every turn") < top.index(MAIN_COMMAND)
     assert "<!-- test-command: .ci/run runs the next line verbatim -->" in top
