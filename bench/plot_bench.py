@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from typing import Any
 
@@ -26,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from bench.lib import models  # noqa: E402
 from bench.lib.results import at  # noqa: E402
-from bench.lib.timing import percentile  # noqa: E402
+from bench.lib.timing import spread  # noqa: E402
 
 GROUPS = [("(a) same image", "a_same_image_fresh_context"),
           *[(f"(b) turn {t}", f"b_multi_turn.turn_{t}") for t in range(1, 5)],
@@ -36,18 +35,10 @@ ENGINES = [("plain", "plain lmdeploy", "#9e9e9e"), ("featcache", "featcache", "#
            ("featcache_noprefix", "featcache (prefix caching off)", "#6baed6")]
 
 
-def _summary(ms: list[float]) -> dict[str, Any]:
-    """turbomind_bench.py's own median and p90 (its ``stats``: nearest rank), plus the p10 it
-    does not keep."""
-    med = round(statistics.median(ms), 2)
-    p90 = percentile(ms, 0.9)
-    return dict(n=len(ms), median_ms=med, p10_ms=round(percentile(ms, 0.1), 2), p90_ms=round(p90, 2),
-                noisy=p90 > 2 * med)
-
-
 def from_turbomind(result: dict[str, Any]) -> dict[str, Any]:
     """A ``turbomind_bench.py`` result in the shape ``panel_data`` reads (engine ``native`` drawn
-    as featcache), with p10/p90 over its raw per-request times."""
+    as featcache), with p10/p90 over its raw per-request times (``timing.spread``: the bench's own
+    nearest-rank median and p90, the p10 it does not keep, noisy past 2x the median)."""
     out: dict[str, Any] = dict(meta=dict(label=result.get("meta", {}).get("label")
                                          or _model_label(result) + " (TurboMind)"))
     for path, e in result.get("engines", {}).items():
@@ -61,9 +52,9 @@ def from_turbomind(result: dict[str, Any]) -> dict[str, Any]:
                     turns.setdefault(f"turn_{t}", []).append(row["ms"])
         d = e.get("d_concurrent", {})
         out["featcache" if path == "native" else path] = dict(
-            a_same_image_fresh_context=_summary([r["ms"] for rep in raw["a"] for r in rep["rows"]]),
-            b_multi_turn={t: _summary(v) for t, v in turns.items()},
-            c_distinct_images=_summary([r["ms"] for rep in raw["c"] for r in rep]),
+            a_same_image_fresh_context=spread([r["ms"] for rep in raw["a"] for r in rep["rows"]]),
+            b_multi_turn={t: spread(v) for t, v in turns.items()},
+            c_distinct_images=spread([r["ms"] for rep in raw["c"] for r in rep]),
             d_concurrent_32_clients_pool_8=dict(ttft=dict(
                 n=d.get("requests", 0), median_ms=d.get("ttft_median_ms"), p10_ms=d.get("ttft_median_ms"),
                 p90_ms=d.get("ttft_p90_ms")) if d else {}))

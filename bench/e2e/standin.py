@@ -1,16 +1,17 @@
 """A stand-in for lmdeploy's PyTorch pipeline on the CPU, with featcache's real frontend and
-model hook: what ``dry-run`` runs bench and breakdown over."""
+model hook: what ``dry-run`` runs bench and breakdown over (its pipeline and vision preprocessing
+from bench/lib/standin.py, the engine and model here)."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 import types
 from typing import Any
 
-import numpy as np
 import torch
+
+from bench.lib.standin import Pipe, Vision, encoder, image_items
 
 
 class _Meta:
@@ -35,20 +36,6 @@ def standin() -> tuple[Any, list[tuple[Any, str | None, Any]], Any]:
     from featcache.lmdeploy.refs import REF_KEY
 
     tiles, per_tile, hidden, token_id = 2, 4, 64, 7
-
-    class Vision:
-        def preprocess(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-            out = []
-            for m in messages:
-                for x in m["content"] if isinstance(m.get("content"), list) else []:
-                    if isinstance(x, dict) and x.get("type") == "image":
-                        a = np.asarray(x["data"].convert("RGB").resize((28, 28)), dtype=np.float32)
-                        px = torch.from_numpy(a).permute(2, 0, 1)[None].repeat(tiles, 1, 1, 1) / 255
-                        time.sleep(0.002)
-                        out.append(dict(pixel_values=px, image_tokens=tiles * per_tile,
-                                        image_token_id=token_id))
-            messages.append(dict(role="preprocess", content=out))
-            return messages
 
     class Model(torch.nn.Module):
         def __init__(self) -> None:
@@ -77,8 +64,7 @@ def standin() -> tuple[Any, list[tuple[Any, str | None, Any]], Any]:
 
     class Engine:
         def __init__(self, legacy_copy: bool) -> None:
-            self.vl_encoder = type("Encoder", (), {})()
-            self.vl_encoder.model = Vision()
+            self.vl_encoder = encoder(Vision(tiles, per_tile, token_id, scale=255, delay_s=0.002))
             self.model = Model().eval()
             self.legacy_copy = legacy_copy
             # what the text-only twins count prompts with: this stand-in's 8 characters a token
@@ -87,11 +73,7 @@ def standin() -> tuple[Any, list[tuple[Any, str | None, Any]], Any]:
                 messages2prompt=lambda msgs: "".join(str(m.get("content")) for m in msgs))
 
         def _prepare(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
-            msgs = [dict(m, content=[dict(type="image", data=x["image_data"]["data"])
-                                     if isinstance(x, dict) and x.get("type") == "image_data" else x
-                                     for x in m["content"]]) if isinstance(m.get("content"), list) else m
-                    for m in messages]
-            msgs = self.vl_encoder.model.preprocess(msgs)
+            msgs = self.vl_encoder.model.preprocess(image_items(messages))
             items = [m for m in msgs if m.get("role") == "preprocess"][0]["content"]
             text = sum(len(str(m.get("content"))) // 8 for m in messages)
             ids = [1] * text + [token_id] * sum(int(x["image_tokens"]) for x in items)
@@ -123,35 +105,8 @@ def standin() -> tuple[Any, list[tuple[Any, str | None, Any]], Any]:
             yield Response(text="x", generate_token_len=1, input_token_len=len(request["input_ids"]),
                            token_ids=[int(token)], cached_tokens=0)
 
-    class Pipe:
-        def __init__(self, legacy_copy: bool) -> None:
-            self.async_engine = Engine(legacy_copy)
-            self.loop = asyncio.new_event_loop()
-            self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-            self.thread.start()
-            self.ids = iter(range(1, 1 << 30))
-
-        def _run(self, coro: Any) -> Any:
-            return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-        def __call__(self, prompts: Any, gen_config: Any) -> Any:
-            async def one(p: Any) -> Any:
-                if isinstance(p, tuple):
-                    p = [dict(role="user", content=[dict(type="text", text=p[0]),
-                                                    dict(type="image_data", image_data=dict(data=p[1]))])]
-                req = await self.async_engine.preprocess(p, next(self.ids), gen_config)
-                async for out in self.async_engine.generate(req):
-                    return out
-            if isinstance(prompts, tuple):
-                return self._run(one(prompts)).result()
-            return [self._run(one(p)).result() for p in prompts]
-
-        def close(self) -> None:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(5)
-
     def build(engine: str, cache: Any) -> Any:
-        pipe = Pipe(legacy_copy=engine == "plain")
+        pipe = Pipe(Engine(legacy_copy=engine == "plain"))
         if cache is not None:
             install_frontend(pipe.async_engine.vl_encoder.model, cache, "dry-run")
         return pipe

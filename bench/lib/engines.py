@@ -1,9 +1,13 @@
-"""lmdeploy PyTorch-engine pipelines for the benchmarks, plain and with featcache, built alike so
-that a run compares like with like; closing them without hanging a run.
+"""lmdeploy pipelines for the benchmarks, plain and with featcache, built alike so that a run
+compares like with like; closing them without hanging a run.
 
-Kinds (``build``): ``plain`` (``lmdeploy.pipeline``: 0.18 switches prefix caching off for the
-models featcache supports), ``plain_prefix`` (lmdeploy alone with its prefix caching kept on: its
-own pixel hashes key the images), ``fc`` (``featcache.lmdeploy.pipeline``).
+PyTorch engine, kinds (``build``): ``plain`` (``lmdeploy.pipeline``: 0.18 switches prefix caching
+off for the models featcache supports), ``plain_prefix`` (lmdeploy alone with its prefix caching
+kept on: its own pixel hashes key the images), ``fc`` (``featcache.lmdeploy.pipeline``).
+
+TurboMind, paths (``build_turbomind``): ``plain`` (``lmdeploy.pipeline``) or featcache's
+``turbomind=`` ``native``, ``features``, ``combined``; always bfloat16 (``turbomind_config``), with
+featcache's cache in host memory (``host_cache``: TurboMind's paths serve from the host).
 """
 
 from __future__ import annotations
@@ -56,6 +60,38 @@ def bench_cache(device: str, disk_path: str) -> Any:
 
     return FeatureCache(device=device, device_bytes="2GiB", host_bytes="4GiB", disk_path=disk_path,
                         disk_bytes="8GiB")
+
+
+def turbomind_config(prefix: bool, session_len: int = 8192, kv_fraction: float = 0.2) -> Any:
+    """TurboMind in bfloat16, prefix caching on or off; ``kv_fraction``: cache_max_entry_count."""
+    from lmdeploy import TurbomindEngineConfig
+
+    return TurbomindEngineConfig(session_len=session_len, cache_max_entry_count=kv_fraction,
+                                 dtype="bfloat16", enable_prefix_caching=prefix)
+
+
+def build_turbomind(path: str, model: str, config: Any, cache: Any = None,
+                    log_level: str = "WARNING") -> Any:
+    """Plain TurboMind (``path`` "plain") or featcache's ``turbomind=path`` over ``cache``, with
+    the engine ``config`` (``turbomind_config``); the checkpoint's own config classes trusted
+    where it brings them (``remote_code``). Whether featcache went in: ``pipe.featcache``."""
+    kw = dict(backend_config=config, log_level=log_level, trust_remote_code=remote_code(model))
+    if path == "plain":
+        from lmdeploy import pipeline as plain_pipeline
+
+        return plain_pipeline(model, **kw)
+    from featcache.lmdeploy import pipeline
+
+    return pipeline(model, cache=cache, turbomind=path, **kw)
+
+
+def host_cache(host_bytes: int, disk_path: str | None = None, disk_bytes: int = 0) -> Any:
+    """featcache's cache as the TurboMind paths run it: one tier of ``host_bytes`` in host memory
+    (``device="cpu"``), a disk tier of ``disk_bytes`` at ``disk_path`` where one is given."""
+    from featcache import FeatureCache
+
+    return FeatureCache(device="cpu", device_bytes=host_bytes, host_bytes=0, disk_path=disk_path,
+                        disk_bytes=disk_bytes if disk_path else 0)
 
 
 def ask(pipe: Any, prompt: Any, gen: Any) -> list[Any]:

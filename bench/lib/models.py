@@ -37,6 +37,12 @@ def config(model: str) -> dict:
     return out
 
 
+def architecture(model: str) -> str:
+    """The checkpoint's model class (its config's first ``architectures`` entry)."""
+    name: str = config(model)["architectures"][0]
+    return name
+
+
 def remote_code(model: str) -> bool:
     """Whether the checkpoint brings its own config classes (``auto_map``: legacy InternVL2)."""
     return "auto_map" in config(model)

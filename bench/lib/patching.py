@@ -33,6 +33,10 @@ class Patches:
             setattr(owner, name, make(original))
         return True
 
+    def original(self, owner: Any, name: str) -> Any:
+        """What ``owner.name`` was before this replaced it (what it is, where this did not)."""
+        return self.originals.get((owner, name), inspect.getattr_static(owner, name))
+
     def undo(self) -> None:
         """Put back every original, the last replaced first."""
         for (owner, name), original in reversed(list(self.originals.items())):

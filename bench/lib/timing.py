@@ -4,7 +4,7 @@ from these).
 Two quantiles, kept apart because recorded figures were made with each:
 
 - ``percentile``: the nearest rank (``xs[round(q * (n - 1))]``): the PyTorch-engine and TurboMind
-  benches' p10/p90/p99, the CLI start's p90, the charts;
+  benches' p10/p90/p99 (``summary``, ``spread``), the CLI start's p90, the charts;
 - ``quantile``: linear interpolation between ranks, None for no values, rounded to 0.01 ms: the
   served benches' (serve_latency) p50/p90/p99.
 
@@ -38,9 +38,15 @@ def quantile(values: Sequence[float | None], q: float) -> float | None:
     return round(vals[lo] + (vals[hi] - vals[lo]) * (pos - lo), 2)
 
 
-def summary(ms: list[float]) -> dict[str, float]:
-    """Count, median and (nearest-rank) p90 of a series in ms."""
-    return dict(n=len(ms), median_ms=round(statistics.median(ms), 2), p90_ms=round(percentile(ms, 0.9), 2))
+def summary(ms: list[float], tails: bool = False) -> dict[str, float]:
+    """Count, median and (nearest-rank) p90 of a series in ms; ``tails``: its p99, min and max too
+    (the TurboMind bench's figures). A series of none is ``{"n": 0}``."""
+    if not ms:
+        return dict(n=0)
+    out = dict(n=len(ms), median_ms=round(statistics.median(ms), 2), p90_ms=round(percentile(ms, 0.9), 2))
+    if tails:
+        out.update(p99_ms=round(percentile(ms, 0.99), 2), min_ms=round(min(ms), 2), max_ms=round(max(ms), 2))
+    return out
 
 
 def spread(xs: list[float], limit: float = 2.0) -> dict[str, Any]:
