@@ -9,7 +9,8 @@
 ``run`` builds one pipeline per pass (TurboMind prefix caching off, then on), sends the same
 requests (repeated image, distinct image with the same text, other text on a seen image, two
 two-image requests, a 3-turn chat resending its image), greedy, and writes one JSON line per pass:
-token ids, the sha256 of the float32 logits, the prompt length and cached tokens per request, the
+the run's metadata (``run``: commit, dirty flag, GPU, start time, the sources' digest), token ids,
+the sha256 of the float32 logits, the prompt length and cached tokens per request, the
 times; for featcache its counters (``stats()['lmdeploy']``, hits by tier) and how often lmdeploy
 computed sha256 over pixels (``_resolve_fingerprint`` without a fingerprint). Random tiny models
 often emit the same tokens for different images, so the logits decide. lmdeploy refuses
@@ -17,7 +18,8 @@ often emit the same tokens for different images, so the logits decide. lmdeploy 
 steps (``'generation'``: from the last prompt position on, which depends on every prompt token);
 the prefix-off pass hashes the whole prompt's logits. Tensors are also saved (``--save``) so that
 ``compare`` can give the largest difference where hashes differ (the features path runs the
-vision tower in PyTorch, not TurboMind's C++ ViT: close, not necessarily bit-identical).
+vision tower in PyTorch, not TurboMind's C++ ViT: close, not necessarily bit-identical); its
+summary names the runs it compared (``runs``: their metadata).
 
 ``dry-run`` runs everything that needs no GPU: imports, the requests, the configs, ``compare`` on
 synthetic records. Device use: bench/device/run_turbomind.sh (docs/benchmarks.md).
@@ -29,24 +31,23 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
 import traceback
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.lib
+
+from bench.lib import models  # noqa: E402
+from bench.lib.engines import build_turbomind, free_gpu, greedy, host_cache, turbomind_config  # noqa: E402
+from bench.lib.images import image  # noqa: E402
+from bench.lib.results import run_meta, write_report  # noqa: E402
+from bench.lib.standin import turbomind_binding  # noqa: E402
 
 NEW_TOKENS = 8
 FEATURES_ARCHS = ("InternVLForConditionalGeneration", "InternVLChatModel")
-
-
-def image(seed: int, size: tuple[int, int]) -> Any:
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
 
 
 def requests() -> list[tuple[str, Any]]:
@@ -69,30 +70,16 @@ def requests() -> list[tuple[str, Any]]:
     ]
 
 
-def model_info(model: str) -> tuple[str, bool]:
-    """(architecture, needs trust_remote_code) from the checkpoint's config.json."""
-    with open(os.path.join(model, "config.json")) as f:
-        cfg = json.load(f)
-    return cfg["architectures"][0], "auto_map" in cfg
-
-
 def paths_for(model: str) -> list[str]:
-    arch, _ = model_info(model)
-    return ["plain", "native"] + (["features"] if arch in FEATURES_ARCHS else [])
+    """The paths a checkpoint gets: plain and native always, features where featcache has a
+    tower for its architecture."""
+    return ["plain", "native"] + (["features"] if models.architecture(model) in FEATURES_ARCHS else [])
 
 
-def engine_config(prefix: bool) -> Any:
-    from lmdeploy import TurbomindEngineConfig
-
-    return TurbomindEngineConfig(session_len=8192, cache_max_entry_count=0.2, dtype="bfloat16",
-                                 enable_prefix_caching=prefix)
-
-
-def gen_config(prefix: bool) -> Any:
-    from lmdeploy import GenerationConfig
-
-    return GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, ignore_eos=True,
-                            output_logits="generation" if prefix else "all")
+def logits_kind(prefix: bool) -> str:
+    """The logits a pass hashes: the whole prompt's ("all") with prefix caching off; lmdeploy
+    refuses that with it on, so then the generated steps' ("generation")."""
+    return "generation" if prefix else "all"
 
 
 class Sha256Count:
@@ -130,31 +117,20 @@ def digest(logits: Any) -> tuple[list[int], str, Any]:
 def one_pass(model: str, path: str, prefix: bool, counter: Sha256Count,
              save: str | None) -> dict[str, Any]:
     import torch
-    from lmdeploy import pipeline as plain_pipeline
 
-    from featcache import FeatureCache
-
-    arch, remote = model_info(model)
-    res: dict[str, Any] = dict(model=os.path.basename(model.rstrip("/")), arch=arch, path=path,
-                               prefix_caching=prefix, logits="generation" if prefix else "all")
-    kw = dict(backend_config=engine_config(prefix), log_level="WARNING")
-    if remote:
-        kw["trust_remote_code"] = True
+    res: dict[str, Any] = dict(model=models.label(model), arch=models.architecture(model), path=path,
+                               prefix_caching=prefix, logits=logits_kind(prefix))
     t = time.time()
-    cache = store = None
-    if path == "plain":
-        pipe = plain_pipeline(model, **kw)
-    else:
-        from featcache.lmdeploy import pipeline
-
-        store = tempfile.mkdtemp(prefix="fc-tm-")
-        cache = FeatureCache(device="cpu", device_bytes=256 << 20, host_bytes=0, disk_path=store,
-                             disk_bytes=1 << 30)
-        pipe = pipeline(model, cache=cache, turbomind=path, **kw)
+    cache = None
+    store = tempfile.mkdtemp(prefix="fc-tm-")
+    if path != "plain":
+        cache = host_cache(256 << 20, store, 1 << 30)
+    pipe = build_turbomind(path, model, turbomind_config(prefix), cache)
+    if cache is not None:
         res["featcache_installed"] = getattr(pipe, "featcache", None) is cache
     res["build_s"] = round(time.time() - t, 2)
     counter.take()
-    gen, rows = gen_config(prefix), []
+    gen, rows = greedy(NEW_TOKENS, ignore_eos=True, logits=logits_kind(prefix)), []
     for i, (label, prompt) in enumerate(requests()):
         t = time.time()
         out = pipe([prompt] if isinstance(prompt, list) else prompt, gen_config=gen)
@@ -177,11 +153,15 @@ def one_pass(model: str, path: str, prefix: bool, counter: Sha256Count,
     pipe.close()
     if cache is not None:
         cache.close()
+    shutil.rmtree(store, ignore_errors=True)
     return res
 
 
 def run(args: argparse.Namespace) -> int:
+    """Both passes (prefix caching off, then on), a JSON line each with the run's metadata
+    (``run``: commit, dirty flag, GPU, start time, the sources' digest; the same for both)."""
     counter = Sha256Count()
+    meta = run_meta(mode="turbomind_check", model=args.model, path=args.path, new_tokens=NEW_TOKENS)
     ok = True
     for prefix in (False, True):
         t = time.time()
@@ -189,15 +169,14 @@ def run(args: argparse.Namespace) -> int:
             res = one_pass(args.model, args.path, prefix, counter, args.save)
             res["ok"] = True
         except BaseException as e:  # noqa: BLE001 - lmdeploy raises SystemExit too; report all
-            res = dict(model=os.path.basename(args.model.rstrip("/")), path=args.path,
+            res = dict(model=models.label(args.model), path=args.path,
                        prefix_caching=prefix, ok=False, error=f"{type(e).__name__}: {e}",
                        traceback=traceback.format_exc()[-3000:])
             ok = False
         res["total_s"] = round(time.time() - t, 2)
+        res["run"] = meta
         emit(res, args.out)
-        import gc
-
-        gc.collect()
+        free_gpu()
     return 0 if ok else 1
 
 
@@ -210,10 +189,13 @@ def emit(res: dict[str, Any], out: str | None) -> None:
 
 
 def compare(records: list[dict[str, Any]], save: str | None = None) -> dict[str, Any]:
-    """Per model and prefix setting: every path against plain TurboMind, label by label."""
+    """Per model and prefix setting: every path against plain TurboMind, label by label; the
+    records' run metadata under ``runs`` (each distinct one once)."""
     by = {(r["model"], r["prefix_caching"], r["path"]): r for r in records if r.get("ok")}
     summary: dict[str, Any] = {"failed": [f'{r["model"]}/{r["path"]}/prefix={r["prefix_caching"]}: '
                                           f'{r.get("error")}' for r in records if not r.get("ok")]}
+    runs = {json.dumps(r["run"], sort_keys=True): r["run"] for r in records if r.get("run")}
+    summary["runs"] = list(runs.values())
     for (model, prefix, path), r in sorted(by.items()):
         base = by.get((model, prefix, "plain"))
         key = f"{model}/{'prefix' if prefix else 'noprefix'}"
@@ -264,8 +246,9 @@ def max_diffs(save: str, model: str, path: str, prefix: bool, labels: list[str],
     return out
 
 
-def fake_pass(counter: Sha256Count) -> None:
-    """``one_pass`` (plain) over a stand-in pipeline: the request loop, hashing, saving."""
+def fake_pass() -> None:
+    """``run`` (plain) over a stand-in pipeline: the request loop, hashing, saving, a JSON line a
+    pass with the run's metadata, ``compare`` over those lines."""
     import lmdeploy
     import torch
     from lmdeploy.messages import Response
@@ -285,12 +268,18 @@ def fake_pass(counter: Sha256Count) -> None:
         with tempfile.TemporaryDirectory() as d:
             with open(os.path.join(d, "config.json"), "w") as f:
                 json.dump(dict(architectures=["Qwen2VLForConditionalGeneration"]), f)
-            for prefix in (False, True):
-                res = one_pass(d, "plain", prefix, counter, os.path.join(d, "save"))
-                assert len(res["rows"]) == len(requests())
-                assert res["rows"][0]["logits_shape"] == ([6, 7] if not prefix else [2, 7])
+            out = os.path.join(d, "r.jsonl")
+            args = argparse.Namespace(model=d, path="plain", out=out, save=os.path.join(d, "save"))
+            assert run(args) == 0
+            with open(out) as f:
+                records = [json.loads(line) for line in f]
     finally:
         lmdeploy.pipeline = real
+    for prefix, res in zip((False, True), records, strict=True):
+        assert res["ok"] and res["prefix_caching"] is prefix and len(res["rows"]) == len(requests())
+        assert res["rows"][0]["logits_shape"] == ([6, 7] if not prefix else [2, 7])
+        assert res["run"]["source_digest"] and "commit" in res["run"] and res["run"]["path"] == "plain"
+    assert len(compare(records)["runs"]) == 1
 
 
 def dry_run() -> int:
@@ -302,16 +291,14 @@ def dry_run() -> int:
     reqs = requests()
     assert len({label for label, _ in reqs}) == len(reqs)
     for prefix in (False, True):
-        assert engine_config(prefix).enable_prefix_caching is prefix
-        assert gen_config(prefix).output_logits == ("generation" if prefix else "all")
+        assert turbomind_config(prefix).enable_prefix_caching is prefix
+        gen = greedy(NEW_TOKENS, ignore_eos=True, logits=logits_kind(prefix))
+        assert gen.output_logits == ("generation" if prefix else "all") and gen.ignore_eos
     import lmdeploy  # the rule the prefix-on pass works around:
 
     with open(os.path.join(os.path.dirname(lmdeploy.__file__), "serve/core/async_engine.py")) as f:
         assert "output_logits == 'all'" in f.read()
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-    import turbomind_binding  # the recording stand-in for the compiled module (CPU tests)
-
-    with turbomind_binding.installed():
+    with turbomind_binding():  # the recording stand-in for the compiled module (CPU tests)
         counter = Sha256Count()
         import lmdeploy.turbomind.models.internvl as ivl
         import lmdeploy.turbomind.models.qwen2_vl as q2
@@ -319,7 +306,7 @@ def dry_run() -> int:
         assert ivl._resolve_fingerprint(dict(fingerprint=b"x" * 32)) == b"x" * 32
         assert q2._resolve_fingerprint(dict(fingerprint=b"y" * 32), (1, 2, 2)) == b"y" * 32
         assert counter.take() == dict(fingerprints=2, sha256_over_pixels=0)
-        fake_pass(counter)
+        fake_pass()
 
     def fake(path: str, prefix: bool, sha: str) -> dict[str, Any]:
         rows = [dict(label=label, token_ids=[1, 2], cached_tokens=0, logits_sha256=f"{sha}{i}")
@@ -330,15 +317,14 @@ def dry_run() -> int:
                  dict(ok=False, model="m", path="native", prefix_caching=True, error="E")])
     assert s["m/noprefix"]["native"]["logits_identical"] and s["m/noprefix"]["images_reach_logits"]
     assert not s["m/noprefix"]["features"]["logits_identical"] and s["failed"]
-    for arch_dir in ("a", "b"):
+    for arch, remote, features in (("InternVLForConditionalGeneration", False, True),
+                                   ("InternVLChatModel", True, True),  # legacy: its own tower since f35213d
+                                   ("Qwen2VLForConditionalGeneration", False, False)):
         with tempfile.TemporaryDirectory() as d:
-            cfg = dict(architectures=["InternVLForConditionalGeneration"] if arch_dir == "a"
-                       else ["InternVLChatModel"], **({} if arch_dir == "a" else dict(auto_map={})))
             with open(os.path.join(d, "config.json"), "w") as f:
-                json.dump(cfg, f)
-            want = ["plain", "native"] + (["features"] if arch_dir == "a" else [])
-            assert paths_for(d) == want
-            assert model_info(d)[1] is (arch_dir == "b")
+                json.dump(dict(architectures=[arch], **(dict(auto_map={}) if remote else {})), f)
+            assert paths_for(d) == ["plain", "native"] + (["features"] if features else [])
+            assert models.remote_code(d) is remote
     print("DRY-RUN OK:", len(reqs), "requests;", json.dumps(s["m/noprefix"]["native"])[:200])
     return 0
 
@@ -374,11 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with open(args.results) as f:
         summary = compare([json.loads(line) for line in f if line.strip()], args.save)
-    text = json.dumps(summary, indent=1)
-    print(text)
+    print(json.dumps(summary, indent=1))
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        write_report(args.out, summary)  # the GPU runs' metadata under "runs", this one's under "run"
     return 0
 
 

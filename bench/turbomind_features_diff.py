@@ -33,7 +33,6 @@ run_turbomind.sh exec (docs/turbomind.md).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import re
@@ -46,7 +45,12 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.lib
+
+from bench.lib import models  # noqa: E402
+from bench.lib.engines import build_turbomind, free_gpu, greedy, host_cache, turbomind_config  # noqa: E402
+from bench.lib.images import image  # noqa: E402
+from bench.lib.results import write_report  # noqa: E402
 
 PROMPT = "describe the image"
 SUFFIX = "_passthrough"
@@ -89,46 +93,18 @@ def make_passthrough(src: str, dst: str | None = None) -> str:
 
 
 def rms_eps(model: str) -> float:
-    with open(os.path.join(model, "config.json")) as f:
-        cfg = json.load(f)
+    """The language model's RMSNorm epsilon (its config's, 1e-6 where it names none)."""
+    cfg = models.config(model)
     return float((cfg.get("text_config") or cfg.get("llm_config") or cfg).get("rms_norm_eps", 1e-6))
 
 
 # -- requests and pipelines -----------------------------------------------------------------------
 
-def images(n: int, size: tuple[int, int], seed0: int = 100) -> list[Any]:
-    from turbomind_check import image
-
-    return [image(seed0 + i, size) for i in range(n)]
-
-
-def engine_config() -> Any:
-    from lmdeploy import TurbomindEngineConfig
-
-    return TurbomindEngineConfig(session_len=16384, cache_max_entry_count=0.2, dtype="bfloat16",
-                                 enable_prefix_caching=False)
-
-
-def gen_config(new_tokens: int, logits: str | None, hidden: bool = False) -> Any:
-    from lmdeploy import GenerationConfig
-
-    return GenerationConfig(max_new_tokens=new_tokens, do_sample=False, ignore_eos=True,
-                            output_logits=logits, output_last_hidden_state="all" if hidden else None)
-
-
 def build(model: str, path: str) -> tuple[Any, Any]:
-    """(pipeline, featcache cache or None): plain TurboMind or the features path."""
-    kw = dict(backend_config=engine_config(), log_level="WARNING")
-    if path == "plain":
-        from lmdeploy import pipeline as plain_pipeline
-
-        return plain_pipeline(model, **kw), None
-    from featcache import FeatureCache
-    from featcache.lmdeploy import pipeline
-
-    cache = FeatureCache(device="cpu", device_bytes=2 << 30, host_bytes=0,
-                         disk_path=tempfile.mkdtemp(prefix="fc-tmdiff-"), disk_bytes=4 << 30)
-    return pipeline(model, cache=cache, turbomind=path, **kw), cache
+    """(pipeline, featcache cache or None): plain TurboMind or the features path, prefix caching
+    off (lmdeploy refuses the logits and hidden states this reads with it on)."""
+    cache = None if path == "plain" else host_cache(2 << 30, tempfile.mkdtemp(prefix="fc-tmdiff-"), 4 << 30)
+    return build_turbomind(path, model, turbomind_config(False, session_len=16384), cache), cache
 
 
 class Capture:
@@ -169,9 +145,7 @@ def close(pipe: Any, cache: Any) -> dict[str, Any]:
     pipe.close()
     if cache is not None:
         cache.close()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_gpu()
     return dict(stats)
 
 
@@ -274,8 +248,8 @@ def strip(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # -- the run ----------------------------------------------------------------------------------------
 
 def run(args: argparse.Namespace, builder: Any = build) -> dict[str, Any]:
-    size = tuple(int(v) for v in args.size.split("x"))
-    imgs = images(args.n, size)  # type: ignore[arg-type]
+    w, h = (int(v) for v in args.size.split("x"))
+    imgs = [image(100 + i, (w, h)) for i in range(args.n)]
     res: dict[str, Any] = dict(model=args.model, n=args.n, new_tokens=args.new_tokens,
                                image_size=args.size, logits=args.logits,
                                device=torch.cuda.get_device_name() if torch.cuda.is_available()
@@ -300,7 +274,7 @@ def vit_part(args: argparse.Namespace, imgs: list[Any], res: dict[str, Any], bui
     t = time.perf_counter()
     through = make_passthrough(args.model, args.passthrough)
     res["passthrough_s"] = round(time.perf_counter() - t, 1)
-    gen = gen_config(1, None, hidden=True)
+    gen = greedy(1, ignore_eos=True, hidden=True)
     pipe, cache = builder(through, "plain")
     plain = ask(pipe, imgs[:args.vit_n], gen)
     close(pipe, cache)
@@ -317,7 +291,7 @@ def vit_part(args: argparse.Namespace, imgs: list[Any], res: dict[str, Any], bui
 def greedy_part(args: argparse.Namespace, imgs: list[Any], res: dict[str, Any], builder: Any) -> None:
     """(b) greedy outputs, plain vs features; (c) hits vs misses."""
     vocab_small = args.logits == "all"
-    gen = gen_config(args.new_tokens, args.logits)
+    gen = greedy(args.new_tokens, ignore_eos=True, logits=args.logits)
     t = time.perf_counter()
     pipe, cache = builder(args.model, "plain")
     plain = ask(pipe, imgs, gen)
@@ -403,7 +377,8 @@ def dry_run() -> int:
     """The pass-through on a real tiny checkpoint (checked with transformers on the CPU), the
     request loops and every comparison on stand-in pipelines."""
     from transformers import InternVLForConditionalGeneration
-    from turbomind_features import build_checkpoint  # random InternVL-HF (no torchvision needed)
+
+    from bench.turbomind_features import build_checkpoint  # random InternVL-HF (no torchvision needed)
 
     with tempfile.TemporaryDirectory() as d:
         src = build_checkpoint(os.path.join(d, "internvl_hf_tiny"), "tiny")
@@ -461,16 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "dry-run":
         return dry_run()
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     res = run(args)
-    text = json.dumps(res, indent=1)
-    print(text, flush=True)
+    print(json.dumps(res, indent=1), flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        write_report(args.out, res)  # with the run's metadata under "run"
     return 0
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     sys.exit(main())

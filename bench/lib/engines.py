@@ -94,6 +94,17 @@ def host_cache(host_bytes: int, disk_path: str | None = None, disk_bytes: int = 
                         disk_bytes=disk_bytes if disk_path else 0)
 
 
+def greedy(new_tokens: int, ignore_eos: bool = False, logits: str | None = None,
+           hidden: bool = False) -> Any:
+    """lmdeploy's GenerationConfig for greedy decoding of ``new_tokens`` tokens; ``ignore_eos``:
+    every answer that long; ``logits``: ``output_logits`` ("all": the prompt's too, "generation");
+    ``hidden``: every position's last hidden state."""
+    from lmdeploy import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=new_tokens, do_sample=False, ignore_eos=ignore_eos,
+                            output_logits=logits, output_last_hidden_state="all" if hidden else None)
+
+
 def ask(pipe: Any, prompt: Any, gen: Any) -> list[Any]:
     """One prompt through the pipeline, its responses as a list: a list of (text, image(s))
     tuples is one batch, another list one conversation (OpenAI-style messages), a tuple one

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bench.lib.engines import greedy
 from bench.lib.images import image
 from bench.lib.timing import summary
 from bench.turbomind.probes import PROBE, instrument
@@ -38,9 +39,7 @@ class Bench:
         self.size = size
         self.deadline = deadline
         self.sessions = itertools.count(1_000_000)
-        from lmdeploy import GenerationConfig
-
-        self.gen = GenerationConfig(max_new_tokens=1, do_sample=False)
+        self.gen = greedy(1)
 
     def left(self) -> float:
         return self.deadline - time.time()
