@@ -35,8 +35,10 @@ import tempfile
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # featcache, bench.lib
+
+from bench.lib.images import image  # noqa: E402
+from bench.lib.results import write_report  # noqa: E402
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -57,15 +59,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
         p.error(f"--size is WxH, e.g. 1344x1008, not {args.size!r}")
     args.wh = (width, height)
     return args
-
-
-def image(seed: int, wh: tuple[int, int]) -> Any:
-    """An RGB image of noise (every image distinct: a miss)."""
-    import numpy as np
-    from PIL import Image
-
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (wh[1], wh[0], 3),
-                                                                 dtype=np.uint8))
 
 
 def gpu() -> dict[str, int]:
@@ -174,8 +167,6 @@ def main(argv: list[str]) -> int:
     args = parse(argv)
     report = dry_run(args) if args.dry_run else run(args)
     if args.json:
-        from runmeta import write_report
-
         write_report(args.json, report)
     print(json.dumps(report, indent=1))
     return 0 if args.dry_run or report.get("ok") else 1

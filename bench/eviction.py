@@ -54,10 +54,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # featcache, bench.lib
 
+from bench.lib.results import write_report  # noqa: E402
 from featcache.eviction import books_for  # noqa: E402
 from featcache.sizes import parse_bytes  # noqa: E402
 
@@ -361,8 +360,6 @@ def main(argv: list[str] | None = None) -> int:
           f"{OP_TARGET_US:g} us): {'met' if v['cost_met'] else 'NOT met'}")
     print(f"({result['seconds']} s)")
     if args.json:
-        from runmeta import write_report
-
         write_report(args.json, result)
     return 0
 

@@ -5,9 +5,10 @@ time, and a digest of the code that ran. Every results JSON a benchmark writes g
 The device machine's copy of the checkout carries the working tree but its ``.git`` may lag behind
 (a run on 2026-11-30 reported the session's first commit for code three commits later), so the
 commit is recorded with ``dirty`` (the tracked sources differ from it) and ``source_digest``: the
-sha256 of featcache/ and bench/'s Python files, which names the code exactly. Which commit was it?
+sha256 of featcache/ and bench/'s Python files, which names the code exactly (``commit_digest``: a
+commit's). Which commit was it?
 
-    python bench/runmeta.py which DIGEST [N]   # the commits among the last N (50) with that digest
+    python3 bench/runmeta.py which DIGEST [N]   # the commits among the last N (50) with that digest
 """
 
 from __future__ import annotations
@@ -111,15 +112,3 @@ def at(d: dict[str, Any], path: str) -> Any:
     for k in path.split("."):
         d = d.get(k, {}) if isinstance(d, dict) else {}
     return d
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) >= 2 and argv[0] == "which":
-        n = int(argv[2]) if len(argv) > 2 else 50
-        commits = subprocess.run(["git", "-C", ROOT, "log", f"-{n}", "--format=%h"], capture_output=True,
-                                 text=True, check=True).stdout.split()
-        hits = [c for c in commits if commit_digest(c) == argv[1]]
-        print("\n".join(hits) if hits else f"no commit among the last {n} has digest {argv[1]}")
-        return 0 if hits else 1
-    print(f"usage: python bench/runmeta.py which DIGEST [N]  (this tree: {source_digest()})")
-    return 0 if argv and argv[0] in ("-h", "--help") else 2
