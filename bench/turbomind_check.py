@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from bench.lib import models  # noqa: E402
 from bench.lib.engines import build_turbomind, free_gpu, greedy, host_cache, turbomind_config  # noqa: E402
-from bench.lib.images import image  # noqa: E402
+from bench.lib.images import image, user_message  # noqa: E402
 from bench.lib.results import run_meta, write_report  # noqa: E402
 from bench.lib.standin import turbomind_binding  # noqa: E402
 
@@ -54,8 +54,7 @@ def requests() -> list[tuple[str, Any]]:
     """(label, prompt): a (text, image(s)) tuple or OpenAI-style messages (sent as one)."""
     a, b, c, d = (image(s, size) for s, size in [(1, (120, 90)), (2, (64, 64)), (3, (200, 60)),
                                                    (4, (90, 130))])
-    chat = [dict(role="user", content=[dict(type="text", text="look at this"),
-                                       dict(type="image_data", image_data=dict(data=d))])]
+    chat = [user_message("look at this", d)]
     turn2 = chat + [dict(role="assistant", content="ok"), dict(role="user", content="and now?")]
     turn3 = turn2 + [dict(role="assistant", content="fine"), dict(role="user", content="last one")]
     return [

@@ -14,7 +14,7 @@ from bench.e2e.probes import SPANS, D2HCounter, install_stage_timers, instrument
 from bench.e2e.runner import run_engines
 from bench.e2e.series import chats
 from bench.lib import models
-from bench.lib.images import image
+from bench.lib.images import image, user_message
 from bench.lib.results import write_report
 from bench.lib.timing import percentile
 
@@ -47,9 +47,7 @@ def derive(spans: dict[str, Any], wall: float) -> dict[str, float]:
 def breakdown_message(i: int, im: Any, tag: str) -> list[dict[str, Any]]:
     """Text *before* the image differs per request: the prefix cache cannot cover the image span,
     so a repeated image is served by featcache (or, plain, by the vision model), not by KV reuse."""
-    return [dict(role="user", content=[
-        dict(type="text", text=f"{tag} request {i}: look at this picture"),
-        dict(type="image_data", image_data=dict(data=im)), dict(type="text", text="what is in it?")])]
+    return [user_message(f"{tag} request {i}: look at this picture", im, "what is in it?")]
 
 
 def breakdown_engine(pipe: Any, args: argparse.Namespace, size: tuple[int, int],

@@ -12,7 +12,7 @@ from typing import Any
 
 from bench.e2e.probes import PromptLogits, VisionCounter
 from bench.lib.engines import ask, build, close_pipeline, free_gpu
-from bench.lib.images import image
+from bench.lib.images import image, user_message
 
 LONG_PREFIX = "".join(f"line {i:03d} of a long shared instruction. " for i in range(6))[:200]
 LONG_SUFFIX = ("then answer in one word, please, and nothing else at all; thank you very much, "
@@ -43,15 +43,12 @@ def check_requests() -> list[tuple[str, Any]]:
     or OpenAI-style messages."""
     a, b, c, d, e = (image(s, size) for s, size in
                      [(1, (120, 90)), (2, (64, 64)), (3, (200, 60)), (4, (90, 130)), (5, (56, 56))])
-    chat = [dict(role="user", content=[dict(type="text", text="look at this"),
-                                       dict(type="image_data", image_data=dict(data=c))])]
+    chat = [user_message("look at this", c)]
     def long(img: Any) -> list[dict[str, Any]]:
         # 200 characters of text (byte-level tokenizers: ~200 tokens, 3 full KV blocks of 64),
         # the image, then 100 more: prefix caching can reuse the text blocks before the image for
         # any image, and blocks holding the image only for the same image.
-        return [dict(role="user", content=[
-            dict(type="text", text=LONG_PREFIX), dict(type="image_data", image_data=dict(data=img)),
-            dict(type="text", text=LONG_SUFFIX)])]
+        return [user_message(LONG_PREFIX, img, LONG_SUFFIX)]
 
     return [
         ("long D", long(d)),
@@ -62,9 +59,8 @@ def check_requests() -> list[tuple[str, Any]]:
         ("long text", [dict(role="user", content=LONG_TEXT)]),
         ("long text again", [dict(role="user", content=LONG_TEXT)]),
         # a repeat whose cached prefix ends inside the image (the partial-image path)
-        *[(f"straddle {len(t)}{again}", [dict(role="user", content=[
-            dict(type="text", text=t), dict(type="image_data", image_data=dict(data=d)),
-            dict(type="text", text="what is it?")])]) for t in STRADDLE for again in ("", " again")],
+        *[(f"straddle {len(t)}{again}", [user_message(t, d, "what is it?")])
+          for t in STRADDLE for again in ("", " again")],
         ("A", ("describe the image", a)),
         ("A again", ("describe the image", a)),
         ("B", ("describe the image", b)),

@@ -8,7 +8,7 @@ import asyncio
 import time
 from typing import Any, NamedTuple
 
-from bench.lib.images import image
+from bench.lib.images import image, user_message
 from bench.lib.timing import summary
 
 
@@ -36,8 +36,7 @@ def first_token(pipe: Any, prompt: Any, gen: Any) -> tuple[float, Any]:
 def chat_turn(chat: int, turn: int, im: Any) -> dict[str, Any]:
     """The user message of ``turn`` in chat ``chat``: the image comes with the first one."""
     if turn == 0:
-        return dict(role="user", content=[dict(type="text", text=f"chat {chat}: describe this"),
-                                          dict(type="image_data", image_data=dict(data=im))])
+        return user_message(f"chat {chat}: describe this", im)
     return dict(role="user", content=f"and what about detail {turn}?")
 
 
@@ -157,9 +156,8 @@ def concurrent(pipe: Any, prompts: list[Any], gen: Any, clients: int,
 
     async def one(i: int, prompt: Any) -> None:
         t = time.perf_counter()
-        messages = [dict(role="user", content=[
-            dict(type="text", text=prompt[0]), dict(type="image_data", image_data=dict(data=prompt[1]))])]
-        request = await engine.preprocess(messages, session_id=session_base + i, gen_config=gen)
+        request = await engine.preprocess([user_message(*prompt)], session_id=session_base + i,
+                                          gen_config=gen)
         first = True
         async for _ in engine.generate(request, stream_response=True):
             if first:

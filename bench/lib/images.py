@@ -1,5 +1,6 @@
 """The images benchmarks send: random noise, seeded, so every run and every engine sees the same
-pixels (a seed names an image; a different seed is a different image, never a cache hit).
+pixels (a seed names an image; a different seed is a different image, never a cache hit); and the
+user message that carries them to lmdeploy's pipeline (``user_message``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,14 @@ def image(seed: int, size: tuple[int, int]) -> Any:
 
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def user_message(*parts: Any) -> dict[str, Any]:
+    """A user message as lmdeploy's pipeline takes it: ``parts`` in order, a ``str`` as a text item,
+    anything else (a PIL image) as an ``image_data`` item; a None part is left out."""
+    content = [dict(type="text", text=p) if isinstance(p, str) else
+               dict(type="image_data", image_data=dict(data=p)) for p in parts if p is not None]
+    return dict(role="user", content=content)
 
 
 def png(seed: int, size: tuple[int, int] = CHAT_SIZE) -> bytes:

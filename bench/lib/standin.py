@@ -17,6 +17,8 @@ import time
 import types
 from typing import Any
 
+from bench.lib.images import user_message
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 
 
@@ -82,8 +84,7 @@ class Pipe:
     def __call__(self, prompts: Any, gen_config: Any) -> Any:
         async def one(p: Any) -> Any:
             if isinstance(p, tuple):
-                p = [dict(role="user", content=[dict(type="text", text=p[0]),
-                                                dict(type="image_data", image_data=dict(data=p[1]))])]
+                p = [user_message(*p)]
             req = await self.async_engine.preprocess(p, next(self.ids), gen_config)
             async for out in self.async_engine.generate(req):
                 return out

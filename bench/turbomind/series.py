@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.lib.engines import greedy
-from bench.lib.images import image
+from bench.lib.images import image, user_message
 from bench.lib.timing import summary
 from bench.turbomind.probes import PROBE, instrument
 from bench.turbomind.summary import summarise
@@ -21,13 +21,10 @@ TURNS = 4
 POOL = 8
 
 
-def user(before: str, img: Any = None, after: str = "what is in the picture?") -> dict[str, Any]:
-    """A user message: text, the image (where one is given), text."""
-    content: list[dict[str, Any]] = [dict(type="text", text=before)]
-    if img is not None:
-        content.append(dict(type="image_data", image_data=dict(data=img)))
-    content.append(dict(type="text", text=after))
-    return dict(role="user", content=content)
+def user(before: str, img: Any = None) -> dict[str, Any]:
+    """A user message: ``before``, the image (where one is given), then the question every
+    request ends with."""
+    return user_message(before, img, "what is in the picture?")
 
 
 class Bench:
