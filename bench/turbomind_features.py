@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -35,9 +34,11 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.lib
 
-from featcache import FeatureCache  # noqa: E402
+from bench.lib.engines import host_cache  # noqa: E402
+from bench.lib.results import write_report  # noqa: E402
+from bench.lib.timing import median_call_ms  # noqa: E402
 from featcache.lmdeploy.refs import REF_KEY, FeatRef  # noqa: E402
 from featcache.lmdeploy.tm_features import FeatureServer, InternVLTower  # noqa: E402
 
@@ -110,16 +111,9 @@ def lmdeploy_reference(path: str, dtype: torch.dtype, device: torch.device) -> A
 
 
 def _median_ms(fn: Any, repeat: int, device: torch.device) -> float:
-    times = []
-    for _ in range(repeat):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+    """Median ms of ``fn()`` over ``repeat`` calls, each waiting for ``device``'s work."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    return median_call_ms(fn, repeat, sync=sync)
 
 
 def features_path(tower: InternVLTower, dtype: torch.dtype, pixels: torch.Tensor,
@@ -127,7 +121,7 @@ def features_path(tower: InternVLTower, dtype: torch.dtype, pixels: torch.Tensor
     """FeatureServer.forward on a miss and on a hit of one image of ``pixels.shape[0]`` tiles."""
     tokens = pixels.shape[0] * tower.config.image_seq_length
     result: dict[str, Any] = {}
-    with FeatureCache(device="cpu", device_bytes="4GiB", host_bytes=0) as cache:
+    with host_cache(4 << 30) as cache:
         server = FeatureServer(cache, tower, dtype)
 
         def request(key: bytes) -> torch.Tensor:
@@ -193,11 +187,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         }
         result["tower_ms"] = _median_ms(lambda: tower(pixels), args.repeat, device)
         result["features_path"] = features_path(tower, dtype, pixels, args.repeat)
-    text = json.dumps(result, indent=2)
-    print(text)
+    print(json.dumps(result, indent=2))
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        write_report(args.out, dict(result))  # with the run's metadata under "run"
     return result
 
 
