@@ -41,7 +41,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.lib
 
 from bench.lib import models  # noqa: E402
-from bench.lib.engines import build_turbomind, free_gpu, greedy, host_cache, turbomind_config  # noqa: E402
+from bench.lib.engines import ask, build_turbomind, free_gpu, greedy, host_cache, turbomind_config  # noqa: E402
 from bench.lib.images import image, user_message  # noqa: E402
 from bench.lib.results import run_meta, write_report  # noqa: E402
 from bench.lib.standin import turbomind_binding  # noqa: E402
@@ -132,8 +132,7 @@ def one_pass(model: str, path: str, prefix: bool, counter: Sha256Count,
     gen, rows = greedy(NEW_TOKENS, ignore_eos=True, logits=logits_kind(prefix)), []
     for i, (label, prompt) in enumerate(requests()):
         t = time.time()
-        out = pipe([prompt] if isinstance(prompt, list) else prompt, gen_config=gen)
-        out = out[0] if isinstance(out, list) else out
+        out = ask(pipe, prompt, gen)[0]  # a conversation or a (text, image(s)) tuple: one response
         row = dict(label=label, token_ids=list(out.token_ids), input_tokens=out.input_token_len,
                    cached_tokens=getattr(out, "cached_tokens", None), ms=round((time.time() - t) * 1e3, 2))
         if out.logits is not None:

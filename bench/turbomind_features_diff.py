@@ -48,7 +48,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.lib
 
 from bench.lib import models  # noqa: E402
-from bench.lib.engines import build_turbomind, free_gpu, greedy, host_cache, turbomind_config  # noqa: E402
+from bench.lib.engines import ask, build_turbomind, free_gpu, greedy, host_cache, turbomind_config  # noqa: E402
 from bench.lib.images import image  # noqa: E402
 from bench.lib.results import write_report  # noqa: E402
 
@@ -121,13 +121,12 @@ class Capture:
         return self.last
 
 
-def ask(pipe: Any, imgs: list[Any], gen: Any, capture: Capture | None = None) -> list[dict[str, Any]]:
+def ask_each(pipe: Any, imgs: list[Any], gen: Any, capture: Capture | None = None) -> list[dict[str, Any]]:
     """One request per image, one at a time."""
     rows = []
     for img in imgs:
         t = time.perf_counter()
-        out = pipe((PROMPT, img), gen_config=gen)
-        out = out[0] if isinstance(out, list) else out
+        out = ask(pipe, (PROMPT, img), gen)[0]
         row: dict[str, Any] = dict(token_ids=list(out.token_ids), input_len=out.input_token_len,
                                    ms=(time.perf_counter() - t) * 1e3)
         row["logits"] = None if out.logits is None else out.logits.float().cpu().clone()
@@ -276,10 +275,10 @@ def vit_part(args: argparse.Namespace, imgs: list[Any], res: dict[str, Any], bui
     res["passthrough_s"] = round(time.perf_counter() - t, 1)
     gen = greedy(1, ignore_eos=True, hidden=True)
     pipe, cache = builder(through, "plain")
-    plain = ask(pipe, imgs[:args.vit_n], gen)
+    plain = ask_each(pipe, imgs[:args.vit_n], gen)
     close(pipe, cache)
     pipe, cache = builder(through, "features")
-    feat = ask(pipe, imgs[:args.vit_n], gen, Capture(pipe))
+    feat = ask_each(pipe, imgs[:args.vit_n], gen, Capture(pipe))
     close(pipe, cache)
     if any(r["hidden"] is None for r in plain + feat):
         raise RuntimeError("TurboMind returned no last_hidden_state")
@@ -294,14 +293,14 @@ def greedy_part(args: argparse.Namespace, imgs: list[Any], res: dict[str, Any], 
     gen = greedy(args.new_tokens, ignore_eos=True, logits=args.logits)
     t = time.perf_counter()
     pipe, cache = builder(args.model, "plain")
-    plain = ask(pipe, imgs, gen)
+    plain = ask_each(pipe, imgs, gen)
     k = min(args.control, len(imgs))
-    again = ask(pipe, imgs[:k], gen)
+    again = ask_each(pipe, imgs[:k], gen)
     close(pipe, cache)
     res["plain_repeat_control"] = identical(plain[:k], again)
     pipe, cache = builder(args.model, "features")
-    misses = ask(pipe, imgs, gen)
-    hits = ask(pipe, imgs, gen)
+    misses = ask_each(pipe, imgs, gen)
+    hits = ask_each(pipe, imgs, gen)
     stats = close(pipe, cache)
     res["greedy"] = greedy_diff(plain, misses, args.logits)
     res["hit_miss"] = dict(identical(misses, hits), vision_images=stats.get("vision_images"),
