@@ -92,7 +92,7 @@ class Sha256Count:
             mod = importlib.import_module(f"lmdeploy.turbomind.models.{name}")
             original = getattr(mod, "_resolve_fingerprint", None)
             if original is not None:
-                mod._resolve_fingerprint = self._wrap(original)
+                setattr(mod, "_resolve_fingerprint", self._wrap(original))  # noqa: B010 - a private name
 
     def _wrap(self, original: Any) -> Any:
         def counted(input_mm: dict[str, Any], *args: Any) -> bytes:  # qwen2_vl: + grid_thw

@@ -42,7 +42,7 @@ from bench.lib.timing import median_call_ms  # noqa: E402
 from featcache.lmdeploy.refs import REF_KEY, FeatRef  # noqa: E402
 from featcache.lmdeploy.tm_features import FeatureServer, InternVLTower  # noqa: E402
 
-SHAPES = {
+SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(vision=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
                              intermediate_size=256, image_size=[56, 56], patch_size=[14, 14]),
                  text_hidden=256, image_seq_length=4),
@@ -106,7 +106,7 @@ def lmdeploy_reference(path: str, dtype: torch.dtype, device: torch.device) -> A
                 cfg.vision_feature_select_strategy)
         return out
 
-    ref.pixel_shuffle = lambda x, scale_factor=0.5: cls.pixel_shuffle(ref, x, scale_factor)
+    ref.pixel_shuffle = lambda x, scale_factor=0.5: cls.pixel_shuffle(ref, x, scale_factor)  # type: ignore[assignment]
     return features
 
 

@@ -61,6 +61,9 @@ def micro(pipe: Any, size: tuple[int, int], k: int = 5) -> dict[str, Any]:
         for name, disk in (("put_no_disk", None), ("put_with_disk", d)):
             cache = host_cache(1 << 30, disk, 1 << 30)
             tensors = [px.clone() for _ in range(k)]
-            series(name, lambda i, c=cache, ts=tensors: c.put(keys[i], ts[i], meta=b"m"))
+
+            def put(i: int, c: Any = cache, ts: list[Any] = tensors) -> Any:
+                return c.put(keys[i], ts[i], meta=b"m")
+            series(name, put)
             cache.close()
     return out

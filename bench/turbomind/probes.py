@@ -97,10 +97,10 @@ def instrument(pipe: Any, path: str) -> dict[str, Any]:
     frontend.original = PROBE.timed("image_preprocess", frontend.original)
     frontend._key = PROBE.timed("fc_key", frontend._key)
     frontend._tag_misses = PROBE.timed("fc_tag", frontend._tag_misses)
-    cache.acquire = PROBE.timed("fc_acquire", cache.acquire)
-    cache.put = PROBE.timed("fc_put", cache.put)
+    cache.acquire = PROBE.timed("fc_acquire", cache.acquire)  # type: ignore[method-assign]
+    cache.put = PROBE.timed("fc_put", cache.put)  # type: ignore[method-assign]
     if isinstance(hook, NativePixels):
-        hook._serve = PROBE.timed("fc_serve", hook._serve)
+        hook._serve = PROBE.timed("fc_serve", hook._serve)  # type: ignore[method-assign]
         found["pin"] = getattr(hook, "pin", False)
         found["vision_dtype"] = str(hook.vision_dtype)
     if path in ("features", "combined"):
