@@ -230,12 +230,12 @@ class FeatureCache:
         """
         self._check_open()
         _check_key(key)
-        entry = self._lookup.find(key, pin=False)
-        self._count("hits" if entry is not None else "misses")
-        if entry is None:
+        found = self._lookup.find(key, pin=False)
+        self._count("hits" if found is not None else "misses")
+        if found is None:
             return None
-        self._copier.ready(entry.tensor, entry.fence)
-        return entry.tensor
+        self._copier.ready(found.entry.tensor, found.entry.fence)
+        return found.entry.tensor
 
     def get_or_compute(self, key: bytes, compute: Callable[[], torch.Tensor],
                        meta: bytes | None = None, *, namespace: str | None = None,
@@ -277,15 +277,17 @@ class FeatureCache:
                 self._blocking -= 1
 
     def acquire(self, key: bytes) -> Lease | None:
-        """Like ``get``, but the entry is pinned in the top tier until ``Lease.release()``."""
+        """Like ``get``, but the entry is pinned in the top tier until ``Lease.release()``;
+        ``Lease.tier`` names the tier it was found in."""
         self._check_open()
         _check_key(key)
-        entry = self._lookup.find(key, pin=True)
-        self._count("hits" if entry is not None else "misses")
-        if entry is None:
+        found = self._lookup.find(key, pin=True)
+        self._count("hits" if found is not None else "misses")
+        if found is None:
             return None
-        self._copier.ready(entry.tensor, entry.fence)
-        return Lease(self, key, entry, pinned=self._chain.top.capacity_bytes > 0)
+        self._copier.ready(found.entry.tensor, found.entry.fence)
+        return Lease(self, key, found.entry, pinned=self._chain.top.capacity_bytes > 0,
+                     tier=found.tier)
 
     def lease(self, key: bytes) -> Lease | NoLease:
         """``with cache.lease(key) as feats:`` -- feats is the tensor or None; pinned meanwhile."""

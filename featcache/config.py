@@ -61,6 +61,11 @@ REMOTE_SCHEMES = ("redis", "rediss", "unix", "redis-cluster", "rediss-cluster")
 # process (the default with client image ids: an id alone gives the engine process no bytes).
 ENGINE_PROCESSES = ("mp", "in")
 
+# What `featcache serve` tells each response of what its request got from the cache
+# (--featcache-report; featcache.serve_report): the X-Featcache header (the default), the header
+# and the usage object's "featcache" member, or nothing.
+REPORTS = ("header", "usage", "off")
+
 # `featcache serve --trust-client-image-ids [verify]`: "on" trusts ids as given, "verify" checks
 # the bytes that come with an id (featcache.lmdeploy.sources).
 ID_MODES = ("on", "verify")

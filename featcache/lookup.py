@@ -8,6 +8,10 @@ skipped), then the tier itself. A hit below the top is copied to the device (``C
 on the caller's stream) and installed in the top tier; a value a tier copies out (disk, remote)
 lands in a host block (``alloc``) and is kept in the staging (host) tier as well.
 
+Each lookup says where it found the entry (``Found.tier``): the top tier's name, that name too
+for an entry still on its way down (a device tensor), "host" for a write a lower tier's writer
+still queues (its bytes in a host block), else the name of the tier it was read from.
+
 Generations: a lookup that misses the top tier records the key's generation; every put and
 discard of the key bumps it (``invalidate``, under ``order``, before touching any tier). A value
 read below is installed above (``_install``, also under ``order``) only if the generation is
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +34,16 @@ from .copier import Copier, as_bytes, owned_empty
 from .demoter import Demoter
 from .hostpool import Block
 from .tiers.base import Entry
+
+
+class Found(NamedTuple):
+    """A lookup's entry (device-resident) and the name of the tier it was found in."""
+
+    entry: Entry
+    tier: str
+
+
+QUEUED = "host"  # where a write a lower tier's writer still queues is found: its host block
 
 
 class Lookup:
@@ -46,14 +61,15 @@ class Lookup:
         self._count = count
         self._reads: dict[bytes, list[int]] = {}  # key -> [generation, lookups in flight]
 
-    def find(self, key: bytes, pin: bool) -> Entry | None:
-        """The device-resident entry for ``key`` (promoted if it was lower), or None; with
-        ``pin``, pinned in the top tier (a lease) whether or not it was installed there."""
+    def find(self, key: bytes, pin: bool) -> Found | None:
+        """The device-resident entry for ``key`` (promoted if it was lower) and where it was
+        found, or None; with ``pin``, pinned in the top tier (a lease) whether or not it was
+        installed there."""
         top = self._chain.top
         if top.capacity_bytes > 0:
             entry = top.get(key, pin=pin)
             if entry is not None:
-                return entry
+                return Found(entry, top.name)
         generation = self._begin(key)
         try:
             return self._below(key, pin, generation)
@@ -97,24 +113,24 @@ class Lookup:
             self._release([entry.block])
 
     # -- below the top -------------------------------------------------------------------------
-    def _below(self, key: bytes, pin: bool, generation: int) -> Entry | None:
+    def _below(self, key: bytes, pin: bool, generation: int) -> Found | None:
         if self._demoter is not None:
             entry = self._demoter.pending(key)
             if entry is not None:
                 self._count("inflight_hits")
                 self._install(key, generation, device=entry, pin=pin)
-                return entry
+                return Found(entry, self._chain.top.name)
         for slot in self._chain.below:
             if slot.writer is not None:
                 queued, pending = slot.writer.pending(key)  # its block, if any, comes retained
                 if pending is not None:
                     self._count("inflight_hits")
-                    return self._promote(key, pending, pin, generation)
+                    return Found(self._promote(key, pending, pin, generation), QUEUED)
                 if queued:
                     continue  # a delete is queued: what the tier holds must not be served
             entry = self._read(slot, key, pin, generation)
             if entry is not None:
-                return entry
+                return Found(entry, slot.tier.name)
         return None
 
     def _read(self, slot: Slot, key: bytes, pin: bool, generation: int) -> Entry | None:

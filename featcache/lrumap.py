@@ -48,5 +48,10 @@ class LruMap(Generic[K, V]):
         self.put(key, value)
         return value
 
+    def pop(self, key: K, default: V | None = None) -> V | None:
+        """Remove ``key``; its value, else ``default``."""
+        with self._lock:
+            return self._items.pop(key, default)
+
     def __len__(self) -> int:
         return len(self._items)

@@ -14,7 +14,10 @@ featcache installed on the engine the server builds. Differences, logged at star
 - featcache reads every image source a request names, under a ``MediaPolicy``
   (``featcache.lmdeploy.media``): local files only under ``--allowed-local-media-path`` (none
   without it), regular files only, at most ``--max-image-bytes`` of any source; lmdeploy reads
-  none itself.
+  none itself;
+- each response says what its request got from the cache: the ``X-Featcache`` header, and with
+  ``--featcache-report usage`` the ``featcache`` member of its ``usage`` object
+  (``featcache.serve_report``).
 
 featcache's counters are exported on the server's ``/metrics`` (``featcache_*``, beside lmdeploy's)
 unless ``--disable-metrics`` is given; in the multi-process mode those are the frontend's, and
@@ -35,7 +38,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .cache import FeatureCache
-from .config import ENGINE_PROCESSES
+from .config import ENGINE_PROCESSES, REPORTS
 from .lmdeploy import SPECS, keep_prefix_caching, multi_process, wrap
 from .lmdeploy.media import MediaPolicy
 
@@ -105,15 +108,18 @@ def backend_of(args: argparse.Namespace) -> str:
 def run_server(args: argparse.Namespace, cache: FeatureCache, namespace: str | None,
                trust_image_ids: bool | str = False, engine_process: str = ENGINE_PROCESSES[0],
                model_cache: dict[str, Any] | None = None,
-               media_policy: MediaPolicy | None = None) -> None:
+               media_policy: MediaPolicy | None = None, report: str = REPORTS[0]) -> None:
     """Run lmdeploy's ``api_server`` handler for ``args`` (parsed by ``lmdeploy_parser``) until it
     stops, with featcache on its engine and, unless ``--disable-metrics``, on its ``/metrics``.
     The caller owns ``cache`` (and closes it). ``engine_process``, ``model_cache`` (the
     multi-process mode's model-side cache settings) and ``media_policy``: see
-    ``featcache_engine``. SIGINT and SIGTERM stop the process within ``shutdown.DEADLINE_S``,
-    the caller's close of ``cache`` included (``shutdown.bounded_shutdown``)."""
+    ``featcache_engine``. ``report``: what each response says of what its request got from the
+    cache (``serve_report.REPORTS``: the ``X-Featcache`` header, also ``usage.featcache``, or
+    nothing). SIGINT and SIGTERM stop the process within ``shutdown.DEADLINE_S``, the caller's
+    close of ``cache`` included (``shutdown.bounded_shutdown``)."""
     from lmdeploy.cli.serve import SubCliServe
 
+    from .serve_report import reporting_app
     from .shutdown import Watchdog, bounded_shutdown, queued_writes
 
     engines: list[Any] = []  # the engine, once built, where the model runs in other processes
@@ -123,7 +129,7 @@ def run_server(args: argparse.Namespace, cache: FeatureCache, namespace: str | N
     try:
         with bounded_shutdown(Watchdog(pending=lambda: queued_writes(cache))), \
                 featcache_engine(cache, namespace, trust_image_ids, engine_process, model_cache,
-                                 engines, media_policy):
+                                 engines, media_policy), reporting_app(report):
             SubCliServe.api_server(args)  # lmdeploy's handler: builds the server, runs uvicorn
     finally:
         if collector is not None:

@@ -51,7 +51,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("public API", ("featcache",)),
     ("store tools", ("featcache.storetools",)),
     ("lmdeploy integration", ("featcache.lmdeploy",)),
-    ("applications", ("featcache.serve", "featcache.warm", "featcache.demo")),
+    ("applications", ("featcache.serve", "featcache.serve_report", "featcache.warm",
+                      "featcache.demo")),
     ("command line", ("featcache.cli", "featcache.__main__")),
 )
 

@@ -15,10 +15,13 @@ import sys
 from ..config import (
     AUTO_BUDGETS,
     BUDGETS,
+    DEFAULTS,
     ENGINE_PROCESSES,
+    EVICTIONS,
     ID_MODES,
     KEY_ALGORITHMS,
     MEDIA_DEFAULTS,
+    REPORTS,
     SERVING_BUDGETS,
     SERVING_BUDGETS_DEFAULT,
     STORE_DIR_HELP,
@@ -95,6 +98,11 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    f"{AUTO_BUDGETS['device_bytes']}, the host tier {AUTO_BUDGETS['host_bytes']}, "
                    f"the disk {AUTO_BUDGETS['disk_bytes']}. Each process that holds a cache prints "
                    "what it chose and why when it starts (docs/tuning.md)".replace("%", "%%"))
+    g.add_argument("--eviction", choices=EVICTIONS, default=None,
+                   help=f"what the device and host tiers evict when full: 'lru', the least "
+                   f"recently used, or 'value', the entries whose hits save the least vision time "
+                   f"per byte (GreedyDual-Size-Frequency over each entry's measured cost). Default: "
+                   f"{DEFAULTS['eviction']} (docs/tuning.md)")
     g.add_argument("--remote-url", metavar="URL",
                    help="a shared remote tier: redis://[:password@]host:6379/0, rediss://..., "
                    "redis-cluster://node:port (default: none; docs/tuning.md)")
@@ -123,6 +131,12 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    "with other bytes keeps its first image's features; with 'verify', an image "
                    "sent with an id is served from its own bytes, and the id alone names the first "
                    "image it came with (docs/cli.md)")
+    g.add_argument("--featcache-report", choices=REPORTS, default=REPORTS[0],
+                   help="what each response says of what its request got from the cache: "
+                   "'header' (the default), an X-Featcache header (images, hits, their tiers, the "
+                   "vision time saved); 'usage', also a 'featcache' object in a chat completion's "
+                   "usage (streamed: in the final usage chunk, with stream_options.include_usage); "
+                   "'off', nothing (docs/cli.md)")
     g.add_argument("--key-secret-file", metavar="FILE",
                    help="the file of the secret keys are made with (hex; created if missing). "
                    "Default: the remote tier's (--remote-url), else the store's, made at first "
@@ -200,8 +214,9 @@ def _serve(args: argparse.Namespace) -> int:
     sizes = dict(path=args.cache_dir, device_bytes=args.device_bytes, host_bytes=args.host_bytes,
                  disk_bytes=args.disk_bytes, remote_url=args.remote_url,
                  key_algorithm=args.key_algorithm, key_secret_file=args.key_secret_file)
-    if args.budgets is not None:
-        sizes["budgets"] = args.budgets
+    for option in ("budgets", "eviction"):  # left out when not given: the defaults apply
+        if getattr(args, option) is not None:
+            sizes[option] = getattr(args, option)
     model_cache = None
     try:
         if multi_process_args(lmdeploy_args, backend, engine_process):
@@ -220,7 +235,7 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_ERROR
     try:
         run_server(lmdeploy_args, cache, args.namespace, trust_ids, engine_process, model_cache,
-                   media)
+                   media, args.featcache_report)
     finally:
         from ..shutdown import close_reporting
 

@@ -28,7 +28,7 @@ import os
 from typing import Any
 
 from ..cache import FeatureCache
-from ..config import DEFAULT_DIR
+from ..config import DEFAULT_DIR, DEFAULTS, EVICTIONS
 from .budgets import EngineSizedCache, check_budgets, chosen_budgets, default_cache
 from .engine import KeyedInputProcessor, keep_prefix_caching
 from .frontend import SECTION, install_frontend
@@ -37,13 +37,14 @@ from .media import LOCAL_FILES, MediaPolicy
 from .models import SPECS, patch_model_class
 from .prefix import install_prefix_hook
 from .refs import FeatRef
+from .report import RequestReport, install_reports
 from .sources import SourceGuard, install_sources, set_media_policy
 from .sources import trust_image_ids as trust_image_ids_on
 from .tags import FeatTag
 from .turbomind import install_turbomind
 
-__all__ = ["DEFAULT_DIR", "SECTION", "SPECS", "FeatRef", "FeatTag", "MediaPolicy", "chosen_budgets",
-           "default_cache", "model_stats", "multi_process", "pipeline", "wrap"]
+__all__ = ["DEFAULT_DIR", "SECTION", "SPECS", "FeatRef", "FeatTag", "MediaPolicy", "RequestReport",
+           "chosen_budgets", "default_cache", "model_stats", "multi_process", "pipeline", "wrap"]
 
 log = logging.getLogger("featcache")
 
@@ -51,13 +52,14 @@ log = logging.getLogger("featcache")
 def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: str | None = None,
              turbomind: str = "native", trust_image_ids: bool | str = False,
              media_policy: MediaPolicy | None = None, budgets: str | None = None,
-             **pipeline_kwargs: Any) -> Any:
+             eviction: str | None = None, **pipeline_kwargs: Any) -> Any:
     """``lmdeploy.pipeline(model_path, **pipeline_kwargs)`` with featcache wrapped in.
 
     Same arguments and return type. ``cache=None`` builds ``default_cache(budgets=budgets)``
     once the engine is built (closed with the pipeline; ``host_only`` when the backend is
     TurboMind): ``budgets="auto"`` sizes its device tier from what the engine's KV cache left
-    (``chosen_budgets(pipe.featcache)`` says what each tier got and why; docs/tuning.md).
+    (``chosen_budgets(pipe.featcache)`` says what each tier got and why; docs/tuning.md), and
+    ``eviction`` ("lru" or "value", None: the config's default) is what its memory tiers evict.
     ``enable_prefix_caching=True`` in a
     ``PytorchEngineConfig`` stays on for the supported models (lmdeploy alone turns it off for
     them). ``turbomind`` ("native", "features" or "combined"), ``trust_image_ids`` and ``media_policy``: see
@@ -73,22 +75,26 @@ def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: s
     import lmdeploy
 
     owned = cache is None
+    built = {k: v for k, v in (("budgets", budgets), ("eviction", eviction)) if v is not None}
+    if built and cache is not None:
+        raise ValueError(f"{' and '.join(built)} set the cache pipeline() builds (cache=None); a "
+                         "cache passed in keeps its own budgets and eviction")
     if budgets is not None:
-        if cache is not None:
-            raise ValueError("budgets sizes the cache pipeline() builds (cache=None); a cache "
-                             "passed in keeps its own budgets")
         check_budgets(budgets)
+    if eviction is not None and eviction not in EVICTIONS:
+        raise ValueError(f"eviction must be one of {', '.join(EVICTIONS)} (None: "
+                         f"{DEFAULTS['eviction']}), not {eviction!r}")
     backend_config = pipeline_kwargs.get("backend_config")
     if multi_process(backend_config):
         from .processes import FeatcacheEngineConfig, cache_settings
 
         settings = (cache_settings(cache) if cache is not None  # else the config's own, if any
                     else getattr(backend_config, "featcache_cache", None))
-        if budgets is not None:  # each model process sizes its own
+        if built:  # each model process builds its own
             if settings is not None:
-                raise ValueError("budgets and a FeatcacheEngineConfig's own featcache_cache: "
-                                 "give the budgets in its settings instead")
-            settings = {"default_cache": {"budgets": budgets}}
+                raise ValueError(f"{' and '.join(built)} and a FeatcacheEngineConfig's own "
+                                 "featcache_cache: give them in its settings instead")
+            settings = {"default_cache": built}
         backend_config = FeatcacheEngineConfig.of(backend_config, settings)
         pipeline_kwargs["backend_config"] = backend_config
         if cache is None:
@@ -101,7 +107,7 @@ def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: s
         try:
             engine_config = getattr(pipe.async_engine, "backend_config", None)
             cache = default_cache(host_only=not isinstance(engine_config, lmdeploy.PytorchEngineConfig),
-                                  budgets=budgets, engine=engine_config)
+                                  budgets=budgets, eviction=eviction, engine=engine_config)
         except BaseException:
             pipe.close()
             raise
@@ -228,6 +234,7 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
                          hasher=settings_hasher(engine.backend_config.featcache_cache))
         trust_image_ids_on(engine.prompt_processor, trust_image_ids)
         _read_sources_under(engine.prompt_processor, media)
+        install_reports(engine, "mp")
         pipe.featcache = cache
         log.info("featcache: caching %s image features in the model processes (namespace %s)",
                  arch, namespace)
@@ -237,6 +244,7 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
     trust_image_ids_on(engine.prompt_processor, trust_image_ids)
     _read_sources_under(engine.prompt_processor, media)
     engine.engine.input_processor = KeyedInputProcessor(inner)
+    install_reports(engine, "in")
     if engine.backend_config.enable_prefix_caching:  # matches may end inside held images
         remove_prefix_hook = install_prefix_hook()
         close = getattr(pipe, "close", None)

@@ -61,7 +61,7 @@ def default_cache(*, path: str | None = None, device_bytes: int | None = None,
                   host_only: bool = False, remote_url: str | None = None,
                   disk_writes: bool = True, key_algorithm: str | None = None,
                   key_secret_file: str | None = None, budgets: str | None = None,
-                  engine: Any = None, before_engine: bool = False,
+                  eviction: str | None = None, engine: Any = None, before_engine: bool = False,
                   announce: Announce | None = None) -> FeatureCache:
     """The cache ``pipeline(cache=None)`` builds; each argument overrides one default.
 
@@ -78,7 +78,8 @@ def default_cache(*, path: str | None = None, device_bytes: int | None = None,
     separate host tier. ``remote_url``: a shared remote tier (Redis or Valkey, docs/tuning.md),
     off by default. ``disk_writes=False``: the store is read, never written (tp ranks > 0: rank 0
     writes the features every rank computed). ``key_algorithm`` and ``key_secret_file``: how
-    keys are made (``featcache.keysecret``; None: the defaults).
+    keys are made (``featcache.keysecret``; None: the defaults). ``eviction``: what the device
+    and host tiers evict, one of ``config.EVICTIONS`` (None: the config's default).
     """
     mode = check_budgets(budgets)
     path = path or default_store_dir()
@@ -86,7 +87,8 @@ def default_cache(*, path: str | None = None, device_bytes: int | None = None,
     given = {"device_bytes": device_bytes, "host_bytes": host_bytes, "disk_bytes": disk_bytes}
     rest: dict[str, Any] = {"remote_url": remote_url, "disk_writes": disk_writes}
     rest.update((k, v) for k, v in (("key_algorithm", key_algorithm),
-                                    ("key_secret_file", key_secret_file)) if v is not None)
+                                    ("key_secret_file", key_secret_file),
+                                    ("eviction", eviction)) if v is not None)
     if mode == "auto" and before_engine and not host_only and autosize.cuda_available():
         return EngineSizedCache(path, given, rest, announce)
     memory = EngineMemory.of(engine) if engine is not None else None

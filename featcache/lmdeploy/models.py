@@ -226,6 +226,7 @@ def _serve(plan: _Plan, run_vision: Callable[[], torch.Tensor],
         pieces = list(flat.split(sizes))
         for (ref, _), piece, cost in zip(misses, pieces, costs, strict=True):
             if ref is not None:
+                ref.cost_s = cost  # what this request's report says its miss cost
                 ref.cache.put(ref.key, piece, meta=ref.meta, cost_s=cost)
         cache.count(SECTION, "vision_images", len(misses))
         cache.count(SECTION, "vision_calls")

@@ -25,13 +25,18 @@ REF_KEY = "featcache"  # the per-image dict / MultiModalData.meta key holding th
 
 
 class FeatRef:
-    __slots__ = ("__weakref__", "cache", "key", "lease", "meta")
+    """``lease`` is a hit's (None: a miss, whose features the model hook computes and puts);
+    ``cost_s`` is what the model hook measured of a miss's vision call (``visioncost``; None
+    before it ran, or where the time is not known yet), read by a request's report (``report``)."""
+
+    __slots__ = ("__weakref__", "cache", "cost_s", "key", "lease", "meta")
 
     def __init__(self, cache: FeatureCache, key: bytes, meta: bytes, lease: Lease | None) -> None:
         self.cache = cache
         self.key = key
         self.meta = meta
         self.lease = lease
+        self.cost_s: float | None = None
         if lease is not None:
             weakref.finalize(self, lease.release)
 
