@@ -450,3 +450,44 @@ def test_each_pipeline_response_carries_its_report(model, monkeypatch, tmp_path)
         pipe.close()
         gc.collect()
         cache.close()
+
+
+# -- the GPU check's client side, against the CPU server ------------------------------------------
+@pytest.fixture(scope="module")
+def gpu_check():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "bench"))
+    import request_report_check
+
+    return request_report_check
+
+
+@pytest.mark.parametrize("mode", ["in", "mp"])
+def test_the_gpu_checks_requests_and_verdict_hold_on_the_cpu_server(serve, gpu_check, mode):
+    """bench/request_report_check.py's requests (13-tile PNGs as data URLs, a stream, two at
+    once) and expectations, against `featcache serve` here; only its server start is the GPU's."""
+    seen = {}
+
+    def drive(client):
+        seen["served"] = gpu_check.run_requests(client.port, f"http://127.0.0.1:{client.port}", mode)
+
+    flags = ["--engine-process", mode, "--featcache-report", "usage", "--device-bytes", "64MiB"]
+    assert serve(flags, drive) == 0
+    checks = gpu_check.checks(mode, seen["served"], cuda=False)
+    assert len(checks) > 15 and all(c["ok"] for c in checks), [c for c in checks if not c["ok"]]
+
+
+def test_the_gpu_check_dry_runs_with_command_lines_featcache_takes(gpu_check, capsys):
+    from bench.lib.servers import parse_command
+
+    assert gpu_check.main(["--model", "/m/x", "--dry-run"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    for mode, cmd in plan["servers"].items():
+        ours, theirs = parse_command(cmd)
+        assert (ours.engine_process, ours.featcache_report) == (mode, "usage")
+        assert theirs.enable_prefix_caching and theirs.model_path == "/m/x"
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--model", "/m/x", "--servers", "tm"])

@@ -19,6 +19,9 @@ Two modes, chosen from the engine config:
   runs the model keeps its own cache (``ranks``) and skips the vision tower for the images every
   rank holds. ``pipeline()`` turns the engine config into a ``FeatcacheEngineConfig``
   (``processes``), which carries featcache into those processes.
+
+Each response says what its request got from the cache: ``Response.featcache``, a
+``RequestReport`` (``report``; what it covers in either mode: docs/cli.md).
 """
 
 from __future__ import annotations
@@ -185,7 +188,9 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
     ``media_policy``: where local image files may lie and how many bytes any image source may
     have (``featcache.lmdeploy.media.MediaPolicy``); default ``media.LOCAL_FILES``, any file of
     the caller's, at most ``MEDIA_DEFAULTS["max_image_bytes"]``. featcache reads every image
-    source under it, for an architecture it does not cache too (lmdeploy reads none). An
+    source under it, for an architecture it does not cache too (lmdeploy reads none). Each
+    request of a model it caches is reported (``report.install_reports``: each ``Response``'s
+    ``featcache``, a ``RequestReport``; the server's ``X-Featcache`` header). An
     ``EngineSizedCache`` (``default_cache(budgets="auto", before_engine=True)``) is sized here,
     from what this pipeline's engine left.
     """

@@ -80,7 +80,7 @@ class RequestReport:
         if self.mode != "in":
             return None
         costs = [ref.cost_s for ref in self.misses]
-        return None if any(c is None for c in costs) else sum(c for c in costs if c is not None)
+        return None if any(c is None for c in costs) else sum((c for c in costs if c is not None), 0.0)
 
     def header(self) -> str:
         """The ``X-Featcache`` header's value (docs/cli.md): ``mode=in; images=2; hits=1;
