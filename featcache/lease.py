@@ -18,7 +18,7 @@ class Lease:
     ``tensor`` is ready on the acquiring thread's current stream; a user on another stream calls
     ``ready()`` there first. ``meta`` is the metadata stored with the entry (b"" if none).
     ``tier`` is the name of the tier the lookup found it in (``lookup.Found``): "device" (no
-    copy), "host", "disk" or "remote" (promoted to the device by this lookup).
+    copy), or "host", "disk" or "remote" (read there and copied to the device by this lookup).
     """
 
     def __init__(self, cache: FeatureCache, key: bytes, entry: Entry, pinned: bool,
