@@ -24,8 +24,10 @@ unless ``--disable-metrics`` is given; in the multi-process mode those are the f
 each model process's own cache is exported beside them as ``featcache_model_*{rank}`` (read
 from the engine at every scrape: ``featcache.lmdeploy.model_stats``). ``--dp`` > 1 is
 refused (one server per GPU over a shared cache directory instead); ``--tp`` > 1 on TurboMind is
-served with a warning (``caveat``: not yet run on GPUs). The command line is
-``featcache.cli.serving``'s.
+served with a warning (``caveat``: not yet run on GPUs). ``--turbomind features|combined`` picks
+featcache's TurboMind path (``wrap``'s ``turbomind``; native by default), refused at start on the
+PyTorch engine or for an architecture the features path cannot serve (``turbomind_refusal``).
+The command line is ``featcache.cli.serving``'s.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ from .cache import FeatureCache
 from .config import ENGINE_PROCESSES, REPORTS
 from .lmdeploy import SPECS, keep_prefix_caching, multi_process, wrap
 from .lmdeploy.media import MediaPolicy
+from .lmdeploy.turbomind import PATHS
+
+TURBOMIND_PATHS = tuple(PATHS)  # "native" (the default), "features", "combined"
 
 log = logging.getLogger("featcache")
 
@@ -72,6 +77,35 @@ def caveat(args: argparse.Namespace, backend: str) -> str | None:
     if args.tp > 1 and backend == "turbomind":
         return ("featcache's TurboMind path has run on GPUs at --tp 1 only; at --tp "
                 f"{args.tp} it works the same way (before the engine) but is not verified yet")
+    return None
+
+
+def turbomind_refusal(path: str, backend: str, args: argparse.Namespace) -> str | None:
+    """Why ``--turbomind path`` cannot serve lmdeploy's parsed ``args`` on ``backend``, or None:
+    a path other than "native" on the PyTorch engine (the paths are TurboMind's), or features and
+    combined for an architecture the features path cannot serve (``wrap``'s own message,
+    ``tm_features.check_features_arch``, said before the engine is built rather than when it is).
+    """
+    if path == "native":
+        return None
+    if path not in TURBOMIND_PATHS:
+        return f"--turbomind is one of {', '.join(TURBOMIND_PATHS)}, not {path!r}"
+    if backend != "turbomind":
+        return (f"--turbomind {path} picks a path of the TurboMind backend, and this model is "
+                f"served on {backend} (--backend {backend}, or lmdeploy's choice when TurboMind "
+                "cannot run it here); give --backend turbomind, or leave --turbomind out")
+    from lmdeploy.archs import get_model_arch
+
+    from .lmdeploy.tm_features import check_features_arch
+
+    try:
+        arch, _ = get_model_arch(args.model_path, trust_remote_code=args.trust_remote_code)
+    except Exception:  # noqa: BLE001 (a config lmdeploy cannot read: wrap judges it at the build)
+        return None
+    try:
+        check_features_arch(arch)
+    except ValueError as e:
+        return f"--turbomind {path}: {e}".replace("turbomind='native'", "--turbomind native")
     return None
 
 
@@ -108,14 +142,16 @@ def backend_of(args: argparse.Namespace) -> str:
 def run_server(args: argparse.Namespace, cache: FeatureCache, namespace: str | None,
                trust_image_ids: bool | str = False, engine_process: str = ENGINE_PROCESSES[0],
                model_cache: dict[str, Any] | None = None,
-               media_policy: MediaPolicy | None = None, report: str = REPORTS[0]) -> None:
+               media_policy: MediaPolicy | None = None, report: str = REPORTS[0],
+               turbomind: str = TURBOMIND_PATHS[0]) -> None:
     """Run lmdeploy's ``api_server`` handler for ``args`` (parsed by ``lmdeploy_parser``) until it
     stops, with featcache on its engine and, unless ``--disable-metrics``, on its ``/metrics``.
     The caller owns ``cache`` (and closes it). ``engine_process``, ``model_cache`` (the
     multi-process mode's model-side cache settings) and ``media_policy``: see
     ``featcache_engine``. ``report``: what each response says of what its request got from the
     cache (``serve_report.REPORTS``: the ``X-Featcache`` header, also ``usage.featcache``, or
-    nothing). SIGINT and SIGTERM stop the process within ``shutdown.DEADLINE_S``, the caller's
+    nothing). ``turbomind``: featcache's path on a TurboMind engine (``wrap``'s; the PyTorch
+    engine ignores it). SIGINT and SIGTERM stop the process within ``shutdown.DEADLINE_S``, the caller's
     close of ``cache`` included (``shutdown.bounded_shutdown``)."""
     from lmdeploy.cli.serve import SubCliServe
 
@@ -129,7 +165,7 @@ def run_server(args: argparse.Namespace, cache: FeatureCache, namespace: str | N
     try:
         with bounded_shutdown(Watchdog(pending=lambda: queued_writes(cache))), \
                 featcache_engine(cache, namespace, trust_image_ids, engine_process, model_cache,
-                                 engines, media_policy), reporting_app(report):
+                                 engines, media_policy, turbomind), reporting_app(report):
             SubCliServe.api_server(args)  # lmdeploy's handler: builds the server, runs uvicorn
     finally:
         if collector is not None:
@@ -170,7 +206,8 @@ def featcache_engine(cache: FeatureCache, namespace: str | None,
                      trust_image_ids: bool | str = False, engine_process: str = ENGINE_PROCESSES[0],
                      model_cache: dict[str, Any] | None = None,
                      engines: list[Any] | None = None,
-                     media_policy: MediaPolicy | None = None) -> Iterator[None]:
+                     media_policy: MediaPolicy | None = None,
+                     turbomind: str = TURBOMIND_PATHS[0]) -> Iterator[None]:
     """While active, the engine lmdeploy's api_server builds has featcache.
 
     The hook is ``get_task`` as imported by ``lmdeploy.serve.openai.api_server``: its second value
@@ -181,10 +218,13 @@ def featcache_engine(cache: FeatureCache, namespace: str | None,
     with ``model_cache`` as its model processes' cache settings, and the engine built is appended
     to ``engines`` (``model_processes`` reads its counters). ``media_policy``: what the server
     reads of the images requests name (None: ``MediaPolicy()``, no local files, the default
-    byte cap; unlike the Python API's default, which reads any file).
+    byte cap; unlike the Python API's default, which reads any file). ``turbomind``: featcache's
+    path on a TurboMind engine ("native", "features" or "combined": ``wrap``'s ``turbomind``).
     """
     if engine_process not in ENGINE_PROCESSES:
         raise ValueError(f"engine_process is one of {ENGINE_PROCESSES}, not {engine_process!r}")
+    if turbomind not in TURBOMIND_PATHS:
+        raise ValueError(f"turbomind is one of {TURBOMIND_PATHS}, not {turbomind!r}")
     from lmdeploy import PytorchEngineConfig
     from lmdeploy.serve.openai import api_server
 
@@ -217,7 +257,7 @@ def featcache_engine(cache: FeatureCache, namespace: str | None,
             if elsewhere and engines is not None:
                 engines.append(engine)
             wrap(types.SimpleNamespace(async_engine=engine), cache, namespace=namespace,
-                 trust_image_ids=trust_image_ids, media_policy=media)
+                 trust_image_ids=trust_image_ids, media_policy=media, turbomind=turbomind)
             engine.featcache = cache
             return engine
 

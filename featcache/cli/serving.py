@@ -123,6 +123,13 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    "(the default with --trust-client-image-ids). A resent image skips decoding, "
                    "preprocessing and the vision model in both; --tp > 1 works with both "
                    "(docs/multi-gpu.md)")
+    g.add_argument("--turbomind", choices=TURBOMIND_PATHS, default=TURBOMIND_PATHS[0],
+                   help="with the TurboMind backend, featcache's path: 'native' (engine-ready "
+                   "pixels, TurboMind's own vision model; the default), 'features' or 'combined' "
+                   "(InternVL: vision features, and for combined pixels too, routed per request; "
+                   "featcache's Python vision tower runs on the GPU beside TurboMind's). Refused "
+                   "on the PyTorch engine and for models the features path cannot serve "
+                   "(docs/turbomind.md)")
     g.add_argument("--trust-client-image-ids", nargs="?", const="on", choices=ID_MODES,
                    default=None, metavar="verify",
                    help="honour the ids clients give their images (\"uuid\" beside image_url), so a "
@@ -186,6 +193,7 @@ def _serve(args: argparse.Namespace) -> int:
         multi_process_args,
         refusal,
         run_server,
+        turbomind_refusal,
     )
 
     lmdeploy_args = lmdeploy_parser().parse_args(rest)
@@ -205,6 +213,13 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"featcache serve: error: {why}", file=sys.stderr)
         return EXIT_ERROR
     backend = backend_of(lmdeploy_args)
+    why = turbomind_refusal(args.turbomind, backend, lmdeploy_args)
+    if why:  # before the engine is built: at start, not at the first request
+        print(f"featcache serve: error: {why}", file=sys.stderr)
+        return EXIT_BAD
+    if args.turbomind != TURBOMIND_PATHS[0]:
+        print(f"featcache serve: TurboMind {args.turbomind} path: featcache's vision tower runs "
+              "in Python on the GPU, beside TurboMind's own (docs/turbomind.md)", file=sys.stderr)
     note = caveat(lmdeploy_args, backend)
     if note:
         print(f"featcache serve: warning: {note}", file=sys.stderr)
@@ -235,7 +250,7 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_ERROR
     try:
         run_server(lmdeploy_args, cache, args.namespace, trust_ids, engine_process, model_cache,
-                   media, args.featcache_report)
+                   media, args.featcache_report, turbomind=args.turbomind)
     finally:
         from ..shutdown import close_reporting
 
