@@ -97,10 +97,15 @@ def terminate_children(grace_s: float = CHILD_GRACE_S) -> int:
     return len(children)
 
 
+def queued(cache: Any) -> tuple[int, int]:
+    """The demotions and disk writes ``cache`` still holds for its lower tiers."""
+    counts = cache.stats().get("cache", {})
+    return int(counts.get("demote_queue", 0)), int(counts.get("disk_queue", 0))
+
+
 def queued_writes(cache: Any) -> str:
     """What ``cache`` still held for its lower tiers (lost if the process ends now)."""
-    counts = cache.stats().get("cache", {})
-    demote, disk = int(counts.get("demote_queue", 0)), int(counts.get("disk_queue", 0))
+    demote, disk = queued(cache)
     if not demote and not disk:
         return "no disk writes were queued in this process"
     return f"lost: {demote} queued demotion(s), {disk} queued disk write(s) of this process"
@@ -111,8 +116,7 @@ def close_reporting(cache: Any, who: str = "featcache serve") -> str:
     says so: the last word of a process on its disk writes. A close that fails is reported, not
     raised: the process is ending either way."""
     try:
-        counts = cache.stats().get("cache", {})
-        demote, disk = int(counts.get("demote_queue", 0)), int(counts.get("disk_queue", 0))
+        demote, disk = queued(cache)
     except Exception:  # noqa: BLE001 (a closed or broken cache: the close below says more)
         demote = disk = 0
     start = time.monotonic()
