@@ -58,6 +58,21 @@ def _namespace(record: Any) -> str | None:
     return ns if isinstance(ns, str) else None
 
 
+def _json_object(meta: bytes | None, field: str) -> dict[str, Any]:
+    """``meta`` as the JSON object a ``field=`` of ``put`` is recorded in (empty for no metadata);
+    ``ValueError`` for metadata that is not one (opaque bytes have nowhere to record it)."""
+    if not meta:
+        return {}
+    try:
+        record = json.loads(meta)
+    except (UnicodeDecodeError, ValueError):
+        record = None
+    if not isinstance(record, dict):
+        raise ValueError(f"{field}= is recorded in the entry's metadata, which must then be "
+                         "None or a JSON object; these meta bytes are not one")
+    return record
+
+
 def with_namespace(meta: bytes | None, namespace: str) -> bytes:
     """``meta`` with ``namespace`` recorded as its ``"ns"`` (what ``FeatureCache.put(...,
     namespace=...)`` stores, so that ``featcache ls`` shows it and ``purge --namespace`` finds it):
@@ -68,17 +83,9 @@ def with_namespace(meta: bytes | None, namespace: str) -> bytes:
     another namespace."""
     if not isinstance(namespace, str) or not namespace:
         raise TypeError(f"namespace must be a non-empty str, not {namespace!r}")
-    record: Any = {}
-    if meta:
-        try:
-            record = json.loads(meta)
-        except (UnicodeDecodeError, ValueError):
-            record = None
-        if not isinstance(record, dict):
-            raise ValueError("namespace= is recorded in the entry's metadata, which must then be "
-                             "None or a JSON object; these meta bytes are not one")
-        if record.get("ns", namespace) != namespace:
-            raise ValueError(f"meta records namespace {record['ns']!r}, not {namespace!r}")
+    record = _json_object(meta, "namespace")
+    if record.get("ns", namespace) != namespace:
+        raise ValueError(f"meta records namespace {record['ns']!r}, not {namespace!r}")
     record["ns"] = namespace
     return json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
 
@@ -114,15 +121,7 @@ def with_cost(meta: bytes | None, cost_s: float) -> bytes:
         raise TypeError(f"cost_s must be a number of seconds, not {type(cost_s).__name__} {cost_s!r}")
     if not 0 <= cost_s < float("inf"):
         raise ValueError(f"cost_s must be a finite number of seconds >= 0, not {cost_s!r}")
-    record: Any = {}
-    if meta:
-        try:
-            record = json.loads(meta)
-        except (UnicodeDecodeError, ValueError):
-            record = None
-        if not isinstance(record, dict):
-            raise ValueError("cost_s= is recorded in the entry's metadata, which must then be "
-                             "None or a JSON object; these meta bytes are not one")
+    record = _json_object(meta, "cost_s")
     record[COST_FIELD] = round(float(cost_s), 6)
     return json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
 
