@@ -43,7 +43,7 @@ from .entry_meta import encode_item
 from .frontend import SECTION, _preprocessed
 from .refs import REF_KEY, FeatRef
 from .tm_common import check_host_cache, engine_vision_dtype
-from .tm_features import FeatureServer, check_features_arch, features_tower
+from .tm_features import FeatureServer, check_features_arch, features_tower, install_server
 from .tm_native import install_native, pixels_namespace
 from .tm_route import FEATURES, NATIVE, Route, RouteBook, context_digests, decide
 
@@ -103,11 +103,7 @@ class CombinedServer:
     def install(self, vision_model: Any) -> None:
         """Instance attributes shadowing lmdeploy's (the vision model's ``preprocess`` must be the
         native path's already: ``install_native``)."""
-        vision_model._turbomind_native_vision = False
-        vision_model.forward = self.forward
-        vision_model.to_turbomind = lambda messages, chat_template, tokenizer, tools=None, \
-            chat_template_kwargs=None, **kwargs: self.to_turbomind(
-                vision_model, messages, chat_template, tokenizer, tools, chat_template_kwargs)
+        install_server(vision_model, self)
 
     def forward(self, messages: list[dict[str, Any]], max_batch_size: int = 1) -> list[dict[str, Any]]:
         """Route the request and append ``{'role': 'forward', 'content': FEATURES OR None,

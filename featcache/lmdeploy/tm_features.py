@@ -282,6 +282,17 @@ def _vision_state_dict(path: str, prefixes: tuple[str, ...] = _PREFIXES) -> dict
     return state
 
 
+def install_server(vision_model: Any, server: Any) -> None:
+    """``server``'s ``forward`` and ``to_turbomind`` as instance attributes shadowing lmdeploy's
+    on ``vision_model``, its own vision off: TurboMind then takes what ``server`` hands it (the
+    features path's ``FeatureServer``, the combined configuration's ``CombinedServer``)."""
+    vision_model._turbomind_native_vision = False
+    vision_model.forward = server.forward
+    vision_model.to_turbomind = lambda messages, chat_template, tokenizer, tools=None, \
+        chat_template_kwargs=None, **kwargs: server.to_turbomind(
+            vision_model, messages, chat_template, tokenizer, tools, chat_template_kwargs)
+
+
 class FeatureServer:
     """lmdeploy's ``VisionModel.forward`` / ``to_turbomind`` for the features path."""
 
@@ -295,11 +306,7 @@ class FeatureServer:
 
     def install(self, vision_model: Any) -> None:
         """Instance attributes shadowing lmdeploy's: TurboMind then takes ``input_embeddings``."""
-        vision_model._turbomind_native_vision = False
-        vision_model.forward = self.forward
-        vision_model.to_turbomind = lambda messages, chat_template, tokenizer, tools=None, \
-            chat_template_kwargs=None, **kwargs: self.to_turbomind(
-                vision_model, messages, chat_template, tokenizer, tools, chat_template_kwargs)
+        install_server(vision_model, self)
 
     def forward(self, messages: list[dict[str, Any]], max_batch_size: int = 1) -> list[dict[str, Any]]:
         """Append ``{'role': 'forward', 'content': [features of each image, in order]}``: each a
