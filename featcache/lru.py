@@ -17,6 +17,34 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 
+class Pins:
+    """How many users hold each key lent to them (both books' leases: a key held is never a
+    victim). A key is in it while its count is positive."""
+
+    def __init__(self) -> None:
+        self._counts: dict[bytes, int] = {}
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._counts
+
+    def add(self, key: bytes) -> bool:
+        """One more holder of ``key``; True if it is the first."""
+        count = self._counts.get(key, 0)
+        self._counts[key] = count + 1
+        return not count
+
+    def drop(self, key: bytes) -> bool:
+        """One holder of ``key`` fewer; True if that was the last. AssertionError without one."""
+        count = self._counts.get(key, 0) - 1
+        if count < 0:
+            raise AssertionError(f"unpin without pin for {key.hex()}")
+        if count:
+            self._counts[key] = count
+            return False
+        del self._counts[key]
+        return True
+
+
 class LruBooks:
     """Least recently used first. ``add``'s ``cost_s`` is accepted and ignored (the books of
     ``eviction="value"`` weigh it)."""
@@ -25,7 +53,7 @@ class LruBooks:
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self._sizes: OrderedDict[bytes, int] = OrderedDict()  # oldest first
-        self._pins: dict[bytes, int] = {}
+        self._pins = Pins()
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._sizes
@@ -73,7 +101,7 @@ class LruBooks:
         return key
 
     def unpinned_oldest_first(self) -> Iterator[bytes]:
-        return (k for k in self._sizes if not self._pins.get(k))
+        return (k for k in self._sizes if k not in self._pins)
 
     def add(self, key: bytes, nbytes: int, cost_s: float | None = None) -> None:
         self.remove(key)
@@ -89,16 +117,10 @@ class LruBooks:
         return nbytes
 
     def pin(self, key: bytes) -> None:
-        self._pins[key] = self._pins.get(key, 0) + 1
+        self._pins.add(key)
 
     def unpin(self, key: bytes) -> None:
-        count = self._pins.get(key, 0) - 1
-        if count < 0:
-            raise AssertionError(f"unpin without pin for {key.hex()}")
-        if count:
-            self._pins[key] = count
-        else:
-            del self._pins[key]
+        self._pins.drop(key)
 
     def pinned(self, key: bytes) -> bool:
-        return bool(self._pins.get(key))
+        return key in self._pins

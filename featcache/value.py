@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import heapq
 
+from .lru import Pins
+
 # What a byte saves when a key's cost is unknown (put without one) and no key with a known cost
 # was added yet: InternVL2-2B's vision model on a 13-tile image, 24.6 ms for 13.6 MB of features
 # (docs/benchmarks.md, "InternVL2-26B and InternVL2-2B": the cheaper of the two models measured).
@@ -56,7 +58,7 @@ class ValueBooks:
         self._items: dict[bytes, _Item] = {}
         self._heap: list[tuple[float, int, bytes]] = []
         self._seq = 0
-        self._pins: dict[bytes, int] = {}
+        self._pins = Pins()
         self._known_worth = 0.0  # the sum of the worths of the keys added with a known cost
         self._known = 0  # how many
 
@@ -157,26 +159,17 @@ class ValueBooks:
         return None
 
     def pin(self, key: bytes) -> None:
-        count = self._pins.get(key, 0)
-        self._pins[key] = count + 1
         item = self._items.get(key)
-        if not count and item is not None:
+        if self._pins.add(key) and item is not None:
             item.seq = -1  # its heap record goes stale: a pinned key is no candidate
 
     def unpin(self, key: bytes) -> None:
-        count = self._pins.get(key, 0) - 1
-        if count < 0:
-            raise AssertionError(f"unpin without pin for {key.hex()}")
-        if count:
-            self._pins[key] = count
-            return
-        del self._pins[key]
         item = self._items.get(key)
-        if item is not None:
+        if self._pins.drop(key) and item is not None:
             self._push(key, item)  # a candidate again, at the H its uses earned
 
     def pinned(self, key: bytes) -> bool:
-        return bool(self._pins.get(key))
+        return key in self._pins
 
     def _push(self, key: bytes, item: _Item) -> None:
         self._seq += 1
