@@ -1,7 +1,7 @@
 """How fast `featcache serve` (and plain `lmdeploy serve api_server`) stop on SIGINT/SIGTERM, on a GPU.
 
     python bench/shutdown_serve.py --model DIR --out DIR [--configs NAME,...] [--repeats N]
-                                   [--signal INT|TERM] [--dry-run]
+                                   [--signal INT|TERM] [--parallel] [--dry-run]
 
 Issue 27: on the H200 `featcache serve MODEL --enable-prefix-caching` once did not exit within
 60 s of SIGINT. Per configuration and repetition: start the server (its own process group, as a
@@ -17,16 +17,25 @@ Configurations (``--configs``, default all PyTorch ones): ``plain`` and ``plain_
 ``fc_mp`` / ``fc_mp_prefix`` (featcache, lmdeploy's engine process), ``fc_in`` / ``fc_in_prefix``
 (featcache, engine in the server's process); with ``--backend turbomind``: ``plain_tm``, ``fc_tm``.
 Results: ``shutdown-INT.json`` (or ``-TERM``) in --out, rewritten after each run.
+
+``--parallel`` runs a repetition's configurations at once, each on its own port (the GPU holds
+them all: PyTorch servers take 5% of its memory for KV, TurboMind 20%); starting a server is most
+of a run's time, so this divides the device time by the number of configurations. Each run's
+``gpu_left`` is the GPU's processes afterwards that were in that server's process group before the
+signal, so the other servers' processes do not count against it; their load on the host can only
+make a stop slower, never faster.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -42,16 +51,16 @@ PYTORCH = ("plain", "plain_prefix", "fc_mp", "fc_mp_prefix", "fc_in", "fc_in_pre
 TURBOMIND = ("plain_tm", "fc_tm")
 
 
-def command(name: str, model: str, store: str) -> list[str]:
+def command(name: str, model: str, store: str, port: int = PORT) -> list[str]:
     """The configuration's server: prefix caching for ``*_prefix`` and TurboMind (``*_tm``), the
     engine in featcache's process (``fc_in*``) or lmdeploy's engine process (``fc_mp*``)."""
     tm = name.endswith("_tm")
     flags = server_flags("turbomind" if tm else "pytorch", eager=True,
                          prefix=name.endswith("_prefix") or tm, log_level="INFO")
     if name.startswith("plain"):
-        return lmdeploy_command(model, PORT, flags)
+        return lmdeploy_command(model, port, flags)
     process = None if tm else ("in" if name.startswith("fc_in") else "mp")
-    return featcache_command(model, store, PORT, flags, process)
+    return featcache_command(model, store, port, flags, process)
 
 
 def group_alive(pgid: int) -> list[int]:
@@ -76,16 +85,17 @@ def gpu_pids() -> list[int]:
     return [int(x) for x in out.split() if x.strip().isdigit()]
 
 
-def one_run(name: str, cmd: list[str], image: str, logs: str, rep: int, sig: int,
+def one_run(name: str, cmd: list[str], port: int, image: str, logs: str, rep: int, sig: int,
             ready_timeout: float, wait_s: float) -> dict[str, Any]:
     log_path = os.path.join(logs, f"{name}-{rep}-{signal.Signals(sig).name}.log")
     row: dict[str, Any] = {"config": name, "rep": rep, "command": shlex.join(cmd)}
     proc = None
     try:
-        proc, ready = start(cmd, PORT, log_path, ready_timeout)  # in its own process group
+        proc, ready = start(cmd, port, log_path, ready_timeout)  # in its own process group
         row["ready_s"] = round(ready, 1)
-        row["turn"] = run_chat(f"http://127.0.0.1:{PORT}", image, 1, max_tokens=4)[0]["ttft_ms"]
+        row["turn"] = run_chat(f"http://127.0.0.1:{port}", image, 1, max_tokens=4)[0]["ttft_ms"]
         before = gpu_pids()
+        group = set(group_alive(proc.pid))
         signalled = time.monotonic()
         os.killpg(proc.pid, sig)  # what Ctrl-C does: the signal to the whole group
         try:
@@ -98,6 +108,7 @@ def one_run(name: str, cmd: list[str], image: str, logs: str, rep: int, sig: int
         row["left"] = group_alive(proc.pid)
         row["gpu_pids_before"] = before
         row["gpu_pids_after"] = gpu_pids()
+        row["gpu_left"] = [pid for pid in row["gpu_pids_after"] if pid in group]
     except Exception as e:  # keep what ran; the log says why
         row["error"] = f"{type(e).__name__}: {e}"
     finally:
@@ -106,7 +117,7 @@ def one_run(name: str, cmd: list[str], image: str, logs: str, rep: int, sig: int
         time.sleep(1)
     row["log_tail"] = tail(log_path, 1500).splitlines()[-8:]
     print(f"[{name} #{rep}] exit {row.get('exit_s')} s, rc {row.get('rc')}, left {row.get('left')}, "
-          f"gpu after {row.get('gpu_pids_after')}{' ERROR ' + row['error'] if 'error' in row else ''}",
+          f"gpu left {row.get('gpu_left')}{' ERROR ' + row['error'] if 'error' in row else ''}",
           flush=True)
     return row
 
@@ -123,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", default="/tmp/shutdown-store")
     p.add_argument("--logs", default="/tmp/shutdown-logs",
                    help="the servers' logs (their tails are in the JSON; the device returns 8 files)")
+    p.add_argument("--parallel", action="store_true",
+                   help="a repetition's configurations at once, each on its own port")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
@@ -130,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown configs: {sorted(unknown)}")
     if args.dry_run:
-        for c in configs:
-            print(f"{c}: {shlex.join(command(c, args.model, args.store))}")
+        for i, c in enumerate(configs):
+            port = PORT + i if args.parallel else PORT
+            print(f"{c}: {shlex.join(command(c, args.model, f'{args.store}-{c}', port))}")
         return 0
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.logs, exist_ok=True)
@@ -139,12 +153,24 @@ def main(argv: list[str] | None = None) -> int:
     sig = getattr(signal, f"SIG{args.signal}")
     rows: list[dict[str, Any]] = []
     path = os.path.join(args.out, f"shutdown-{args.signal}.json")
+    lock = threading.Lock()
+
+    def run(rep: int, i: int, c: str) -> None:
+        port = PORT + i if args.parallel else PORT
+        row = one_run(c, command(c, args.model, f"{args.store}-{c}", port), port, image, args.logs,
+                      rep, sig, args.ready_timeout, args.wait)
+        with lock:  # rewritten after each run: a call that runs out of time keeps what it measured
+            rows.append(row)
+            write_report(path, {"signal": args.signal, "parallel": args.parallel, "rows": rows})
+
     for rep in range(args.repeats):
-        for c in configs:
-            rows.append(one_run(c, command(c, args.model, f"{args.store}-{c}"), image, args.logs,
-                                rep, sig, args.ready_timeout, args.wait))
-            # rewritten after each run: a call that runs out of time keeps what it measured
-            write_report(path, {"signal": args.signal, "rows": rows})
+        if args.parallel:
+            with concurrent.futures.ThreadPoolExecutor(len(configs)) as pool:
+                for f in [pool.submit(run, rep, i, c) for i, c in enumerate(configs)]:
+                    f.result()
+        else:
+            for i, c in enumerate(configs):
+                run(rep, i, c)
     return 0
 
 
