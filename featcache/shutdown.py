@@ -10,6 +10,15 @@ status 1. A shutdown that finishes in time never hears from it.
 
 The watchdog is armed from uvicorn's own signal handler (``Server.handle_exit``, wrapped while
 ``bounded_shutdown`` is active), so lmdeploy's and uvicorn's handling of the signal is unchanged.
+
+SIGTERM needs one more thing. Once its server has shut down, uvicorn restores the handlers it found
+and raises the signal again, "the expected behaviour": for SIGINT Python's KeyboardInterrupt, which
+unwinds through the caller's ``finally`` (the cache's close); for SIGTERM the default action, which
+ends the process on the spot, the close and its last line never reached (seen on the H200: every
+``featcache serve`` exited -15 with no close line). So while ``bounded_shutdown`` is active SIGTERM
+raises ``SystemExit(143)`` (128 + 15, what a shell reports for a process SIGTERM ended) in the
+main thread instead: the same unwinding as SIGINT, the close flushed, exit status 143. It also arms
+the watchdog, so a SIGTERM while the engine is still being built is bounded too.
 """
 
 from __future__ import annotations
@@ -129,10 +138,15 @@ def close_reporting(cache: Any, who: str = "featcache serve") -> str:
             f"demotion(s) and {disk} queued disk write(s)")
 
 
+TERMINATED = 128 + signal.SIGTERM  # the exit status after SIGTERM, the cache closed
+
+
 @contextlib.contextmanager
 def bounded_shutdown(watchdog: Watchdog) -> Iterator[Watchdog]:
     """While active, uvicorn's handling of SIGINT/SIGTERM also arms ``watchdog`` (which, once
-    armed, outlives the block: it covers the closing that follows the server)."""
+    armed, outlives the block: it covers the closing that follows the server), and SIGTERM
+    unwinds the main thread (``SystemExit(TERMINATED)``) instead of ending the process before its
+    cache is closed. A SIGTERM handler already set (not the default action) is left alone."""
     import uvicorn
 
     original = uvicorn.Server.handle_exit
@@ -141,8 +155,18 @@ def bounded_shutdown(watchdog: Watchdog) -> Iterator[Watchdog]:
         watchdog.arm(f"{signal.Signals(sig).name} received")
         original(self, sig, frame)
 
+    def terminate(sig: int, frame: Any) -> None:
+        watchdog.arm(f"{signal.Signals(sig).name} received")
+        raise SystemExit(TERMINATED)
+
+    main = threading.current_thread() is threading.main_thread()  # where signals are handled
+    replace_term = main and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    if replace_term:
+        signal.signal(signal.SIGTERM, terminate)
     uvicorn.Server.handle_exit = handle_exit  # type: ignore[method-assign]
     try:
         yield watchdog
     finally:
         uvicorn.Server.handle_exit = original  # type: ignore[method-assign]
+        if replace_term:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 import types
+import urllib.error
+import urllib.request
 
 import _lmdeploy_stack
 import pytest
@@ -65,6 +71,19 @@ class StandInEngine:
     def close(self):
         self.path.close()
         self.closed = True
+
+    # what a listening server's lifespan calls (lmdeploy's api_server: start, health, metrics)
+    def start_loop(self, loop, use_async_api=True):
+        pass
+
+    async def health_probe(self, **kwargs):
+        return {"status": "healthy", "message": "a stand-in"}
+
+    async def get_schedule_metrics(self):
+        return None
+
+    async def do_log_stats(self):
+        pass
 
 
 @pytest.fixture
@@ -448,3 +467,60 @@ def test_serve_remote_url_reaches_the_cache_and_its_password_stays_out_of_logs(s
         assert "s3cret" not in repr(cache) and "s3cret" not in caplog.text
     finally:
         srv.kill()
+
+
+SERVE_SCRIPT = """
+import importlib, sys
+sys.path.insert(0, {tests!r})
+from test_serve_warm import StandInEngine, tiny
+tiny.register_processors()
+importlib.import_module("lmdeploy.serve.core").VLAsyncEngine = StandInEngine
+import featcache.cli.serving as serving
+serving.cuda_problem = lambda: None  # the engine is a stand-in
+from featcache.cli import main
+sys.exit(main({argv!r}))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("process", ["in", "mp"])
+def test_serve_closes_its_cache_and_says_so_when_signalled(model, tmp_path, sig, process):
+    """A real `featcache serve` process (uvicorn listening, the engine a stand-in) signalled as a
+    terminal or a process manager does: it exits in time, its last line the cache's close.
+    (uvicorn re-raises the signal after its shutdown: SIGTERM's default action ended the process
+    before the close ran, its queued disk writes lost, exit -15; issue 27, seen on the H200.)"""
+    from _redis import free_port
+
+    port = free_port()
+    argv = ["serve", model, "--cache-dir", str(tmp_path / "store"), "--disk-bytes", "64MiB",
+            "--host-bytes", "32MiB", "--backend", "pytorch", "--max-batch-size", "4",
+            "--engine-process", process,
+            "--server-port", str(port)]
+    script = SERVE_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), argv=argv)
+    log = tmp_path / "serve.log"  # a file, not a pipe: a full pipe would stall the server
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # until it serves
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except urllib.error.HTTPError:  # it answers: it serves
+                break
+            except OSError:
+                time.sleep(0.2)
+        signalled = time.monotonic()
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+        took = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = log.read_text()
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("featcache serve: cache closed in "), err[-2000:]
+    # SIGTERM: 143 as a shell reports a process it ended; SIGINT: 0, as plain lmdeploy's server
+    expected = {signal.SIGTERM: 143, signal.SIGINT: 0}[sig]
+    assert proc.returncode == expected and took < 10, (proc.returncode, took)
