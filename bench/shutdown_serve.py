@@ -11,7 +11,8 @@ writes to flush), send the signal to the whole group (what Ctrl-C does), and mea
 - ``exit_s``: from the signal to the server's main process exiting (target: < 10 s);
 - ``left``: processes of its group still alive 2 s after that (target: none);
 - ``gpu_pids``: processes nvidia-smi still shows on the GPU afterwards (target: none of the group);
-- the last lines of the server's log (featcache's watchdog writes one when it had to end it).
+- the last lines of the server's log (featcache's watchdog writes one when it had to end it), and
+  ``close_lines``: featcache's lines on closing its caches (what was flushed, or lost).
 
 Configurations (``--configs``, default all PyTorch ones): ``plain`` and ``plain_prefix`` (lmdeploy),
 ``fc_mp`` / ``fc_mp_prefix`` (featcache, lmdeploy's engine process), ``fc_in`` / ``fc_in_prefix``
@@ -116,6 +117,10 @@ def one_run(name: str, cmd: list[str], port: int, image: str, logs: str, rep: in
             kill(proc)
         time.sleep(1)
     row["log_tail"] = tail(log_path, 1500).splitlines()[-8:]
+    # featcache's last word on its disk writes (the server's, and each model process's), if any
+    with open(log_path, errors="replace") as f:
+        row["close_lines"] = [line.strip() for line in f
+                              if line.startswith("featcache") and ("cache closed" in line or "lost" in line)]
     print(f"[{name} #{rep}] exit {row.get('exit_s')} s, rc {row.get('rc')}, left {row.get('left')}, "
           f"gpu left {row.get('gpu_left')}{' ERROR ' + row['error'] if 'error' in row else ''}",
           flush=True)
