@@ -467,3 +467,13 @@ def test_features_diff_bench_dry_run():
                           "dry-run"], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTHONPATH": os.path.dirname(bench)})
     assert out.returncode == 0 and "DRY-RUN OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_envelope_bench_dry_run():
+    """bench/turbomind_envelope.py's CPU dry-run: the request loops (one at a time, batched,
+    prefix cache filled then read) on stand-in pipelines, and the envelope verdict."""
+    bench = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench")
+    out = subprocess.run([sys.executable, os.path.join(bench, "turbomind_envelope.py"), "dry-run"],
+                         capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": os.path.dirname(bench)})
+    assert out.returncode == 0 and "DRY-RUN OK" in out.stdout, out.stderr[-3000:]
