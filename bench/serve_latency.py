@@ -282,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--text-clients", type=int, default=0,
                    help="load test: clients whose chats have no image, beside --clients")
+    p.add_argument("--turn-interval", type=float, default=0.0, metavar="S",
+                   help="load test: each client sends at most one turn every S seconds (paced: equal "
+                        "offered load for every server that keeps up; 0: closed loop, the default)")
     p.add_argument("--images", type=int, default=8)
     p.add_argument("--profile", action="store_true",
                    help="py-spy the server's processes during the load test (top frames per process "
@@ -385,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
                                 if args.profile else None)
                     report["load"][server] = load_test(base, model, load_urls, args.clients, seconds,
                                                        args.max_tokens,
-                                                       text_clients=args.text_clients)
+                                                       text_clients=args.text_clients,
+                                                       turn_interval=args.turn_interval)
                     if profiler is not None:
                         report["load"][server]["profile"] = profiler.summary()
             finally:

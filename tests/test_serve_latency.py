@@ -106,6 +106,12 @@ def test_latency_rounds_and_load_through_the_openai_client(fake_server, tmp_path
     assert lt["failed"] == 0 and lt["requests"] > 0 and lt["ttft_p99"] >= lt["ttft_p50"]
     mixed = load_test(base, "tiny", ["data:image/png;base64,AAAA"], clients=2, seconds=0.5,
                          max_tokens=2, text_clients=2)
+    paced = load_test(base, "tiny", ["data:image/png;base64,AAAA"], clients=2, seconds=1.0,
+                      max_tokens=2, text_clients=2, turn_interval=0.25)
+    # each of the 4 clients starts a turn at most every 0.25 s: at most 5 turns each in 1 s
+    assert 4 <= paced["requests"] <= 4 * 5 and paced["failed"] == 0, paced
+    assert paced["turn_interval"] == 0.25 and paced["late_turns"] >= 0
+    assert lt["requests"] > paced["requests"]  # the closed loop sent as fast as it was answered
     classes = mixed["classes"]
     assert {"image_first_turn", "text_first_turn"} <= set(classes)  # per request class
     assert sum(c["n"] for c in classes.values()) == mixed["requests"]

@@ -4,8 +4,12 @@ later turns. Per class the count, p50, p99 and p99/p50 of time to first token: a
 waits on another's work (a disk write, a demotion, a rebuild) shows as a p99 far above its
 class's p50 (issue 27's stall measure: p99 at most 1.2x p50).
 
-``load_test``: concurrent clients for a while; ``mixed``: the same classes one request at a time
-(nothing overlaps, so a slow turn waited on work an earlier request left behind).
+``load_test``: concurrent clients for a while, each sending its next turn as soon as the last one
+is answered (closed loop: a faster server is offered more, and its mix of classes shifts toward
+the ones it serves faster), or at most one turn per ``turn_interval`` seconds (paced: while the
+server keeps up, every server is offered the same requests per second of each class, so their
+classes' times compare at equal load); ``mixed``: the same classes one request at a time (nothing
+overlaps, so a slow turn waited on work an earlier request left behind).
 """
 
 from __future__ import annotations
@@ -46,12 +50,18 @@ def class_table(by_class: dict[str, list[float]]) -> dict[str, Any]:
 
 
 def load_test(base: str, model: str, urls: list[str], clients: int, seconds: float,
-              max_tokens: int, turns: int = 4, text_clients: int = 0) -> dict[str, Any]:
+              max_tokens: int, turns: int = 4, text_clients: int = 0,
+              turn_interval: float = 0.0) -> dict[str, Any]:
     """``clients`` threads chatting for ``seconds`` (``turns``-turn chats, the image resent every
     turn), client c's k-th chat over image (c+k) % n, beside ``text_clients`` threads whose chats
     have no image: requests/s, p50/p99 time to first token, per request class too (``classes``),
-    failed requests (a request without a token counts as one)."""
-    deadline = time.monotonic() + seconds
+    failed requests (a request without a token counts as one). ``turn_interval`` > 0: each client
+    starts a turn at most every that many seconds (its clients' phases spread over one interval);
+    ``late`` counts the turns that started late because the previous answer took longer (a server
+    that did not keep up with the offered load)."""
+    start = time.monotonic()
+    deadline = start + seconds
+    late = [0]
     lock = threading.Lock()
     ttfts: list[float] = []
     by_class: dict[str, list[float]] = {}
@@ -61,10 +71,18 @@ def load_test(base: str, model: str, urls: list[str], clients: int, seconds: flo
         client = connect(base)
         chat = 0
         text_only = c >= clients
+        due = start + (turn_interval * c / max(1, clients + text_clients) if turn_interval else 0.0)
         while time.monotonic() < deadline:
             url = None if text_only else urls[(c + chat) % len(urls)]
             history: list[dict] = []
             for turn in range(turns):
+                if turn_interval:  # paced: this turn's slot, or at once if the last answer overran it
+                    now = time.monotonic()
+                    if now > due + 0.05:
+                        with lock:
+                            late[0] += 1
+                    time.sleep(max(0.0, due - now))
+                    due = max(due, now) + turn_interval
                 if time.monotonic() >= deadline:
                     return
                 history.append(user_turn(turn, url))
@@ -89,7 +107,8 @@ def load_test(base: str, model: str, urls: list[str], clients: int, seconds: flo
     for th in threads:
         th.join()
     took = time.monotonic() - t
-    return {"clients": clients, "text_clients": text_clients, "seconds": round(took, 1),
+    return {"clients": clients, "text_clients": text_clients, "turn_interval": turn_interval,
+            "late_turns": late[0], "seconds": round(took, 1),
             "requests": len(ttfts), "rps": round(len(ttfts) / took, 2),
             "ttft_p50": quantile(ttfts, 0.5), "ttft_p99": quantile(ttfts, 0.99),
             "classes": class_table(by_class), "failed": len(failures), "failures": failures[:10]}
