@@ -3,7 +3,8 @@ test. Issue 16. GPU; ``--dry-run`` runs on the CPU.
 
     python bench/serve_latency.py --model DIR [--backend pytorch|turbomind] [--out DIR]
         [--servers plain,featcache,featcache_ids,featcache_mp] [--sources data,http,file] [--repeats N]
-        [--load SECONDS] [--clients 32] [--images 8] [--budget S] [--eager] [--dry-run]
+        [--load SECONDS] [--clients 32] [--text-clients N] [--turn-interval S] [--images 8]
+        [--budget S] [--eager] [--dry-run]
 
 Servers (bench/lib/servers.py's, as serve_chat.py runs them; CUDA graphs on unless --eager), one
 at a time, each run under bench/serve_stages.py (per-stage times recorded in the server's process,
@@ -25,7 +26,8 @@ Reported per row: median and p90 time to first token of both, their ratio (issue
 <= 1.2), ``usage.prompt_tokens_details.cached_tokens`` and new tokens (prompt - cached), and the
 server-side stages of both (median per stage, owner featcache or lmdeploy). --load S: then
 --clients concurrent chat clients over --images images (data URLs, 4 turns per chat, images
-resent every turn; --text-clients more with text-only chats) for S seconds against plain, featcache
+resent every turn; --text-clients more with text-only chats; --turn-interval S: each client at most
+one turn every S seconds, the same offered load for every server) for S seconds against plain, featcache
 and featcache_mp: requests/s, p50/p99 time to first token, per request class too (an image chat's
 first turn, its later turns, a text chat's turns: p99/p50, issue 27's stall measure), failed
 requests. Writes OUT/latency.json and prints the tables.
