@@ -96,8 +96,10 @@ def test_the_gpu_scripts_commands_parse_with_featcaches_and_lmdeploys_parsers():
     from featcache.cli.serving import featcache_parser
     from featcache.serve import lmdeploy_parser
 
-    commands = [shutdown_serve.command(c, "/m/x", "/tmp/s")
-                for c in shutdown_serve.PYTORCH + shutdown_serve.TURBOMIND]
+    commands = [shutdown_serve.command(c, "/m/x", "/tmp/s", shutdown_serve.PORT + i)
+                for i, c in enumerate(shutdown_serve.PYTORCH + shutdown_serve.TURBOMIND)]
+    ports = [cmd[cmd.index("--server-port") + 1] for cmd in commands]
+    assert len(set(ports)) == len(commands)  # --parallel: each configuration on its own port
     commands += hostile_serve.commands("/m/x", "/tmp/media", "/tmp/s",
                                        ["plain", "featcache_mp", "featcache_in"]).values()
     for cmd in commands:
