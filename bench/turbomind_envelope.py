@@ -10,6 +10,8 @@ user changes without thinking of their answers. Over N distinct images, one requ
 the image"), greedy, ``--new-tokens`` tokens, ignore_eos, the generated steps' logits:
 
 - ``reference``: plain TurboMind, prefix caching off, one request at a time;
+- ``repeat``: the same requests again on the same engine (run-to-run: nothing, if TurboMind is
+  deterministic);
 - ``batch``: the same engine, the requests in batches of ``--batch`` at once (other kernels'
   shapes, another batch composition);
 - ``prefix``: plain TurboMind with prefix caching on, each request sent twice: the second, whose
@@ -20,8 +22,9 @@ Each of the last three against the reference (``turbomind_features_diff.greedy_d
 first generated step's logits' largest difference (they depend on the whole prompt, image
 included), the requests whose token ids differ, where, and plain's top-2 margin there. The
 verdict ``features_within_envelope``: the features path's step-0 difference and its fraction of
-differing requests are each at most the larger of ``batch``'s and ``prefix``'s. A model gets the
-features path by default only where it holds (docs/turbomind.md). Device use: after the ferry,
+differing requests are each at most the largest of ``repeat``'s, ``batch``'s and ``prefix``'s. A
+model gets the features path by default only where it holds (docs/turbomind.md). Device use: after
+the ferry,
 ``bash bench/device/run_turbomind.sh exec python3 bench/turbomind_envelope.py run ...``.
 """
 
@@ -88,6 +91,7 @@ def run(args: argparse.Namespace, builder: Any = build) -> dict[str, Any]:
     t0 = time.perf_counter()
     pipe, cache = builder(args.model, "plain", False)
     reference = ask_each(pipe, imgs, gen)
+    repeated = ask_each(pipe, imgs, gen)
     batched = ask_batched(pipe, imgs, gen, args.batch)
     close(pipe, cache)
     pipe, cache = builder(args.model, "plain", True)
@@ -97,7 +101,8 @@ def run(args: argparse.Namespace, builder: Any = build) -> dict[str, Any]:
     pipe, cache = builder(args.model, "features", False)
     features = ask_each(pipe, imgs, gen)
     stats = close(pipe, cache)
-    envelope = dict(batch=greedy_diff(reference, batched, MODE),
+    envelope = dict(repeat=greedy_diff(reference, repeated, MODE),
+                    batch=greedy_diff(reference, batched, MODE),
                     prefix=greedy_diff(reference, prefixed, MODE))
     res.update(envelope=envelope, features=greedy_diff(reference, features, MODE),
                features_stats=stats)
@@ -131,7 +136,7 @@ def dry_run() -> int:
     stand-in by a little: not inside), and the verdict on hand-made figures."""
     args = argparse.Namespace(model="stand-in", n=6, new_tokens=4, size="120x90", batch=4)
     res = run(args, builder=fake_builder)
-    assert res["envelope"]["batch"]["differing"] == 0 and res["envelope"]["prefix"]["differing"] == 0
+    assert all(d["differing"] == 0 for d in res["envelope"].values()), res["envelope"]
     assert res["envelope"]["batch"]["step0_logits_max_abs_diff"] == 0.0, res["envelope"]
     assert res["features"]["requests"] == 6 and res["features"]["step0_logits_max_abs_diff"] > 0
     assert res["verdict"]["features_within_envelope"] is False, res["verdict"]
