@@ -1,7 +1,7 @@
 """How fast `featcache serve` (and plain `lmdeploy serve api_server`) stop on SIGINT/SIGTERM, on a GPU.
 
     python bench/shutdown_serve.py --model DIR --out DIR [--configs NAME,...] [--repeats N]
-                                   [--signal INT|TERM] [--parallel] [--dry-run]
+                                   [--signal INT|TERM] [--parallel] [--burst N] [--dry-run]
 
 Issue 27: on the H200 `featcache serve MODEL --enable-prefix-caching` once did not exit within
 60 s of SIGINT. Per configuration and repetition: start the server (its own process group, as a
@@ -18,6 +18,11 @@ Configurations (``--configs``, default all PyTorch ones): ``plain`` and ``plain_
 ``fc_mp`` / ``fc_mp_prefix`` (featcache, lmdeploy's engine process), ``fc_in`` / ``fc_in_prefix``
 (featcache, engine in the server's process); with ``--backend turbomind``: ``plain_tm``, ``fc_tm``.
 Results: ``shutdown-INT.json`` (or ``-TERM``) in --out, rewritten after each run.
+
+``--burst N``: after that turn, N more image requests (new images) at once, and the signal as soon
+as the first of them is answered: the others are in flight and its features are queued for the
+disk, so the close has writes to flush (its close line says how many) and requests to end
+(``burst``: answered, failed; a request cut off by the stop fails, as in plain lmdeploy).
 
 ``--parallel`` runs a repetition's configurations at once, each on its own port (the GPU holds
 them all: PyTorch servers take 5% of its memory for KV, TurboMind 20%); starting a server is most
@@ -86,8 +91,32 @@ def gpu_pids() -> list[int]:
     return [int(x) for x in out.split() if x.strip().isdigit()]
 
 
+def start_burst(base: str, n: int, seed: int) -> tuple[list[threading.Thread], dict[str, int],
+                                                     threading.Event]:
+    """``n`` one-turn image chats at once (threads); returns them, their tally and an event set
+    when the first is answered."""
+    tally = {"answered": 0, "failed": 0}
+    first = threading.Event()
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        try:
+            run_chat(base, chat_url(seed + i), 1, max_tokens=4)
+            key = "answered"
+        except Exception:  # noqa: BLE001 (cut off by the stop: counted)
+            key = "failed"
+        with lock:
+            tally[key] += 1
+        first.set()
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads, tally, first
+
+
 def one_run(name: str, cmd: list[str], port: int, image: str, logs: str, rep: int, sig: int,
-            ready_timeout: float, wait_s: float) -> dict[str, Any]:
+            ready_timeout: float, wait_s: float, burst: int = 0) -> dict[str, Any]:
     log_path = os.path.join(logs, f"{name}-{rep}-{signal.Signals(sig).name}.log")
     row: dict[str, Any] = {"config": name, "rep": rep, "command": shlex.join(cmd)}
     proc = None
@@ -95,6 +124,10 @@ def one_run(name: str, cmd: list[str], port: int, image: str, logs: str, rep: in
         proc, ready = start(cmd, port, log_path, ready_timeout)  # in its own process group
         row["ready_s"] = round(ready, 1)
         row["turn"] = run_chat(f"http://127.0.0.1:{port}", image, 1, max_tokens=4)[0]["ttft_ms"]
+        threads: list[threading.Thread] = []
+        if burst:
+            threads, tally, first = start_burst(f"http://127.0.0.1:{port}", burst, 1000 + 100 * rep)
+            first.wait(60)
         before = gpu_pids()
         group = set(group_alive(proc.pid))
         signalled = time.monotonic()
@@ -105,6 +138,10 @@ def one_run(name: str, cmd: list[str], port: int, image: str, logs: str, rep: in
         except subprocess.TimeoutExpired:
             row["exit_s"] = None  # did not exit: killed below
         row["rc"] = proc.returncode
+        for t in threads:
+            t.join(30)
+        if burst:
+            row["burst"] = dict(tally, sent=burst)
         time.sleep(2)
         row["left"] = group_alive(proc.pid)
         row["gpu_pids_before"] = before
@@ -139,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", default="/tmp/shutdown-store")
     p.add_argument("--logs", default="/tmp/shutdown-logs",
                    help="the servers' logs (their tails are in the JSON; the device returns 8 files)")
+    p.add_argument("--burst", type=int, default=0, metavar="N",
+                   help="N image requests at once after the first turn; the signal when one is answered")
     p.add_argument("--parallel", action="store_true",
                    help="a repetition's configurations at once, each on its own port")
     p.add_argument("--dry-run", action="store_true")
@@ -163,10 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     def run(rep: int, i: int, c: str) -> None:
         port = PORT + i if args.parallel else PORT
         row = one_run(c, command(c, args.model, f"{args.store}-{c}", port), port, image, args.logs,
-                      rep, sig, args.ready_timeout, args.wait)
+                      rep, sig, args.ready_timeout, args.wait, args.burst)
         with lock:  # rewritten after each run: a call that runs out of time keeps what it measured
             rows.append(row)
-            write_report(path, {"signal": args.signal, "parallel": args.parallel, "rows": rows})
+            write_report(path, {"signal": args.signal, "parallel": args.parallel, "burst": args.burst,
+                                "rows": rows})
 
     for rep in range(args.repeats):
         if args.parallel:

@@ -139,3 +139,38 @@ def test_the_last_line_says_what_the_close_flushed(tmp_path):
 
     assert close_reporting(Broken(), "x") == ("x: closing the cache failed (OSError: disk gone); "
                                               "lost: up to 1 queued demotion(s), 2 queued disk write(s)")
+
+
+FAKE_SERVER = """
+import sys
+from http.server import ThreadingHTTPServer
+sys.path.insert(0, {tests!r})
+from test_serve_chat import Fake
+ThreadingHTTPServer(("127.0.0.1", {port}), Fake).serve_forever()
+"""
+
+
+def test_a_shutdown_run_signals_a_server_with_requests_in_flight(tmp_path):
+    """bench/shutdown_serve.py's run on the CPU, against test_serve_chat's stand-in for lmdeploy's
+    api_server in its own process: started, one chat turn, a burst of image requests, the signal
+    once the first is answered; its exit, what is left of its group and the burst's tally."""
+    import _lmdeploy_stack
+
+    _lmdeploy_stack.need("openai", stack=False)
+    pytest.importorskip("psutil")
+    bench = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench")
+    sys.path.insert(0, bench)
+    import shutdown_serve
+    from _redis import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-c", FAKE_SERVER.format(tests=os.path.dirname(os.path.abspath(__file__)),
+                                                    port=port)]
+    row = shutdown_serve.one_run("fake", cmd, port, "data:image/png;base64,AAAA", str(tmp_path), 0,
+                                 signal.SIGTERM, ready_timeout=60, wait_s=20, burst=3)
+    assert "error" not in row, row
+    assert row["exit_s"] is not None and row["exit_s"] < 5 and row["rc"] == -signal.SIGTERM, row
+    assert row["left"] == [] and row["gpu_left"] == []
+    burst = row["burst"]
+    assert burst["sent"] == 3 and burst["answered"] >= 1 and burst["answered"] + burst["failed"] == 3
+    assert row["close_lines"] == []  # not featcache: no close line
