@@ -75,3 +75,24 @@ def test_a_dry_run_through_the_entry_point(tmp_path):
 def test_an_unknown_name_is_refused_with_the_list():
     out = entry("no_such_bench")
     assert out.returncode == 2 and "no_such_bench" in out.stderr and "serve_chat" in out.stderr
+
+
+def test_every_command_in_the_docs_names_a_runnable_file():
+    """docs/*.md write their bench commands as ``python3 -m bench NAME``: each NAME is one the
+    entry point runs, and no command is left in the file form (the runs are rerun as written)."""
+    import glob
+    import re
+
+    from bench.__main__ import runnable
+
+    names = set(runnable())
+    used, file_form = set(), []
+    for path in glob.glob(os.path.join(ROOT, "docs", "*.md")):
+        with open(path) as f:
+            text = f.read()
+        doc = os.path.basename(path)
+        used |= {(doc, m) for m in re.findall(r"python3? -m bench (\w+)", text) if m != "NAME"}
+        file_form += [(doc, m) for m in re.findall(r"python3? bench/(?:device/)?(\w+)\.py", text)
+                      if m != "NAME"]
+    assert used and {name for _, name in used} <= names, sorted(u for u in used if u[1] not in names)
+    assert file_form == [], file_form
