@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from bench.lib.engines import ask, build_turbomind, greedy, host_cache, turbomind_config  # noqa: E402
 from bench.lib.images import image  # noqa: E402
-from bench.lib.results import write_report  # noqa: E402
+from bench.lib.results import emit  # noqa: E402
 from bench.turbomind_features_diff import PROMPT, FakePipe, ask_each, close, greedy_diff  # noqa: E402
 
 MODE = "generation"  # the generated steps' logits (a real vocabulary's prompt logits are GBs)
@@ -166,11 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "dry-run":
         return dry_run()
-    res = run(args)
-    print(json.dumps(res, indent=1), flush=True)
-    if args.out:
-        write_report(args.out, res)  # with the run's metadata under "run"
-    return 0
+    return emit(run(args), args.out)
 
 
 if __name__ == "__main__":

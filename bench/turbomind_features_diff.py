@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from bench.lib import models  # noqa: E402
 from bench.lib.engines import ask, build_turbomind, free_gpu, greedy, host_cache, turbomind_config  # noqa: E402
 from bench.lib.images import image  # noqa: E402
-from bench.lib.results import write_report  # noqa: E402
+from bench.lib.results import emit  # noqa: E402
 
 PROMPT = "describe the image"
 SUFFIX = "_passthrough"
@@ -435,11 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "dry-run":
         return dry_run()
-    res = run(args)
-    print(json.dumps(res, indent=1), flush=True)
-    if args.out:
-        write_report(args.out, res)  # with the run's metadata under "run"
-    return 0
+    return emit(run(args), args.out)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,15 @@ def write_report(path: str, report: dict[str, Any]) -> None:
     write_json(path, report)
 
 
+def emit(report: dict[str, Any], path: str | None = None) -> int:
+    """A finished run's report: printed as JSON, and written to ``path`` where one is given
+    (``write_report``: with the run's metadata). Returns 0, the run's exit code."""
+    print(json.dumps(report, indent=1), flush=True)
+    if path:
+        write_report(path, report)
+    return 0
+
+
 def at(d: dict[str, Any], path: str) -> Any:
     """The value at a dotted ``path`` of a results dict (``"b_multi_turn.turn_1"``); {} where
     any step is missing."""
