@@ -50,7 +50,7 @@ DEFAULTS: dict[str, int | str | bool | None] = {
     "key_algorithm": "blake3",
     "key_secret_file": None,
     # How the device and host tiers choose what to evict (featcache.eviction, EVICTIONS below).
-    "eviction": "lru",
+    "eviction": "value",
 }
 
 # URL schemes of the remote tier: one server (redis-py's own forms) or a Redis Cluster (any node).
@@ -75,9 +75,9 @@ ID_MODES = ("on", "verify")
 KEY_ALGORITHMS = ("blake3", "xxh3_128")
 
 # `eviction` (FeatureCache, `featcache serve --eviction`): what the device and host tiers evict
-# first. "lru": the least recently used entry; "value": the lowest GreedyDual-Size-Frequency
-# priority, what a hit saves (the vision time of its miss) x its uses / its bytes
-# (featcache.eviction; docs/design.md, "Eviction").
+# first. "value" (the default): the lowest GreedyDual-Size-Frequency priority, what a hit saves
+# (the vision time of its miss) x its uses (a burst of repeats counting once) / its bytes;
+# "lru": the least recently used entry (featcache.eviction; docs/design.md, "Eviction").
 EVICTIONS = ("lru", "value")
 
 # What featcache reads of the image a request names (featcache.lmdeploy.media.MediaPolicy;

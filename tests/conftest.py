@@ -5,9 +5,10 @@ import torch
 
 from featcache.config import DEFAULTS
 
-# FEATCACHE_TEST_EVICTION=value runs the tests with that eviction policy as every cache's default
-# (issue 30: the reliability suite passes with "lru" and "value"); it reaches this process and its
-# forked children, not children started with spawn or as new interpreters (they keep "lru").
+# FEATCACHE_TEST_EVICTION=lru runs the tests with that eviction policy as every cache's default
+# ("value" is featcache's; issue 30: the reliability suite passes with "lru" and "value"); it
+# reaches this process and its forked children, not children started with spawn or as new
+# interpreters (they keep featcache's default).
 if os.environ.get("FEATCACHE_TEST_EVICTION"):
     DEFAULTS["eviction"] = os.environ["FEATCACHE_TEST_EVICTION"]
 

@@ -104,9 +104,14 @@ def test_value_evicts_what_saves_least_per_byte_first():
 
 def test_value_frequency_keeps_a_used_key_and_inflation_ages_it_out():
     books = ValueBooks(20)
-    books.add(k(0), 10, 1.0)
-    books.touch(k(0))
-    books.touch(k(0))  # H = 0 + 3 * 0.1
+    books.add(k(0), 10, 1.0)  # use 1
+    books.add(k(9), 10, 1.0)  # use 2; two keys held: a repeat within 4 uses is correlated
+    for _ in range(2):
+        for _ in range(4):
+            books.touch(k(9))  # a burst of repeats: refreshed, not counted
+        books.touch(k(0))  # 6 and then 5 uses after k(0)'s last: each counts
+    assert books.priority(k(9)) == pytest.approx(0.1) and books.priority(k(0)) == pytest.approx(0.3)
+    books.remove(k(9))
     books.add(k(1), 10, 1.0)  # H = 0.1
     assert books.evict_for(10) == [k(1)]  # the used key stays
     assert books.inflation == pytest.approx(0.1)
@@ -115,6 +120,19 @@ def test_value_frequency_keeps_a_used_key_and_inflation_ages_it_out():
     books.add(k(3), 10, 1.0)  # H = 0.2 + 0.1 = 0.3: ties k(0), which is older
     assert books.evict_for(10) == [k(0)]  # aged out: unused while L rose past its credit
     assert books.inflation == pytest.approx(0.3)
+
+
+def test_value_counts_a_burst_of_repeats_as_one_use_and_refreshes_its_recency():
+    """A conversation resends its image every turn: repeats within CORRELATION x (keys held) uses
+    of the last are one use (LRU-K's correlated references), so they earn no frequency credit;
+    each refreshes the key's H at the current L (recency), as LRU would."""
+    books = ValueBooks(30)
+    for i in range(3):
+        books.add(k(i), 10, 1.0)  # uses 1-3; a repeat within 6 uses of the last is correlated
+    for _ in range(5):
+        books.touch(k(0))  # uses 4-8: one burst
+    assert books.priority(k(0)) == pytest.approx(0.1)  # one use
+    assert [books.evict_one() for _ in range(3)] == [k(1), k(2), k(0)]  # k(0) used last
 
 
 def test_value_counts_an_unknown_cost_as_the_mean_of_the_known_ones():

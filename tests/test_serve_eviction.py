@@ -18,9 +18,10 @@ from featcache.cli import main as cli  # noqa: E402
 
 
 def test_default_cache_takes_the_eviction_policy(tmp_path):
+    from featcache.config import DEFAULTS
     from featcache.lmdeploy import default_cache
 
-    for given, used in ((None, "lru"), ("value", "value"), ("lru", "lru")):
+    for given, used in ((None, DEFAULTS["eviction"]), ("value", "value"), ("lru", "lru")):
         cache = default_cache(path=str(tmp_path), device_bytes=1 << 20, host_bytes=1 << 20,
                               disk_bytes=8 << 20, eviction=given)
         try:
@@ -32,13 +33,16 @@ def test_default_cache_takes_the_eviction_policy(tmp_path):
 
 
 def test_serve_in_process_builds_its_cache_with_the_policy(served):  # noqa: F811
-    seen = served("--engine-process", "in", "--eviction", "value")
+    from featcache.config import DEFAULTS
+
+    other = "lru" if DEFAULTS["eviction"] == "value" else "value"
+    seen = served("--engine-process", "in", "--eviction", other)
     assert seen["rc"] == 0
     [engine] = StandInEngine.built
-    assert engine.featcache.config.eviction == "value"
+    assert engine.featcache.config.eviction == other
     StandInEngine.built.clear()
     assert served("--engine-process", "in")["rc"] == 0  # not given: the config's default
-    assert StandInEngine.built[0].featcache.config.eviction == "lru"
+    assert StandInEngine.built[0].featcache.config.eviction == DEFAULTS["eviction"]
 
 
 def test_serve_multi_process_hands_the_policy_to_each_model_process(served, tmp_path):  # noqa: F811
