@@ -1,8 +1,9 @@
 """The eviction policies of the in-memory tiers, as a table: the config's ``eviction`` names one,
 and the device and host tiers keep their books with it.
 
-    "lru"    featcache.lru.LruBooks      least recently used first
     "value"  featcache.value.ValueBooks  GreedyDual-Size-Frequency: lowest L + hits * cost / bytes
+                                         (a burst of repeats one hit); the default
+    "lru"    featcache.lru.LruBooks      least recently used first
 
 Both keep the same books (``Books``): keys, sizes, leases (pins); the tiers hold the values and
 call the books under their own lock. The disk tier's order is LMDB's stamp table (LRU); why it
