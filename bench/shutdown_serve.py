@@ -69,6 +69,11 @@ def command(name: str, model: str, store: str, port: int = PORT) -> list[str]:
     return featcache_command(model, store, port, flags, process)
 
 
+def port_of(index: int, parallel: bool) -> int:
+    """The port of the ``index``-th configuration: its own with ``--parallel``, else the one."""
+    return PORT + index if parallel else PORT
+
+
 def group_alive(pgid: int) -> list[int]:
     import psutil
 
@@ -188,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown configs: {sorted(unknown)}")
     if args.dry_run:
         for i, c in enumerate(configs):
-            port = PORT + i if args.parallel else PORT
-            print(f"{c}: {shlex.join(command(c, args.model, f'{args.store}-{c}', port))}")
+            cmd = command(c, args.model, f"{args.store}-{c}", port_of(i, args.parallel))
+            print(f"{c}: {shlex.join(cmd)}")
         return 0
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.logs, exist_ok=True)
@@ -200,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     lock = threading.Lock()
 
     def run(rep: int, i: int, c: str) -> None:
-        port = PORT + i if args.parallel else PORT
+        port = port_of(i, args.parallel)
         row = one_run(c, command(c, args.model, f"{args.store}-{c}", port), port, image, args.logs,
                       rep, sig, args.ready_timeout, args.wait, args.burst)
         with lock:  # rewritten after each run: a call that runs out of time keeps what it measured
