@@ -34,25 +34,18 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 import types
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.lib
 
-from bench.lib.engines import ask, build_turbomind, greedy, host_cache, turbomind_config  # noqa: E402
+from bench.lib.engines import ask, greedy  # noqa: E402
 from bench.lib.images import image  # noqa: E402
 from bench.lib.results import emit  # noqa: E402
-from bench.turbomind_features_diff import PROMPT, FakePipe, ask_each, close, greedy_diff  # noqa: E402
+from bench.turbomind_features_diff import PROMPT, FakePipe, ask_each, build, close, greedy_diff  # noqa: E402
 
 MODE = "generation"  # the generated steps' logits (a real vocabulary's prompt logits are GBs)
-
-
-def build(model: str, path: str, prefix: bool) -> tuple[Any, Any]:
-    """(pipeline, featcache cache or None): plain TurboMind or the features path."""
-    cache = None if path == "plain" else host_cache(2 << 30, tempfile.mkdtemp(prefix="fc-tmenv-"), 4 << 30)
-    return build_turbomind(path, model, turbomind_config(prefix, session_len=16384), cache), cache
 
 
 def ask_batched(pipe: Any, imgs: list[Any], gen: Any, batch: int) -> list[dict[str, Any]]:

@@ -100,11 +100,12 @@ def rms_eps(model: str) -> float:
 
 # -- requests and pipelines -----------------------------------------------------------------------
 
-def build(model: str, path: str) -> tuple[Any, Any]:
+def build(model: str, path: str, prefix: bool = False) -> tuple[Any, Any]:
     """(pipeline, featcache cache or None): plain TurboMind or the features path, prefix caching
-    off (lmdeploy refuses the logits and hidden states this reads with it on)."""
+    off unless ``prefix`` (lmdeploy refuses every position's logits and hidden states, which this
+    script reads, with it on; bench/turbomind_envelope.py reads the generated steps' only)."""
     cache = None if path == "plain" else host_cache(2 << 30, tempfile.mkdtemp(prefix="fc-tmdiff-"), 4 << 30)
-    return build_turbomind(path, model, turbomind_config(False, session_len=16384), cache), cache
+    return build_turbomind(path, model, turbomind_config(prefix, session_len=16384), cache), cache
 
 
 class Capture:
