@@ -11,12 +11,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import types
-import urllib.error
-import urllib.request
 
 import _lmdeploy_stack
 import pytest
@@ -26,6 +23,8 @@ _lmdeploy_stack.require("fastapi", "prometheus_client")  # a skip naming the mis
 import lmdeploy_tiny as tiny  # noqa: E402
 import torch  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.lib
+from bench.lib import servers  # noqa: E402
 from featcache.cli import main as cli  # noqa: E402
 from featcache.errors import FeatCacheError  # noqa: E402
 
@@ -57,6 +56,7 @@ class StandInEngine:
         from lmdeploy.tokenizer import Tokenizer
 
         self.arch = tiny.INTERNVL
+        self.model_name = "tiny"  # what /v1/models lists
         self.tokenizer = Tokenizer(model_path)
         self.chat_template = self.prompt_processor.chat_template
         self.is_sleeping = False
@@ -497,28 +497,18 @@ def test_serve_closes_its_cache_and_says_so_when_signalled(model, tmp_path, sig,
             "--engine-process", process,
             "--server-port", str(port)]
     script = SERVE_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), argv=argv)
-    log = tmp_path / "serve.log"  # a file, not a pipe: a full pipe would stall the server
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-c", script], stdout=out, stderr=subprocess.STDOUT)
+    log = str(tmp_path / "serve.log")  # a file, not a pipe: a full pipe would stall the server
+    proc, _ = servers.start([sys.executable, "-c", script], port, log, timeout=120)  # until it serves
     try:
-        deadline = time.monotonic() + 120
-        while True:  # until it serves
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except urllib.error.HTTPError:  # it answers: it serves
-                break
-            except OSError:
-                time.sleep(0.2)
         signalled = time.monotonic()
         proc.send_signal(sig)
         proc.wait(timeout=30)
         took = time.monotonic() - signalled
     finally:
         if proc.poll() is None:
-            proc.kill()
-    err = log.read_text()
+            servers.kill(proc)
+    with open(log) as f:
+        err = f.read()
     last = err.strip().splitlines()[-1]
     assert last.startswith("featcache serve: cache closed in "), err[-2000:]
     # SIGTERM: 143 as a shell reports a process it ended; SIGINT: 0, as plain lmdeploy's server
