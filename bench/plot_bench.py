@@ -4,8 +4,9 @@
     python bench/plot_bench.py bench-2b.json bench-26b.json --out docs/seed-bench.png
 
 One panel per model (one JSON per model; a ``merge``d JSON counts as one), in the order given; a
-``bench/turbomind_bench.py`` JSON makes a TurboMind panel (its engines ``plain`` and ``native``, p10
-and p90 from its raw per-request times; (d) keeps per-rep medians only: its bar spans median-p90). In
+``bench/turbomind_bench.py`` JSON makes a TurboMind panel (its engine ``plain`` and, drawn as
+featcache, the path ``--tm-paths`` names for it, ``native`` by default; p10 and p90 from its raw
+per-request times; (d) keeps per-rep medians only: its bar spans median-p90). In
 each panel, grouped bars: (a) same image in a fresh context, (b) chat turns 1-4 resending the
 image, (c) all-distinct images, (d) TTFT under 32 concurrent clients; plain and featcache side by
 side, the bar at the median over all reps, the error bar from p10 to p90. A series the bench
@@ -35,14 +36,17 @@ ENGINES = [("plain", "plain lmdeploy", "#9e9e9e"), ("featcache", "featcache", "#
            ("featcache_noprefix", "featcache (prefix caching off)", "#6baed6")]
 
 
-def from_turbomind(result: dict[str, Any]) -> dict[str, Any]:
-    """A ``turbomind_bench.py`` result in the shape ``panel_data`` reads (engine ``native`` drawn
+def from_turbomind(result: dict[str, Any], tm_path: str = "native") -> dict[str, Any]:
+    """A ``turbomind_bench.py`` result in the shape ``panel_data`` reads (engine ``tm_path`` drawn
     as featcache), with p10/p90 over its raw per-request times (``timing.spread``: the bench's own
     nearest-rank median and p90, the p10 it does not keep, noisy past 2x the median)."""
+    engines = result.get("engines", {})
+    if tm_path not in engines:
+        raise ValueError(f"the TurboMind result has no engine {tm_path!r} (it has {sorted(engines)})")
     out: dict[str, Any] = dict(meta=dict(label=result.get("meta", {}).get("label")
                                          or _model_label(result) + " (TurboMind)"))
-    for path, e in result.get("engines", {}).items():
-        if "failed" in e or "raw" not in e:
+    for path, e in engines.items():
+        if path not in ("plain", tm_path) or "failed" in e or "raw" not in e:
             continue
         raw = e["raw"]
         turns: dict[str, list[float]] = {}
@@ -51,14 +55,14 @@ def from_turbomind(result: dict[str, Any]) -> dict[str, Any]:
                 for t, row in enumerate(chat, 1):
                     turns.setdefault(f"turn_{t}", []).append(row["ms"])
         d = e.get("d_concurrent", {})
-        out["featcache" if path == "native" else path] = dict(
+        out["featcache" if path == tm_path else path] = dict(
             a_same_image_fresh_context=spread([r["ms"] for rep in raw["a"] for r in rep["rows"]]),
             b_multi_turn={t: spread(v) for t, v in turns.items()},
             c_distinct_images=spread([r["ms"] for rep in raw["c"] for r in rep]),
             d_concurrent_32_clients_pool_8=dict(ttft=dict(
                 n=d.get("requests", 0), median_ms=d.get("ttft_median_ms"), p10_ms=d.get("ttft_median_ms"),
                 p90_ms=d.get("ttft_p90_ms")) if d else {}))
-    r = result.get("ratios", {}).get("native", {})
+    r = result.get("ratios", {}).get(tm_path, {})
     out["ratios"] = dict(a_same_image_speedup=r.get("a_speedup_median"),
                          b_turn_4_speedup=r.get("b_turn_4_speedup_median"),
                          c_distinct_slowdown=r.get("c_slowdown_median"),
@@ -70,10 +74,11 @@ def _model_label(result: dict[str, Any]) -> str:
     return models.label(str(result.get("meta", {}).get("args", {}).get("model", "?")))
 
 
-def panel_data(result: dict[str, Any]) -> dict[str, Any]:
-    """The numbers one panel draws: per engine, per group, (median, p10, p90, noisy) or None."""
+def panel_data(result: dict[str, Any], tm_path: str = "native") -> dict[str, Any]:
+    """The numbers one panel draws: per engine, per group, (median, p10, p90, noisy) or None;
+    ``tm_path``: the path a TurboMind result's panel draws as featcache."""
     if isinstance(result.get("engines"), dict):  # bench/turbomind_bench.py
-        result = from_turbomind(result)
+        result = from_turbomind(result, tm_path)
     engines = [e for e, _, _ in ENGINES if e in result]
     data: dict[str, list[Any]] = {}
     for e in engines:
@@ -98,13 +103,15 @@ def title(p: dict[str, Any]) -> str:
     return p["label"] + ("\n" + ", ".join(bits) if bits else "")
 
 
-def plot(results: list[dict[str, Any]], out: str, labels: list[str] | None = None) -> None:
+def plot(results: list[dict[str, Any]], out: str, labels: list[str] | None = None,
+         tm_paths: list[str] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [panel_data(r) for r in results]
+    paths = tm_paths or ["native"] * len(results)
+    panels = [panel_data(r, t) for r, t in zip(results, paths, strict=True)]
     for p, label in zip(panels, labels or [], strict=False):  # no labels: keep their own
         p["label"] = label
     cols = min(len(panels), 2)
@@ -146,15 +153,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="PNG to write")
     ap.add_argument("--labels", help="panel titles separated by ;, in the order of the inputs "
                     "(default: each result's label)")
+    ap.add_argument("--tm-paths", help="for each input, separated by ;, the TurboMind path drawn as "
+                    "featcache (native, features or combined; ignored for PyTorch-engine inputs); "
+                    "one name: every input (default native)")
     args = ap.parse_args(argv)
     labels = args.labels.split(";") if args.labels else []
     if labels and len(labels) != len(args.inputs):
         ap.error(f"--labels names {len(labels)} panels for {len(args.inputs)} inputs")
+    tm_paths = (args.tm_paths or "native").split(";")
+    if len(tm_paths) == 1:
+        tm_paths *= len(args.inputs)
+    if len(tm_paths) != len(args.inputs):
+        ap.error(f"--tm-paths names {len(tm_paths)} paths for {len(args.inputs)} inputs")
     results = []
     for path in args.inputs:
         with open(path) as f:
             results.append(json.load(f))
-    plot(results, args.out, labels)
+    try:
+        plot(results, args.out, labels, tm_paths)
+    except ValueError as e:
+        ap.error(str(e))
     print(f"wrote {args.out}: {len(results)} panel(s)")
     return 0
 

@@ -84,6 +84,23 @@ def test_plot_bench_reads_a_turbomind_result() -> None:
     assert "2.89x faster" in plot_bench.title(panel)
 
 
+def test_plot_bench_draws_the_turbomind_path_it_is_asked_for() -> None:
+    """``--tm-paths``: the 26B run's combined configuration drawn as featcache, its ratios in the
+    title; a path the result lacks is refused, naming what it has."""
+    path = os.path.join(_ROOT, "bench", "results", "p28-tmbench-26b-h200-2026-12-02.json")
+    with open(path) as f:
+        result = json.load(f)
+    panel = plot_bench.panel_data(result, "combined")
+    e = result["engines"]["combined"]
+    assert panel["data"]["featcache"][0][0] == e["a_same_image_fresh_context"]["median_ms"]
+    native = result["engines"]["native"]["a_same_image_fresh_context"]["median_ms"]
+    assert panel["data"]["featcache"][0][0] != native
+    assert "2.58x faster" in plot_bench.title(panel)
+    with pytest.raises(ValueError, match="no engine 'combined'.*native"):
+        with open(os.path.join(_ROOT, "bench", "results", "seed-tmbench-2b-2026-11-30.json")) as f:
+            plot_bench.panel_data(json.load(f), "combined")
+
+
 @pytest.mark.skipif(importlib.util.find_spec("lmdeploy") is None, reason="lmdeploy is not installed")
 def test_dry_run(tmp_path) -> None:
     """bench and breakdown over the stand-in pipeline, in a subprocess (the stage timers patch
