@@ -34,6 +34,7 @@ from ..cache import FeatureCache
 from ..config import DEFAULT_DIR, DEFAULTS, EVICTIONS
 from .budgets import EngineSizedCache, check_budgets, chosen_budgets, default_cache
 from .engine import KeyedInputProcessor, keep_prefix_caching
+from .fastprep import widen
 from .frontend import SECTION, install_frontend
 from .identity import model_identity
 from .media import LOCAL_FILES, MediaPolicy
@@ -209,6 +210,7 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
     spec = SPECS.get(arch)
     if not isinstance(engine.backend_config, PytorchEngineConfig):  # TurboMind: turbomind.py
         install_turbomind(pipe, cache, arch, namespace, turbomind)
+        widen(encoder)  # the preprocessing of different requests overlaps (``fastprep``)
         trust_image_ids_on(engine.prompt_processor, trust_image_ids)
         _read_sources_under(engine.prompt_processor, media)
         return pipe
@@ -217,6 +219,7 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
                     "image sources read under the media policy)", arch)
         _read_sources_under(getattr(engine, "prompt_processor", None), media)
         return pipe
+    widen(encoder)  # the preprocessing of different requests overlaps (``fastprep``)
     namespace = namespace or model_identity(
         encoder.model.model_path, arch, encoder.mm_feature_dtype, extra={})
     if getattr(engine.backend_config, "dp", 1) > 1:

@@ -41,6 +41,7 @@ from ..cache import FeatureCache
 from ..keys import ImageKey, KeyHasher
 from ..lrumap import LruMap
 from .entry_meta import decode_item, encode_item
+from .fastprep import FastPreprocess
 from .media import LOCAL_FILES, MediaError, MediaPolicy, image_io_options
 from .media import MediaOptionError as MediaOptionError  # (its home: media; named here too)
 from .refs import REF_KEY, FeatRef
@@ -87,7 +88,9 @@ def install_frontend(vision_model: Any, cache: FeatureCache, namespace: str,
         # pixels: this hook would neither see nor key them
         raise ValueError(f"featcache keys lmdeploy's legacy preprocess(messages) only; "
                          f"{type(vision_model).__name__} takes per-request processor options")
-    frontend = Frontend(cache, original, namespace, tags=tags, hasher=hasher)
+    # a miss is preprocessed by featcache where it reproduces lmdeploy exactly (``fastprep``)
+    frontend = Frontend(cache, FastPreprocess(vision_model, original, cache), namespace, tags=tags,
+                        hasher=hasher)
     if prompt_processor is not None:
         install_sources(prompt_processor, frontend)
 

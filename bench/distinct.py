@@ -1,0 +1,234 @@
+"""A stream of new images (issue 38; lmdeploy #2604's workload: 100 different documents, one
+prompt each): plain lmdeploy against featcache in the same run, ratios per repetition.
+
+    python3 -m bench distinct stages --model M [--n 16] [--batch 32] [--reps 3] [--json F]
+    python3 -m bench distinct pipeline --model M [--engine pytorch|turbomind] [--paths ...]
+        [--n 16] [--batch 32] [--reps 3] [--no-disk] [--json F]
+
+Images: photo-like 1344x1008 JPEGs (``bench.lib.images.photo_jpeg``, ~0.4 MB, 12 tiles and a
+thumbnail), a new seed for every request of every repetition, the same seeds for every engine,
+decoded as lmdeploy decodes a request's image (``ImageMediaIO``) before the clock starts.
+
+``stages`` (no engine: the CPU, or the GPU machine): lmdeploy's own ``preprocess`` of the model
+against featcache's (``fastprep.FastPreprocess``), each image's ``pixel_values`` compared with
+``torch.equal``; sequential (per image, ms) and a batch of ``--batch`` requests at once through
+each side's executor (lmdeploy's one worker; featcache's ``widen``), images/s.
+
+``pipeline`` (the GPU machine): the real engine, one new token per request (so the wall time is
+the time to first token); sequential (``--n`` new images, one at a time) and a batch of
+``--batch`` new images in one call; featcache with its bench cache (device, host and an LMDB disk
+tier: ``--no-disk`` leaves the disk out); every sequential answer's tokens compared with plain's.
+Each engine is built, run and closed alone (``--paths``: the TurboMind paths, ``plain`` first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from bench.lib.images import CHAT_SIZE, photo_jpeg
+from bench.lib.results import emit
+from bench.lib.timing import rep_medians, spread
+
+PROMPT = "Describe this document."
+
+
+def decoded(seed: int, size: tuple[int, int] = CHAT_SIZE) -> tuple[Any, float]:
+    """The new image of ``seed``, decoded as lmdeploy decodes a request's, and the decode's ms."""
+    from lmdeploy.vl.media.image import ImageMediaIO
+
+    raw = photo_jpeg(seed, size)
+    t = time.perf_counter()
+    image = ImageMediaIO().load_bytes(raw)
+    return image, (time.perf_counter() - t) * 1e3
+
+
+def _messages(image: Any) -> list[dict[str, Any]]:
+    return [dict(role="user", content=[dict(type="text", text=PROMPT), dict(type="image", data=image)])]
+
+
+def _ms(fn: Any, *args: Any) -> tuple[Any, float]:
+    t = time.perf_counter()
+    out = fn(*args)
+    return out, (time.perf_counter() - t) * 1e3
+
+
+def _ratios(num: list[float], den: list[float]) -> list[float]:
+    """Per repetition, ``num / den`` (a speedup: the baseline's time over ours, our rate over its)."""
+    return [round(a / b, 2) for a, b in zip(num, den, strict=True)]
+
+
+def _batch_ips(executor: Any, fn: Any, images: list[Any]) -> float:
+    """Images/s of ``len(images)`` requests preprocessed at once through ``executor``, as
+    lmdeploy's ``ImageEncoder.preprocess`` runs them (``run_in_executor``)."""
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(executor, fn, _messages(im)) for im in images))
+
+    t = time.perf_counter()
+    asyncio.run(run())
+    return len(images) / (time.perf_counter() - t)
+
+
+def stages(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from lmdeploy.messages import PytorchEngineConfig
+    from lmdeploy.vl.engine import ImageEncoder
+
+    from bench.lib import torchvision_ref
+    from featcache import FeatureCache
+    from featcache.lmdeploy import fastprep
+
+    dtype = "bfloat16" if torch.cuda.is_available() else "float16"
+    with torchvision_ref.installed():  # (lmdeploy builds InternVL's transforms from torchvision's)
+        encoder = ImageEncoder(args.model, "pytorch", backend_config=PytorchEngineConfig(dtype=dtype),
+                               trust_remote_code=True)
+    vm = encoder.model
+    plain = vm.preprocess
+    cache = FeatureCache(device="cpu", device_bytes=0, host_bytes=0)
+    fast = fastprep.FastPreprocess(vm, plain, cache)
+    wide = ThreadPoolExecutor(fastprep.THREADS)
+    report: dict[str, Any] = dict(bench="distinct stages", model=args.model, where=fast.why,
+                                  threads=fastprep.THREADS, torch_threads=torch.get_num_threads())
+    raw: dict[str, list[Any]] = dict(decode=[], plain=[], featcache=[], plain_ips=[], featcache_ips=[])
+    differ = 0
+    for warm in range(2):  # coefficients, CUDA context, allocator
+        fast(_messages(decoded(900 + warm)[0]))
+    for rep in range(args.reps):
+        base = 1_000 * (rep + 1)
+        seq, seq_fc, dec = [], [], []
+        for i in range(args.n):
+            image, d = decoded(base + i)
+            want, t_plain = _ms(plain, _messages(image))
+            got, t_fc = _ms(fast, _messages(image))
+            differ += not torch.equal(want[-1]["content"][0]["pixel_values"],
+                                      got[-1]["content"][0]["pixel_values"])
+            dec.append(d)
+            seq.append(t_plain)
+            seq_fc.append(t_fc)
+        batch = [decoded(base + 500 + i)[0] for i in range(args.batch)]
+        raw["plain_ips"].append(round(_batch_ips(encoder.executor, plain, batch), 2))
+        raw["featcache_ips"].append(round(_batch_ips(wide, fast, batch), 2))
+        raw["decode"].append(dec)
+        raw["plain"].append(seq)
+        raw["featcache"].append(seq_fc)
+        print(f"[distinct] rep {rep}: preprocess {statistics.median(seq):.1f} -> "
+              f"{statistics.median(seq_fc):.1f} ms; batch {raw['plain_ips'][-1]} -> "
+              f"{raw['featcache_ips'][-1]} images/s", flush=True)
+    per_rep = rep_medians(raw["plain"]), rep_medians(raw["featcache"])
+    report.update(
+        decode_ms=spread([x for r in raw["decode"] for x in r]),
+        sequential=dict(plain=spread([x for r in raw["plain"] for x in r]),
+                        featcache=spread([x for r in raw["featcache"] for x in r]),
+                        speedup_per_rep=_ratios(*per_rep)),
+        batch=dict(size=args.batch, plain_images_per_s=raw["plain_ips"],
+                   featcache_images_per_s=raw["featcache_ips"],
+                   speedup_per_rep=_ratios(raw["featcache_ips"], raw["plain_ips"])),
+        pixel_values_differ=differ, compared=args.n * args.reps,
+        counters=cache.stats().get("lmdeploy", {}))
+    wide.shutdown()
+    encoder.executor.shutdown()
+    return report
+
+
+def _engine(path: str, args: argparse.Namespace, store: str) -> Any:
+    from bench.lib import engines
+
+    disk = None if args.no_disk else store
+    if args.engine == "pytorch":
+        cache = None if path == "plain" else engines.bench_cache("cuda", disk)
+        if cache is not None and args.no_disk:
+            from featcache import FeatureCache
+
+            cache = FeatureCache(device="cuda", device_bytes="2GiB", host_bytes="4GiB")
+        return engines.build("plain" if path == "plain" else "fc", args.model, prefix=False,
+                             cache=cache, kv_fraction=args.kv_fraction)
+    config = engines.turbomind_config(prefix=False, kv_fraction=args.kv_fraction)
+    cache = None if path == "plain" else engines.host_cache(4 << 30, disk, 8 << 30)
+    return engines.build_turbomind(path, args.model, config, cache)
+
+
+def pipeline(args: argparse.Namespace) -> dict[str, Any]:
+    from bench.lib import engines
+
+    gen = engines.greedy(1)
+    paths = args.paths.split(",")
+    report: dict[str, Any] = dict(bench="distinct pipeline", model=args.model, engine=args.engine,
+                                  paths=paths, disk=not args.no_disk, n=args.n, batch=args.batch)
+    results: dict[str, Any] = {}
+    tokens: dict[str, list[Any]] = {}
+    for path in paths:
+        with tempfile.TemporaryDirectory() as store:
+            t = time.time()
+            pipe = _engine(path, args, store)
+            built = round(time.time() - t, 1)
+            for w in range(3):  # the engine's first calls, and featcache's coefficients
+                pipe((PROMPT, decoded(800 + w)[0]), gen_config=gen)
+            seq: list[list[float]] = []
+            ips: list[float] = []
+            toks: list[Any] = []
+            for rep in range(args.reps):
+                base = 1_000 * (rep + 1)
+                images = [decoded(base + i)[0] for i in range(args.n)]
+                walls = []
+                for image in images:
+                    out, ms = _ms(pipe, (PROMPT, image))
+                    walls.append(ms)
+                    toks.append(list(out.token_ids))
+                batch = [(PROMPT, decoded(base + 500 + i)[0]) for i in range(args.batch)]
+                _, ms = _ms(pipe, batch)
+                seq.append(walls)
+                ips.append(round(args.batch / ms * 1e3, 2))
+                print(f"[distinct] {path} rep {rep}: sequential {statistics.median(walls):.1f} ms, "
+                      f"batch {ips[-1]} images/s", flush=True)
+            fc = getattr(pipe, "featcache", None)
+            results[path] = dict(build_s=built, sequential=spread([x for r in seq for x in r]),
+                                 per_rep_median_ms=rep_medians(seq), batch_images_per_s=ips,
+                                 counters=fc.stats().get("lmdeploy", {}) if fc is not None else None)
+            tokens[path] = toks
+            engines.close_pipeline(pipe)
+            del pipe
+            engines.free_gpu()
+    base_path = paths[0]
+    for path in paths[1:]:
+        mine, ref = results[path], results[base_path]
+        mine["vs_" + base_path] = dict(
+            sequential_speedup_per_rep=_ratios(ref["per_rep_median_ms"], mine["per_rep_median_ms"]),
+            batch_speedup_per_rep=_ratios(mine["batch_images_per_s"], ref["batch_images_per_s"]),
+            token_identical=sum(a == b for a, b in zip(tokens[path], tokens[base_path], strict=True)),
+            compared=len(tokens[path]))
+    report["results"] = results
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m bench distinct", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("stages", "pipeline"):
+        p = sub.add_parser(name)
+        p.add_argument("--model", required=True, help="checkpoint directory (bench/lib/models.py)")
+        p.add_argument("--n", type=int, default=16, help="new images one at a time, per repetition")
+        p.add_argument("--batch", type=int, default=32, help="new images at once, per repetition")
+        p.add_argument("--reps", type=int, default=3)
+        p.add_argument("--json", help="write the report here too")
+        if name == "pipeline":
+            p.add_argument("--engine", choices=("pytorch", "turbomind"), default="pytorch")
+            p.add_argument("--paths", default="plain,fc",
+                           help="plain first; pytorch: fc; turbomind: native, features, combined")
+            p.add_argument("--no-disk", action="store_true", help="featcache without its disk tier")
+            p.add_argument("--kv-fraction", type=float, default=0.3)
+    args = ap.parse_args(argv)
+    if args.n < 1 or args.batch < 1 or args.reps < 1:
+        ap.error("--n, --batch and --reps must be at least 1")
+    report = stages(args) if args.cmd == "stages" else pipeline(args)
+    return emit(report, args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

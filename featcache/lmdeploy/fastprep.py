@@ -1,0 +1,216 @@
+"""featcache's preprocessing of a miss: lmdeploy's own output, faster and off its one thread.
+
+lmdeploy 0.18 preprocesses every image on a one-worker executor (``ImageEncoder.executor``), so
+new images queue behind each other whatever the GPU (shared notes: 8-9 images/s for 13-tile
+photos). Two changes, installed by ``wrap`` on every path that preprocesses (the frontend's
+misses, the PyTorch engine in one process or several, TurboMind native, features, combined):
+
+- ``FastPreprocess`` stands in for the vision model's ``preprocess(messages)``: for a model and
+  image it reproduces exactly (``internvl_spec``: lmdeploy's InternVL-Chat-V1-5 recipe, RGB
+  images, a grid of at most ``MAX_FAST_TILES``), it makes the same per-image dicts with
+  ``preprocess.internvl.TileMaker`` (on the GPU where there is one, else PIL in threads); for
+  anything else, lmdeploy's own code runs, counted as ``preprocess_fallback``. A failure of the
+  fast path is a fallback too (``preprocess_errors``), never a failed request.
+- ``widen`` gives the encoder a bounded pool (``THREADS``) in place of its single worker, so
+  the preprocessing of different requests overlaps.
+
+``FEATCACHE_PREPROCESS``: ``auto`` (the default: cuda when available, else cpu), ``cuda``,
+``cpu``, or ``lmdeploy`` (lmdeploy's own preprocessing for every image, its single worker kept).
+The CUDA path must first reproduce the installed Pillow on a probe set
+(``resample.matches_pillow``), else the CPU path is used and the reason logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ..cache import FeatureCache
+from ..preprocess.internvl import TileMaker, TileSpec
+from ..preprocess.resample import Resampler, matches_pillow
+
+log = logging.getLogger("featcache")
+SECTION = "lmdeploy"
+ENV = "FEATCACHE_PREPROCESS"
+MODES = ("auto", "cuda", "cpu", "lmdeploy")
+MAX_THREADS = 8
+MAX_FAST_TILES = 64  # a request asking for more tiles than this gets lmdeploy's own code
+IMAGE_RES = {"low": 6, "medium": 12, "high": 24}  # lmdeploy's _preprocess_v1_5 "detail" levels
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+THREADS = max(1, min(MAX_THREADS, _cores()))
+_pool: ThreadPoolExecutor | None = None
+
+
+def pool() -> ThreadPoolExecutor:
+    """The process's threads for the parts of one image's preprocessing that overlap (a
+    thumbnail beside its grid, the images of one request on the GPU path): ``THREADS`` wide.
+    Their tasks never wait on each other, so a request thread waiting on them cannot deadlock."""
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(THREADS, thread_name_prefix="featcache-prep")
+    return _pool
+
+
+def mode() -> str:
+    value = os.environ.get(ENV, "auto") or "auto"
+    if value not in MODES:
+        raise ValueError(f"{ENV} must be one of {', '.join(MODES)}, not {value!r}")
+    return value
+
+
+def widen(encoder: Any) -> None:
+    """Give lmdeploy's ``ImageEncoder`` a pool of ``THREADS`` workers for its preprocessing in
+    place of its one worker, where featcache's hook is installed on its model (unless
+    ``FEATCACHE_PREPROCESS=lmdeploy``). The preprocess hooks are
+    thread-safe; lmdeploy's ``async_infer`` shares that executor, for the TurboMind models whose
+    vision runs in Python, none of which featcache serves."""
+    if mode() == "lmdeploy" or getattr(encoder.executor, "_featcache", False):
+        return
+    if not getattr(getattr(encoder.model, "preprocess", None), "_featcache", False):
+        return  # featcache is not installed on this model: lmdeploy's as it is
+    old = encoder.executor
+    encoder.executor = ThreadPoolExecutor(THREADS, thread_name_prefix="featcache-encoder")
+    encoder.executor._featcache = True  # type: ignore[attr-defined]
+    old.shutdown(wait=False)
+
+
+def internvl_spec(vision_model: Any) -> TileSpec | str:
+    """The ``TileSpec`` of a vision model whose preprocessing is lmdeploy's InternVL-Chat-V1-5
+    recipe exactly as ``TileMaker`` reproduces it, else why not (a sentence)."""
+    try:
+        from lmdeploy.vl.model.internvl import InternVLVisionModel
+    except ImportError as e:
+        return f"lmdeploy's InternVL model does not import ({e})"
+    if not isinstance(vision_model, InternVLVisionModel):
+        return f"{type(vision_model).__name__} is not lmdeploy's InternVL model"
+    if type(vision_model).preprocess is not InternVLVisionModel.preprocess:
+        return f"{type(vision_model).__name__} has a preprocess of its own"
+    if getattr(vision_model.processor, "__func__", None) is not InternVLVisionModel._preprocess_v1_5:
+        return "the model uses its CLIP image processor (InternVL-Chat-V1-1/V1-2), not V1-5 tiling"
+    steps = list(getattr(vision_model.transform, "transforms", []))
+    names = [type(t).__name__ for t in steps]
+    if names != ["Lambda", "Resize", "ToTensor", "Normalize"]:
+        return f"its transform is {names}, not lmdeploy's"
+    resize, normalize = steps[1], steps[3]
+    size = int(vision_model.vision_config.image_size)
+    interpolation = getattr(resize.interpolation, "value", resize.interpolation)
+    if list(resize.size) != [size, size] or interpolation not in ("bicubic", 3):
+        return f"its Resize is {resize.size} {interpolation}, not ({size}, {size}) bicubic"
+    if getattr(normalize, "inplace", False) or getattr(resize, "max_size", None) is not None:
+        return "its transform has options featcache does not reproduce"
+    dtype = vision_model.mm_feature_dtype
+    if not isinstance(dtype, torch.dtype):
+        return f"its feature dtype is {dtype!r}"
+    config = vision_model.config
+    return TileSpec(size=size, min_num=int(config.min_dynamic_patch),
+                    use_thumbnail=bool(config.use_thumbnail),
+                    mean=tuple(float(x) for x in normalize.mean),
+                    std=tuple(float(x) for x in normalize.std), dtype=dtype)
+
+
+def _device(wanted: str) -> tuple[torch.device, str]:
+    """Where the fast path runs, and why."""
+    if wanted == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu"), "asked for" if wanted == "cpu" else "no CUDA device"
+    device = torch.device("cuda", torch.cuda.current_device())
+    if not matches_pillow(Resampler(device)):
+        import PIL
+
+        return torch.device("cpu"), (f"the GPU resize does not reproduce Pillow {PIL.__version__} "
+                                     "(its Resample.c changed): PIL's own resizes, in threads")
+    return device, "the engine's GPU"
+
+
+class FastPreprocess:
+    """``preprocess(messages)`` as lmdeploy's vision model does it, by ``TileMaker`` where it is
+    exact, else by ``original`` (lmdeploy's). Counts on ``cache``: ``preprocess_fast``,
+    ``preprocess_fallback`` and ``preprocess_errors`` (images)."""
+
+    def __init__(self, vision_model: Any, original: Any, cache: FeatureCache) -> None:
+        self.vision_model = vision_model
+        self.original = original
+        self.cache = cache
+        self.maker: TileMaker | None = None
+        wanted = mode()
+        spec = internvl_spec(vision_model) if wanted != "lmdeploy" else f"{ENV}=lmdeploy"
+        if isinstance(spec, str):
+            self.why = spec
+        else:
+            from lmdeploy.vl.model.internvl import find_closest_aspect_ratio
+
+            device, why = _device(wanted)
+            self.maker = TileMaker(spec, find_closest_aspect_ratio, device, pool())
+            self.why = f"on {device} ({why})"
+        log.info("featcache: preprocessing of new images: %s", "featcache's, " + self.why
+                 if self.maker is not None else f"lmdeploy's ({self.why})")
+
+    def __call__(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        items = self.vision_model.collect_multimodal_items(messages)
+        plan = self._plan(items) if self.maker is not None else None
+        if plan is None:
+            self.cache.count(SECTION, "preprocess_fallback", len(items))
+            return self.original(messages)
+        try:
+            values = self._pixel_values(plan)
+        except Exception:
+            log.exception("featcache: fast preprocessing failed; lmdeploy's preprocessing runs")
+            self.cache.count(SECTION, "preprocess_errors", len(items))
+            self.cache.count(SECTION, "preprocess_fallback", len(items))
+            return self.original(messages)
+        vm = self.vision_model
+        outputs = [dict(pixel_values=pv, image_tokens=pv.shape[0] * vm.image_tokens_per_patch,
+                        image_token_id=vm.image_token_id, image_size=image.size)
+                   for (image, _), pv in zip(plan, values, strict=True)]
+        self.cache.count(SECTION, "preprocess_fast", len(items))
+        messages.append(dict(role="preprocess", content=outputs))
+        return messages
+
+    def _plan(self, items: list[tuple[str, Any, dict[str, Any]]]) -> list[tuple[Any, int]] | None:
+        """(image, max tiles) per item, or None where any is not one the fast path reproduces."""
+        plan = []
+        for modality, image, params in items:
+            if getattr(modality, "value", modality) != "image" or getattr(image, "mode", None) != "RGB":
+                return None
+            max_num = self._max_tiles(params)
+            if max_num is None:
+                return None
+            plan.append((image, max_num))
+        return plan
+
+    def _max_tiles(self, params: dict[str, Any]) -> int | None:
+        """``_preprocess_v1_5``'s ``max_num`` for these per-image parameters (its rules, bool an
+        int as there), or None where it is not a grid the fast path makes."""
+        max_num = params.get("max_dynamic_patch")
+        if max_num is None or not isinstance(max_num, int):
+            detail = params.get("detail", "default")
+            if not isinstance(detail, str):
+                return None
+            max_num = IMAGE_RES.get(detail, self.vision_model.config.max_dynamic_patch)
+        assert self.maker is not None
+        if not isinstance(max_num, int) or not self.maker.spec.min_num <= max_num <= MAX_FAST_TILES:
+            return None
+        return int(max_num)
+
+    def _pixel_values(self, plan: list[tuple[Any, int]]) -> list[torch.Tensor]:
+        maker = self.maker
+        assert maker is not None
+        if maker.device.type == "cuda" and len(plan) > 1:  # the images side by side
+            return list(pool().map(lambda p: maker(*p), plan))
+        return [maker(image, max_num) for image, max_num in plan]
+
+
+def install_fast_preprocess(vision_model: Any, cache: FeatureCache) -> FastPreprocess:
+    """Put ``FastPreprocess`` over the vision model's ``preprocess`` (the frontend's hook then
+    wraps it); returns it."""
+    fast = FastPreprocess(vision_model, vision_model.preprocess, cache)
+    vision_model.preprocess = fast
+    return fast
