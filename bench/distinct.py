@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import statistics
 import sys
 import tempfile
@@ -164,10 +165,13 @@ def pipeline(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
     tokens: dict[str, list[Any]] = {}
     for path in paths:
+        # an engine that hangs leaves every thread's stack in the log and the run, not the call
+        faulthandler.dump_traceback_later(args.watchdog, exit=True)
         with tempfile.TemporaryDirectory() as store:
             t = time.time()
             pipe = _engine(path, args, store)
             built = round(time.time() - t, 1)
+            print(f"[distinct] {path}: built in {built} s", flush=True)
             for w in range(3):  # the engine's first calls, and featcache's coefficients
                 pipe((PROMPT, decoded(800 + w)[0]), gen_config=gen)
             seq: list[list[float]] = []
@@ -195,6 +199,7 @@ def pipeline(args: argparse.Namespace) -> dict[str, Any]:
             engines.close_pipeline(pipe)
             del pipe
             engines.free_gpu()
+        faulthandler.cancel_dump_traceback_later()
     base_path = paths[0]
     for path in paths[1:]:
         mine, ref = results[path], results[base_path]
@@ -223,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
                            help="plain first; pytorch: fc; turbomind: native, features, combined")
             p.add_argument("--no-disk", action="store_true", help="featcache without its disk tier")
             p.add_argument("--kv-fraction", type=float, default=0.3)
+            p.add_argument("--watchdog", type=float, default=400,
+                           help="s an engine may take (build, run, close) before the run dumps "
+                                "every thread's stack and exits")
     args = ap.parse_args(argv)
     if args.n < 1 or args.batch < 1 or args.reps < 1:
         ap.error("--n, --batch and --reps must be at least 1")

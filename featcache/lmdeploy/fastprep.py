@@ -154,7 +154,7 @@ class FastPreprocess:
                  if self.maker is not None else f"lmdeploy's ({self.why})")
 
     def __call__(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        items = self.vision_model.collect_multimodal_items(messages)
+        items = _multimodal_items(messages)
         plan = self._plan(items) if self.maker is not None else None
         if plan is None:
             self.cache.count(SECTION, "preprocess_fallback", len(items))
@@ -208,9 +208,14 @@ class FastPreprocess:
         return [maker(image, max_num) for image, max_num in plan]
 
 
-def install_fast_preprocess(vision_model: Any, cache: FeatureCache) -> FastPreprocess:
-    """Put ``FastPreprocess`` over the vision model's ``preprocess`` (the frontend's hook then
-    wraps it); returns it."""
-    fast = FastPreprocess(vision_model, vision_model.preprocess, cache)
-    vision_model.preprocess = fast
-    return fast
+def _multimodal_items(messages: list[dict[str, Any]]) -> list[tuple[Any, Any, dict[str, Any]]]:
+    """(modality, data, params) of every multimodal item, in order: lmdeploy's
+    ``VisionModel.collect_multimodal_items``, whose order the per-image dicts must keep."""
+    items = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        for x in content if isinstance(content, list) else ():
+            if isinstance(x, dict) and x.get("type") not in (None, "text"):
+                items.append((x["type"], x.get("data"),
+                              {k: v for k, v in x.items() if k not in ("type", "data")}))
+    return items
