@@ -104,11 +104,11 @@ class TileMaker:
         if thumbnail:
             resize = image.resize
             thumb = self.pool.submit(resize, (s, s)) if self.pool is not None else None
-        resized = np.asarray(image.resize((cols * s, rows * s)))
-        tiles = _tiles(torch.from_numpy(resized).permute(2, 0, 1), cols, rows, s)
+        resized = _hwc(image.resize((cols * s, rows * s)))
+        tiles = _tiles(resized.permute(2, 0, 1), cols, rows, s)
         if thumbnail:
             small = thumb.result() if thumb is not None else image.resize((s, s))
-            tiles = torch.cat([tiles, torch.from_numpy(np.asarray(small)).permute(2, 0, 1)[None]])
+            tiles = torch.cat([tiles, _hwc(small).permute(2, 0, 1)[None]])
         return self._normalized(tiles.contiguous(), 255)
 
     # -- the CUDA path: Pillow's arithmetic on the GPU -------------------------------------------
@@ -122,7 +122,7 @@ class TileMaker:
     def _on_cuda(self, image: Any, cols: int, rows: int, thumbnail: bool) -> torch.Tensor:
         assert self.resampler is not None
         s = self.spec.size
-        pixels = torch.from_numpy(np.array(image)).pin_memory()  # HWC uint8
+        pixels = _hwc(image, pinned=True)
         stream = self._stream()
         with torch.cuda.stream(stream):
             chw = pixels.to(self.device, non_blocking=True).permute(2, 0, 1).contiguous()
@@ -143,6 +143,14 @@ class TileMaker:
         """torchvision's ToTensor and Normalize over uint8 ``[N, C, S, S]``, then the cast."""
         x = tiles.to(dtype=torch.float32).div(by)
         return x.sub_(self._mean).div_(self._std).to(self.spec.dtype)
+
+
+def _hwc(image: Any, pinned: bool = False) -> torch.Tensor:
+    """An RGB PIL image's pixels as a writable uint8 ``[H, W, 3]`` tensor (one copy of PIL's
+    bytes, into pinned memory with ``pinned``)."""
+    out = torch.empty((image.height, image.width, 3), dtype=torch.uint8, pin_memory=pinned)
+    out.numpy()[...] = np.asarray(image)
+    return out
 
 
 def _tiles(chw: torch.Tensor, cols: int, rows: int, s: int) -> torch.Tensor:
