@@ -42,7 +42,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                     "featcache.value", "featcache.eviction", "featcache.lrumap", "featcache.hostpool",
                     "featcache.copier",
                     "featcache.singleflight", "featcache.autosize", "featcache.threads",
-                    "featcache.shutdown")),
+                    "featcache.shutdown", "featcache.preprocess")),
     ("LMDB store", ("featcache.store",)),
     ("tiers", ("featcache.tiers",)),
     ("cache", ("featcache.cache", "featcache.chain", "featcache.lookup", "featcache.writer",

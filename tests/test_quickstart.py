@@ -51,7 +51,8 @@ def test_the_first_screen_says_what_it_is_the_problem_a_number_and_the_two_comma
                          "README.md"], cwd=ROOT, capture_output=True, text=True, check=True)
     assert ci.stdout.strip() == (
         "python3 -m pip install torch==2.13.0 -e '.[test]' && python3 -m pip install --no-deps "
-        "lmdeploy==0.18.0 -r requirements/lmdeploy-cpu.txt && python3 -m pytest -q")
+        "lmdeploy==0.18.0 -r requirements/lmdeploy-cpu.txt && python3 -m pip install --no-deps "
+        "--target .cache/torchvision-ref torchvision==0.29.1 && python3 -m pytest -q")
     assert top.index(MAIN_COMMAND) < top.index(ci.stdout.strip()) < top.index("## Quick start")
     assert top.count("```bash") == 2  # the two commands, nothing else to run yet
 

@@ -242,7 +242,10 @@ def test_frontend_on_lmdeploy_prompt_path(models, key, torchvision):
         # the engine stores the features (one row a token, LLM hidden 256); the same image hits
         cache.put(item[REF_KEY].key, torch.randn(TILES * 4, 256), meta=item[REF_KEY].meta)
         again, want2 = cached.prompt(msgs), plain.prompt(msgs)
-        assert len(cached.calls) == 1 and len(plain.calls) == 2  # lmdeploy's preprocessing skipped
+        # the miss preprocessed by featcache (exactly: the pixels above), the hit not at all;
+        # lmdeploy's own preprocessing ran for plain only
+        assert len(cached.calls) == 0 and len(plain.calls) == 2
+        assert cache.stats()[SECTION]["preprocess_fast"] == 1
         assert again["input_ids"] == want2["input_ids"] and again["multimodal"][0][REF_KEY].hit
         assert again["multimodal"][0]["pixel_values"].shape[0] == 0
         stats = cache.stats()[SECTION]
@@ -295,8 +298,9 @@ def test_turbomind_native_path(models, key, torchvision, monkeypatch):
                 assert w.kwargs["token_end"] - w.kwargs["token_begin"] == TILES * 4
                 assert torch.equal(g.kwargs["data"].args[0], w.kwargs["data"].args[0])
                 assert len(g.kwargs["fingerprint"]) == 32
-            assert len(cached.calls) == 1  # the second request: no preprocessing
             stats = cache.stats()[SECTION]
+            # the miss preprocessed by featcache, the second request not at all
+            assert len(cached.calls) == 0 and stats["preprocess_fast"] == 1
             assert stats["hits"] == 1 and stats["tm_pixels_served"] == 1
         finally:
             plain.close()
@@ -419,7 +423,8 @@ def test_turbomind_features_path_serves_the_legacy_models_features(models, torch
             assert torch.equal(feats, tower(pixels).reshape(-1, feats.shape[-1]))
             assert feats.shape[0] == TILES * 4 and feats.dtype == torch.float16
             second = prompt.prompt(msgs)
-            assert len(prompt.calls) == 1  # the hit: no preprocessing
+            # the miss preprocessed by featcache, the hit not at all
+            assert len(prompt.calls) == 0 and cache.stats()[SECTION]["preprocess_fast"] == 1
             assert second["input_embeddings"][0].data_ptr() == feats.data_ptr()
             assert second["input_ids"] == first["input_ids"]
             stats = cache.stats()[SECTION]
