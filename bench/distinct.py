@@ -17,7 +17,8 @@ each side's executor (lmdeploy's one worker; featcache's ``widen``), images/s.
 ``pipeline`` (the GPU machine): the real engine, one new token per request (so the wall time is
 the time to first token); sequential (``--n`` new images, one at a time) and a batch of
 ``--batch`` new images in one call; featcache with its bench cache (device, host and an LMDB disk
-tier: ``--no-disk`` leaves the disk out); every sequential answer's tokens compared with plain's.
+tier; the path ``fc_nodisk`` leaves the disk out); every sequential answer's tokens compared with
+plain's.
 Each engine is built, run and closed alone (``--paths``: the TurboMind paths, ``plain`` first).
 """
 
@@ -139,18 +140,25 @@ def stages(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _engine(path: str, args: argparse.Namespace, store: str) -> Any:
+    """The engine of ``path``: ``plain``; on the PyTorch engine ``fc`` (the bench cache, with its
+    LMDB disk tier at ``store``) or ``fc_nodisk`` (the same without the disk); on TurboMind a
+    ``turbomind=`` path over a host cache (and the disk, unless ``--no-disk``)."""
     from bench.lib import engines
 
-    disk = None if args.no_disk else store
     if args.engine == "pytorch":
-        cache = None if path == "plain" else engines.bench_cache("cuda", disk)
-        if cache is not None and args.no_disk:
+        if path not in ("plain", "fc", "fc_nodisk"):
+            raise SystemExit(f"--paths for the PyTorch engine: plain, fc, fc_nodisk (not {path!r})")
+        cache = None
+        if path == "fc":
+            cache = engines.bench_cache("cuda", store)
+        elif path == "fc_nodisk":
             from featcache import FeatureCache
 
             cache = FeatureCache(device="cuda", device_bytes="2GiB", host_bytes="4GiB")
         return engines.build("plain" if path == "plain" else "fc", args.model, prefix=False,
                              cache=cache, eager=args.eager, kv_fraction=args.kv_fraction)
     config = engines.turbomind_config(prefix=False, kv_fraction=args.kv_fraction)
+    disk = None if args.no_disk else store
     cache = None if path == "plain" else engines.host_cache(4 << 30, disk, 8 << 30)
     return engines.build_turbomind(path, args.model, config, cache)
 
@@ -161,7 +169,7 @@ def pipeline(args: argparse.Namespace) -> dict[str, Any]:
     gen = engines.greedy(1)
     paths = args.paths.split(",")
     report: dict[str, Any] = dict(bench="distinct pipeline", model=args.model, engine=args.engine,
-                                  paths=paths, disk=not args.no_disk, n=args.n, batch=args.batch)
+                                  paths=paths, n=args.n, batch=args.batch)
     results: dict[str, Any] = {}
     tokens: dict[str, list[Any]] = {}
     for path in paths:
@@ -225,8 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         if name == "pipeline":
             p.add_argument("--engine", choices=("pytorch", "turbomind"), default="pytorch")
             p.add_argument("--paths", default="plain,fc",
-                           help="plain first; pytorch: fc; turbomind: native, features, combined")
-            p.add_argument("--no-disk", action="store_true", help="featcache without its disk tier")
+                           help="plain first; pytorch: fc, fc_nodisk; turbomind: native, features, "
+                                "combined")
+            p.add_argument("--no-disk", action="store_true",
+                           help="TurboMind: featcache without its disk tier (PyTorch: path fc_nodisk)")
             p.add_argument("--kv-fraction", type=float, default=0.05,
                            help="cache_max_entry_count (the seed bench's 0.05)")
             p.add_argument("--eager", action="store_true",
