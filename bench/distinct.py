@@ -55,9 +55,9 @@ def _messages(image: Any) -> list[dict[str, Any]]:
     return [dict(role="user", content=[dict(type="text", text=PROMPT), dict(type="image", data=image)])]
 
 
-def _ms(fn: Any, *args: Any) -> tuple[Any, float]:
+def _ms(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
     t = time.perf_counter()
-    out = fn(*args)
+    out = fn(*args, **kwargs)
     return out, (time.perf_counter() - t) * 1e3
 
 
@@ -190,11 +190,11 @@ def pipeline(args: argparse.Namespace) -> dict[str, Any]:
                 images = [decoded(base + i)[0] for i in range(args.n)]
                 walls = []
                 for image in images:
-                    out, ms = _ms(pipe, (PROMPT, image))
+                    out, ms = _ms(pipe, (PROMPT, image), gen_config=gen)
                     walls.append(ms)
                     toks.append(list(out.token_ids))
                 batch = [(PROMPT, decoded(base + 500 + i)[0]) for i in range(args.batch)]
-                _, ms = _ms(pipe, batch)
+                _, ms = _ms(pipe, batch, gen_config=gen)
                 seq.append(walls)
                 ips.append(round(args.batch / ms * 1e3, 2))
                 print(f"[distinct] {path} rep {rep}: sequential {statistics.median(walls):.1f} ms, "
