@@ -67,3 +67,14 @@ def need(name: str, *, stack: bool = True) -> ModuleType:
     if why is not None:
         _refuse(why, module_level=False)
     return importlib.import_module(name)
+
+
+def need_transforms() -> None:
+    """Inside a test: torchvision's transforms, from which lmdeploy builds InternVL's V1-5
+    preprocessing (``bench.lib.torchvision_ref``: the test command unpacks them aside), or skip
+    the test (fail under the switch)."""
+    from bench.lib import torchvision_ref
+
+    why = torchvision_ref.missing()
+    if why is not None:
+        _refuse(why, module_level=False)

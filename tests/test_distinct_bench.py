@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import _lmdeploy_stack
-import pytest
 
 _lmdeploy_stack.require()
 
@@ -19,15 +18,9 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench", "device"))
 import make_seed_models as seed  # noqa: E402
 
-from bench.lib import torchvision_ref  # noqa: E402
-
 
 def test_stages_compares_every_image_and_reports_ratios_per_repetition(tmp_path):
-    why = torchvision_ref.missing()
-    if why is not None:
-        if os.environ.get(_lmdeploy_stack.REQUIRE_ENV) == "1":
-            pytest.fail(why, pytrace=False)
-        pytest.skip(why)
+    _lmdeploy_stack.need_transforms()
     model = seed.build("2b", str(tmp_path), dry_run=True)["path"]
     out = tmp_path / "stages.json"
     r = subprocess.run([sys.executable, "-m", "bench", "distinct", "stages", "--model", model,
