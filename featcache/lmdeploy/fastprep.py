@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -140,6 +141,7 @@ class FastPreprocess:
         self.original = original
         self.cache = cache
         self.maker: TileMaker | None = None
+        self._logged = False
         wanted = mode()
         spec = internvl_spec(vision_model) if wanted != "lmdeploy" else f"{ENV}=lmdeploy"
         if isinstance(spec, str):
@@ -162,7 +164,10 @@ class FastPreprocess:
         try:
             values = self._pixel_values(plan)
         except Exception:
-            log.exception("featcache: fast preprocessing failed; lmdeploy's preprocessing runs")
+            if not self._logged:  # (once: counted every time)
+                self._logged = True
+                log.error("featcache: fast preprocessing failed; lmdeploy's preprocessing runs "
+                          "(logged once, counted as preprocess_errors)\n%s", traceback.format_exc())
             self.cache.count(SECTION, "preprocess_errors", len(items))
             self.cache.count(SECTION, "preprocess_fallback", len(items))
             return self.original(messages)
