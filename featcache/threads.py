@@ -25,6 +25,11 @@ ENV = "OMP_NUM_THREADS"
 MAX_THREADS = 8  # a team wider than this gains nothing on a 13-tile image's preprocessing
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS says, else the machine's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def team_width(cores: int) -> int:
     """The width for each of the two teams on ``cores`` cores: a quarter of them (room for the
     two teams, the server's other threads and a model process's own), 1 to ``MAX_THREADS``. On
@@ -41,7 +46,7 @@ def share_cores(threads: int | None = None) -> tuple[int, str]:
         return torch.get_num_threads(), "torch's default (asked for)"
     if threads is None and os.environ.get(ENV):
         return torch.get_num_threads(), f"{ENV}={os.environ[ENV]} (the user's)"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     width = threads if threads is not None else team_width(cores)
     why = ("asked for" if threads is not None
            else f"{cores} cores shared by the engine and the image preprocessing in one process")

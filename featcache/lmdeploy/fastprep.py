@@ -33,6 +33,7 @@ import torch
 from ..cache import FeatureCache
 from ..preprocess.internvl import TileMaker, TileSpec
 from ..preprocess.resample import Resampler, matches_pillow
+from ..threads import usable_cores
 
 log = logging.getLogger("featcache")
 SECTION = "lmdeploy"
@@ -43,11 +44,7 @@ MAX_FAST_TILES = 64  # a request asking for more tiles than this gets lmdeploy's
 IMAGE_RES = {"low": 6, "medium": 12, "high": 24}  # lmdeploy's _preprocess_v1_5 "detail" levels
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-THREADS = max(1, min(MAX_THREADS, _cores()))
+THREADS = max(1, min(MAX_THREADS, usable_cores()))
 _pool: ThreadPoolExecutor | None = None
 
 
@@ -156,7 +153,11 @@ class FastPreprocess:
                  if self.maker is not None else f"lmdeploy's ({self.why})")
 
     def __call__(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        items = _multimodal_items(messages)
+        from lmdeploy.vl.model.base import VisionModel
+
+        # lmdeploy's own walk of the items (a static method: a stand-in model need not have it),
+        # whose order the per-image dicts keep
+        items = VisionModel.collect_multimodal_items(messages)
         plan = self._plan(items) if self.maker is not None else None
         if plan is None:
             self.cache.count(SECTION, "preprocess_fallback", len(items))
@@ -212,15 +213,3 @@ class FastPreprocess:
             return list(pool().map(lambda p: maker(*p), plan))
         return [maker(image, max_num) for image, max_num in plan]
 
-
-def _multimodal_items(messages: list[dict[str, Any]]) -> list[tuple[Any, Any, dict[str, Any]]]:
-    """(modality, data, params) of every multimodal item, in order: lmdeploy's
-    ``VisionModel.collect_multimodal_items``, whose order the per-image dicts must keep."""
-    items = []
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        for x in content if isinstance(content, list) else ():
-            if isinstance(x, dict) and x.get("type") not in (None, "text"):
-                items.append((x["type"], x.get("data"),
-                              {k: v for k, v in x.items() if k not in ("type", "data")}))
-    return items

@@ -136,7 +136,6 @@ class TileMaker:
             done = torch.cuda.Event()
             done.record(stream)
         done.synchronize()  # (this thread's stream only: the engine's streams are not waited on)
-        pixels.numel()  # the pinned input lives until its copy is done
         return out
 
     def _normalized(self, tiles: torch.Tensor, by: Any) -> torch.Tensor:
