@@ -3,7 +3,9 @@ prompt each): plain lmdeploy against featcache in the same run, ratios per repet
 
     python3 -m bench distinct stages --model M [--n 16] [--batch 32] [--reps 3] [--json F]
     python3 -m bench distinct pipeline --model M [--engine pytorch|turbomind] [--paths ...]
-        [--n 16] [--batch 32] [--reps 3] [--no-disk] [--json F]
+        [--n 16] [--batch 32] [--reps 3] [--no-disk] [--ceiling] [--json F]
+    python3 -m bench distinct serve --model M [--engine pytorch|turbomind] [--clients 16]
+        [--n 16] [--batch 32] [--reps 3] [--json F]
 
 Images: photo-like 1344x1008 JPEGs (``bench.lib.images.photo_jpeg``, ~0.4 MB, 12 tiles and a
 thumbnail), a new seed for every request of every repetition, the same seeds for every engine,
@@ -18,8 +20,18 @@ each side's executor (lmdeploy's one worker; featcache's ``widen``), images/s.
 the time to first token); sequential (``--n`` new images, one at a time) and a batch of
 ``--batch`` new images in one call; featcache with its bench cache (device, host and an LMDB disk
 tier; the path ``fc_nodisk`` leaves the disk out); every sequential answer's tokens compared with
-plain's.
-Each engine is built, run and closed alone (``--paths``: the TurboMind paths, ``plain`` first).
+plain's. Each engine is built, run and closed alone (``--paths``: the TurboMind paths, ``plain``
+first). ``--ceiling``: each featcache path also runs a second batch of new images whose
+preprocessing was done before the clock (``_prepped``): what the engine and the vision model
+allow a batch when preprocessing costs nothing, the bound on any preprocessing speedup.
+
+``serve`` (the GPU machine, the server wheels carried): plain ``lmdeploy serve api_server``
+against ``featcache serve`` (its store in a temporary directory), the same engine flags, prefix
+caching off, through the ``openai`` client with the images as JPEG data URLs: ``--n`` new images
+one at a time (time to first token), then ``--batch`` new images from ``--clients`` clients at
+once (requests/s, time to first token p50); the sequential answers' tokens compared with plain's.
+Both servers run their defaults' process model (PyTorch: the engine in lmdeploy's engine
+process; ``--engine-process in`` for featcache's in-process mode).
 """
 
 from __future__ import annotations
@@ -163,6 +175,31 @@ def _engine(path: str, args: argparse.Namespace, store: str) -> Any:
     return engines.build_turbomind(path, args.model, config, cache)
 
 
+class _Prepped:
+    """A featcache pipeline's preprocessing with some images' done before the clock (``--ceiling``):
+    ``prepare(images)`` runs featcache's own preprocessing of each now; a request for one of
+    them is then answered from that memo (keyed by the image object), any other as usual."""
+
+    def __init__(self, pipe: Any) -> None:
+        self.frontend = pipe.async_engine.vl_encoder.model.preprocess.frontend
+        self.inner = self.frontend.original  # featcache's FastPreprocess
+        self.memo: dict[int, dict[str, Any]] = {}
+        self.served = 0  # requests answered from the memo (the report's check that it was used)
+        self.frontend.original = self
+
+    def prepare(self, images: list[Any]) -> None:
+        self.memo = {id(im): self.inner(_messages(im))[-1] for im in images}
+
+    def __call__(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        from lmdeploy.vl.model.base import VisionModel
+
+        items = VisionModel.collect_multimodal_items(messages)
+        if len(items) == 1 and id(items[0][1]) in self.memo:
+            self.served += 1
+            return [*messages, self.memo[id(items[0][1])]]
+        return self.inner(messages)
+
+
 def pipeline(args: argparse.Namespace) -> dict[str, Any]:
     from bench.lib import engines
 
@@ -184,6 +221,8 @@ def pipeline(args: argparse.Namespace) -> dict[str, Any]:
                 pipe((PROMPT, decoded(800 + w)[0]), gen_config=gen)
             seq: list[list[float]] = []
             ips: list[float] = []
+            bound: list[float] = []
+            prepped = _Prepped(pipe) if args.ceiling and path != "plain" else None
             toks: list[Any] = []
             for rep in range(args.reps):
                 base = 1_000 * (rep + 1)
@@ -197,11 +236,19 @@ def pipeline(args: argparse.Namespace) -> dict[str, Any]:
                 _, ms = _ms(pipe, batch, gen_config=gen)
                 seq.append(walls)
                 ips.append(round(args.batch / ms * 1e3, 2))
+                if prepped is not None:
+                    more = [decoded(base + 700 + i)[0] for i in range(args.batch)]
+                    prepped.prepare(more)
+                    _, ms = _ms(pipe, [(PROMPT, im) for im in more], gen_config=gen)
+                    bound.append(round(args.batch / ms * 1e3, 2))
                 print(f"[distinct] {path} rep {rep}: sequential {statistics.median(walls):.1f} ms, "
-                      f"batch {ips[-1]} images/s", flush=True)
+                      f"batch {ips[-1]} images/s"
+                      + (f" (preprocessed before: {bound[-1]})" if bound else ""), flush=True)
             fc = getattr(pipe, "featcache", None)
             results[path] = dict(build_s=built, sequential=spread([x for r in seq for x in r]),
                                  per_rep_median_ms=rep_medians(seq), batch_images_per_s=ips,
+                                 batch_preprocessed_before_images_per_s=bound or None,
+                                 preprocessed_before_served=prepped.served if prepped else None,
                                  counters=fc.stats().get("lmdeploy", {}) if fc is not None else None)
             tokens[path] = toks
             engines.close_pipeline(pipe)
@@ -220,18 +267,115 @@ def pipeline(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def _url(seed: int) -> str:
+    from bench.lib.images import data_url
+
+    return data_url(photo_jpeg(seed), "jpeg")
+
+
+def _ask(c: Any, model: str, url: str) -> dict[str, Any]:
+    from bench.lib.client import stream_turn
+
+    content = [dict(type="text", text=PROMPT), dict(type="image_url", image_url=dict(url=url))]
+    return stream_turn(c, model, [dict(role="user", content=content)], max_tokens=1)
+
+
+def _concurrent(base: str, model: str, urls: list[str], clients: int) -> tuple[float, list[float]]:
+    """``urls`` sent by ``clients`` clients at once (each its own connection, a share of the
+    urls in turn): requests/s over the whole, and each request's time to first token (ms)."""
+    from bench.lib.client import connect
+
+    shares = [urls[i::clients] for i in range(clients)]
+
+    def one(share: list[str]) -> list[float]:
+        c = connect(base)
+        return [_ask(c, model, u)["ttft_ms"] for u in share]
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(clients) as ex:
+        ttfts = [x for part in ex.map(one, shares) for x in part]
+    return len(urls) / (time.perf_counter() - t), ttfts
+
+
+def serve(args: argparse.Namespace) -> dict[str, Any]:
+    from bench.lib import client, servers
+    from bench.lib.models import remote_code
+
+    # the checkpoint's own config classes trusted where it brings them, as the pipelines do
+    extra = ["--trust-remote-code"] if remote_code(args.model) else []
+    flags = servers.server_flags(args.engine, args.eager, extra, prefix=False)
+    report: dict[str, Any] = dict(bench="distinct serve", model=args.model, engine=args.engine,
+                                  n=args.n, batch=args.batch, clients=args.clients, flags=flags)
+    results: dict[str, Any] = {}
+    tokens: dict[str, list[Any]] = {}
+    warm = [_url(800 + w) for w in range(3)]
+    for name in ("plain", "featcache"):
+        port = servers.PORTS[name]
+        res: dict[str, Any] = {}
+        with tempfile.TemporaryDirectory() as store:
+            cmd = (servers.lmdeploy_command(args.model, port, flags) if name == "plain" else
+                   servers.featcache_command(args.model, store, port, flags, args.engine_process))
+            log = f"{args.logs}/distinct-serve-{name}.log"
+            with servers.running(name, cmd, port, log, args.ready_timeout, res) as base:
+                c = client.connect(base)
+                model = client.served_model(c)
+                for u in warm:
+                    _ask(c, model, u)
+                seq, rps, p50, toks = [], [], [], []
+                for rep in range(args.reps):
+                    base_seed = 1_000 * (rep + 1)
+                    urls = [_url(base_seed + i) for i in range(args.n)]
+                    turns = [_ask(c, model, u) for u in urls]
+                    seq.append([t["ttft_ms"] for t in turns])
+                    toks += [t["output_ids"] for t in turns]
+                    many = [_url(base_seed + 500 + i) for i in range(args.batch)]
+                    r, ttfts = _concurrent(base, model, many, args.clients)
+                    rps.append(round(r, 2))
+                    p50.append(round(statistics.median(ttfts), 1))
+                    print(f"[distinct] serve {name} rep {rep}: sequential "
+                          f"{statistics.median(seq[-1]):.1f} ms, {args.clients} clients "
+                          f"{rps[-1]} requests/s (time to first token p50 {p50[-1]} ms)", flush=True)
+                res.update(sequential=spread([x for r_ in seq for x in r_]),
+                           per_rep_median_ms=rep_medians(seq), requests_per_s=rps,
+                           concurrent_ttft_p50_ms=p50)
+                if name == "featcache":
+                    res["counters"] = client.short(client.counters(base))
+                tokens[name] = toks
+        results[name] = res
+    if "per_rep_median_ms" in results["plain"] and "per_rep_median_ms" in results["featcache"]:
+        mine, ref = results["featcache"], results["plain"]
+        mine["vs_plain"] = dict(
+            sequential_speedup_per_rep=_ratios(ref["per_rep_median_ms"], mine["per_rep_median_ms"]),
+            requests_per_s_speedup_per_rep=_ratios(mine["requests_per_s"], ref["requests_per_s"]),
+            token_identical=sum(a == b for a, b in zip(tokens["featcache"], tokens["plain"], strict=True)),
+            compared=len(tokens["plain"]))
+    report["results"] = results
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m bench distinct", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("stages", "pipeline"):
+    for name in ("stages", "pipeline", "serve"):
         p = sub.add_parser(name)
         p.add_argument("--model", required=True, help="checkpoint directory (bench/lib/models.py)")
         p.add_argument("--n", type=int, default=16, help="new images one at a time, per repetition")
         p.add_argument("--batch", type=int, default=32, help="new images at once, per repetition")
         p.add_argument("--reps", type=int, default=3)
         p.add_argument("--json", help="write the report here too")
-        if name == "pipeline":
+        if name in ("pipeline", "serve"):
             p.add_argument("--engine", choices=("pytorch", "turbomind"), default="pytorch")
+            p.add_argument("--eager", action="store_true",
+                           help="no CUDA graphs (2026-12-02: with --eager and --kv-fraction 0.3 "
+                                "plain lmdeploy took 13.9 s per sequential request at the 2B)")
+        if name == "serve":
+            p.add_argument("--clients", type=int, default=16, help="clients at once for --batch")
+            p.add_argument("--logs", default=tempfile.gettempdir(), help="the servers' logs go here")
+            p.add_argument("--ready-timeout", type=float, default=300)
+            p.add_argument("--engine-process", choices=("mp", "in"), default=None,
+                           help="featcache serve's (PyTorch); default its own: mp, lmdeploy's "
+                                "engine process, as plain lmdeploy serve runs it")
+        if name == "pipeline":
             p.add_argument("--paths", default="plain,fc",
                            help="plain first; pytorch: fc, fc_nodisk; turbomind: native, features, "
                                 "combined")
@@ -239,16 +383,17 @@ def main(argv: list[str] | None = None) -> int:
                            help="TurboMind: featcache without its disk tier (PyTorch: path fc_nodisk)")
             p.add_argument("--kv-fraction", type=float, default=0.05,
                            help="cache_max_entry_count (the seed bench's 0.05)")
-            p.add_argument("--eager", action="store_true",
-                           help="no CUDA graphs (2026-12-02: with --eager and --kv-fraction 0.3 "
-                                "plain lmdeploy took 13.9 s per sequential request at the 2B)")
+            p.add_argument("--ceiling", action="store_true",
+                           help="featcache paths: a second batch preprocessed before the clock")
             p.add_argument("--watchdog", type=float, default=400,
                            help="s an engine may take (build, run, close) before the run dumps "
                                 "every thread's stack and exits")
     args = ap.parse_args(argv)
     if args.n < 1 or args.batch < 1 or args.reps < 1:
         ap.error("--n, --batch and --reps must be at least 1")
-    report = stages(args) if args.cmd == "stages" else pipeline(args)
+    if getattr(args, "clients", 1) < 1:
+        ap.error("--clients must be at least 1")
+    report = dict(stages=stages, pipeline=pipeline, serve=serve)[args.cmd](args)
     return emit(report, args.json)
 
 
