@@ -251,6 +251,10 @@ def pipeline(args: argparse.Namespace) -> dict[str, Any]:
                                  preprocessed_before_served=prepped.served if prepped else None,
                                  counters=fc.stats().get("lmdeploy", {}) if fc is not None else None)
             tokens[path] = toks
+            if args.json:  # what ran so far survives a later engine's hang or the call's end
+                from bench.lib.results import write_report
+
+                write_report(args.json, dict(report, results=results, partial=True))
             engines.close_pipeline(pipe)
             del pipe
             engines.free_gpu()
