@@ -271,7 +271,11 @@ def test_widen_lets_two_requests_preprocess_at_once(monkeypatch):
     narrow.executor.shutdown(wait=True)
 
     wide = _Encoder(threading.Barrier(2, timeout=30))
+    forward = wide.executor
     fastprep.widen(wide)
-    assert wide.executor._max_workers == 2
+    assert wide._featcache_wide._max_workers == 2
     assert asyncio.run(two(wide)) == [[], []]
-    wide.executor.shutdown(wait=True)
+    fastprep.widen(wide)  # twice: once
+    assert wide.executor is forward and forward._max_workers == 1  # forward keeps its one worker
+    wide._featcache_wide.shutdown(wait=True)
+    forward.shutdown(wait=True)

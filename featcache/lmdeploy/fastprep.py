@@ -11,8 +11,9 @@ misses, the PyTorch engine in one process or several, TurboMind native, features
   ``preprocess.internvl.TileMaker`` (on the GPU where there is one, else PIL in threads); for
   anything else, lmdeploy's own code runs, counted as ``preprocess_fallback``. A failure of the
   fast path is a fallback too (``preprocess_errors``), never a failed request.
-- ``widen`` gives the encoder a bounded pool (``THREADS``) in place of its single worker, so
-  the preprocessing of different requests overlaps.
+- ``widen`` runs the encoder's preprocessing on a bounded pool (``THREADS``) in place of its
+  single worker, so the preprocessing of different requests overlaps (the vision model's
+  ``forward`` stays on that worker).
 
 ``FEATCACHE_PREPROCESS``: ``auto`` (the default: cuda when available, else cpu), ``cuda``,
 ``cpu``, or ``lmdeploy`` (lmdeploy's own preprocessing for every image, its single worker kept).
@@ -22,6 +23,7 @@ The CUDA path must first reproduce the installed Pillow on a probe set
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import traceback
@@ -66,19 +68,28 @@ def mode() -> str:
 
 
 def widen(encoder: Any) -> None:
-    """Give lmdeploy's ``ImageEncoder`` a pool of ``THREADS`` workers for its preprocessing in
-    place of its one worker, where featcache's hook is installed on its model (unless
-    ``FEATCACHE_PREPROCESS=lmdeploy``). The preprocess hooks are
-    thread-safe; lmdeploy's ``async_infer`` shares that executor, for the TurboMind models whose
-    vision runs in Python, none of which featcache serves."""
-    if mode() == "lmdeploy" or getattr(encoder.executor, "_featcache", False):
+    """Run lmdeploy's ``ImageEncoder.preprocess`` on a pool of ``THREADS`` workers in place of
+    its one worker, where featcache's hook is installed on its model (unless
+    ``FEATCACHE_PREPROCESS=lmdeploy``), so that the preprocessing of different requests overlaps.
+    The preprocess hooks are thread-safe. The encoder's own executor is kept for everything else
+    it runs (``async_infer``: the vision model's ``forward``, which TurboMind's combined path
+    routes through for every image request): that stays on one thread, as lmdeploy designed it.
+    Only the legacy ``preprocess(messages)`` is widened, the one featcache installs on."""
+    if mode() == "lmdeploy" or getattr(encoder, "_featcache_wide", None) is not None:
         return
-    if not getattr(getattr(encoder.model, "preprocess", None), "_featcache", False):
+    model = encoder.model
+    if not getattr(getattr(model, "preprocess", None), "_featcache", False):
         return  # featcache is not installed on this model: lmdeploy's as it is
-    old = encoder.executor
-    encoder.executor = ThreadPoolExecutor(THREADS, thread_name_prefix="featcache-encoder")
-    encoder.executor._featcache = True  # type: ignore[attr-defined]
-    old.shutdown(wait=False)
+    wide = ThreadPoolExecutor(THREADS, thread_name_prefix="featcache-encoder")
+
+    async def preprocess(messages: list[dict[str, Any]], input_prompt: Any = None,
+                         mm_processor_kwargs: Any = None) -> list[dict[str, Any]]:
+        # (the legacy API ignores the prompt and the processor options, as lmdeploy's does)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(wide, model.preprocess, messages)
+
+    encoder.preprocess = preprocess
+    encoder._featcache_wide = wide
 
 
 def internvl_spec(vision_model: Any) -> TileSpec | str:
