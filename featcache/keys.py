@@ -154,6 +154,11 @@ class KeyHasher:
         framer.mapping(params or {})
         return framer
 
+    def prefix(self, namespace: str, shared: Mapping[str, Any], last: str) -> KeyPrefix:
+        """The keys whose params are ``{**shared, last: p}``, for many ``p``, with ``shared``
+        framed once (``KeyPrefix``): a request's decode options, shared by all its images."""
+        return KeyPrefix(self, namespace, shared, last)
+
     def image_key(
         self, image: Any, *, namespace: str = "", params: Mapping[str, Any] | None = None
     ) -> ImageKey:
@@ -169,15 +174,63 @@ class KeyHasher:
         content key; the namespace and params are hashed in as for ``image_key``, so the ids of
         different models never meet. Raises ``ValueError`` for an id that is not 1 to
         ``MAX_IMAGE_ID_CHARS`` characters of text."""
-        if not isinstance(image_id, str) or not 0 < len(image_id) <= MAX_IMAGE_ID_CHARS:
-            raise ValueError(f"an image id is a string of 1 to {MAX_IMAGE_ID_CHARS} characters, "
-                             f"not {image_id!r:.80}")
         framer = self._framed(namespace, params)
-        framer.field(b"C", image_id.encode("utf-8"))  # a client's id: no content field follows
+        framer.field(b"C", _id_bytes(image_id))  # a client's id: no content field follows
         return ImageKey(framer.digest(), namespace)
 
 
 MAX_IMAGE_ID_CHARS = 256  # a client-supplied image id (featcache serve --trust-client-image-ids)
+
+
+class KeyPrefix:
+    """``KeyHasher.prefix``: the stream of keys whose params are ``{**shared, last: p}`` framed up
+    to ``p``, once; each key copies that state and frames only its own ``p`` and image.
+
+    Invariant: ``image_key(image, p)`` and ``client_key(id, p)`` equal the hasher's own for
+    ``params={**shared, last: p}``, byte for byte (params are framed in sorted order, so every
+    name of ``shared`` must sort before ``last``: ``ValueError`` otherwise). The framed state is
+    never updated after construction: copies of it may be taken from any thread."""
+
+    def __init__(self, hasher: KeyHasher, namespace: str, shared: Mapping[str, Any],
+                 last: str) -> None:
+        for name in shared:
+            if not isinstance(name, str) or not name < last:
+                raise ValueError(f"a shared parameter name must be a str sorting before {last!r}, "
+                                 f"not {name!r}")
+        if not isinstance(namespace, str):
+            raise TypeError(f"namespace must be a str, not {type(namespace).__name__}")
+        self.hasher = hasher
+        self.namespace = namespace
+        framer = hasher._framer()
+        framer.field(b"n", namespace.encode("utf-8"))
+        framer.field(b"{", struct.pack("<Q", len(shared) + 1))  # (as _Framer.mapping frames it)
+        for name in sorted(shared):
+            framer.field(b"k", name.encode("utf-8"))
+            framer.value(shared[name])
+        framer.field(b"k", last.encode("utf-8"))
+        self._head = framer._h
+
+    def _framed(self, own: Any) -> _Framer:
+        framer = _Framer(self._head.copy())
+        framer.value(own)
+        return framer
+
+    def image_key(self, image: Any, own: Any) -> ImageKey:
+        framer = self._framed(own)
+        _frame_image(framer, image)
+        return ImageKey(framer.digest(), self.namespace)
+
+    def client_key(self, image_id: str, own: Any) -> ImageKey:
+        framer = self._framed(own)
+        framer.field(b"C", _id_bytes(image_id))
+        return ImageKey(framer.digest(), self.namespace)
+
+
+def _id_bytes(image_id: Any) -> bytes:
+    if not isinstance(image_id, str) or not 0 < len(image_id) <= MAX_IMAGE_ID_CHARS:
+        raise ValueError(f"an image id is a string of 1 to {MAX_IMAGE_ID_CHARS} characters, "
+                         f"not {image_id!r:.80}")
+    return image_id.encode("utf-8")
 
 
 def _frame_image(framer: _Framer, image: Any) -> None:

@@ -25,13 +25,13 @@ def cache(tmp_path):
 def waiting(monkeypatch):
     """Set when a caller starts waiting for another's computation."""
     event = threading.Event()
-    result = singleflight._Flight.result
+    result = singleflight.Flight.result
 
     def waits(self):
         event.set()
         return result(self)
 
-    monkeypatch.setattr(singleflight._Flight, "result", waits)
+    monkeypatch.setattr(singleflight.Flight, "result", waits)
     return event
 
 
@@ -57,11 +57,13 @@ def test_concurrent_callers_of_one_key_wait_for_the_first_computation(cache, wai
         return torch.ones(4)
 
     got = {}
-    first = threading.Thread(target=lambda: got.setdefault("first", cache.get_or_compute(KEY, slow)))
+    first = threading.Thread(target=lambda: got.setdefault("first", cache.get_or_compute(KEY, slow)),
+                             daemon=True)
     first.start()
     assert started.wait(10)
     second = threading.Thread(target=lambda: got.setdefault(
-        "second", cache.get_or_compute(KEY, lambda: calls.append("second") or torch.zeros(4))))
+        "second", cache.get_or_compute(KEY, lambda: calls.append("second") or torch.zeros(4))),
+        daemon=True)
     second.start()
     assert waiting.wait(10)  # the second caller waits for the first's computation
     release.set()
@@ -87,10 +89,11 @@ def test_a_failed_computation_reaches_every_waiter_and_stores_nothing(cache, wai
         except RuntimeError as e:
             errors.append(e)
 
-    first = threading.Thread(target=call, args=(fails,))
+    first = threading.Thread(target=call, args=(fails,), daemon=True)
     first.start()
     assert started.wait(10)
-    second = threading.Thread(target=call, args=(lambda: pytest.fail("computed twice"),))
+    second = threading.Thread(target=call, args=(lambda: pytest.fail("computed twice"),),
+                              daemon=True)
     second.start()
     assert waiting.wait(10)
     release.set()

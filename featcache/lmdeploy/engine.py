@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ..codec import MAX_META_BYTES
+from ..entrymeta import with_cost
 from .refs import REF_KEY
 from .tags import FeatTag
 
@@ -51,18 +53,23 @@ class KeyedInputProcessor:
 
 
 def unservable(input_multimodals: Any) -> str | None:
-    """Why a request's images cannot all be served, or None: an image sent without pixels (the
-    multi-process mode) whose tag is damaged or whose source could not rebuild it
+    """Why a request's images cannot all be served, or None: an image (the multi-process mode)
+    whose tag's metadata the model process could not store its features with (``meta_problem``),
+    or sent without pixels with a damaged tag or a source that could not rebuild it
     (``rebuild.problem``). The frontend never sends one (an image travels without pixels only
     after it was decoded and preprocessed from the same bytes, options and parameters, all in its
-    key); this keeps a damaged one from reaching a model process's step, where it would stop the
-    engine for every request."""
+    key); a damaged store or processes of other versions might. Every image is checked: this
+    keeps a damaged one from reaching a model process's step, where it would fail every request
+    of the step, or stop the engine."""
     from .rebuild import problem
 
     for item in input_multimodals or ():
         tag = item.get(REF_KEY) if isinstance(item, dict) else None
         if not isinstance(tag, FeatTag):
             continue
+        why = meta_problem(tag.meta) if tag.valid else None
+        if why is not None:
+            return f"featcache: an image came with a damaged tag: {why}"
         pixels = item.get("pixel_values")
         if isinstance(pixels, torch.Tensor) and pixels.numel() > 0:
             continue  # computed from its pixels if need be
@@ -73,6 +80,25 @@ def unservable(input_multimodals: Any) -> str | None:
         why = problem(tag.source)
         if why is not None:
             return f"featcache: an image sent without pixels cannot be rebuilt: {why}"
+    return None
+
+
+COST_ROOM = 32  # bytes a recorded cost may take past that of 0.0 (a float's repr: 24 at most)
+
+
+def meta_problem(meta: bytes) -> str | None:
+    """Why a model process could not store an image's features with ``meta``, or None: the
+    model step puts them with their cost (``FeatureCache.put(..., cost_s=)``), recorded in the
+    metadata, which must then be empty or a JSON object and stay within ``MAX_META_BYTES`` (what
+    the frontend sends is ~200 bytes of ``entry_meta``'s JSON). Reads no more than the cap."""
+    if len(meta) > MAX_META_BYTES - COST_ROOM:
+        return f"its metadata is over {MAX_META_BYTES - COST_ROOM} bytes"
+    try:
+        stored = with_cost(meta, 0.0)
+    except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
+        return "its metadata is not a JSON object"
+    if len(stored) > MAX_META_BYTES - COST_ROOM:  # (re-encoded: escapes may make it longer)
+        return f"its metadata, the cost recorded, is over {MAX_META_BYTES - COST_ROOM} bytes"
     return None
 
 

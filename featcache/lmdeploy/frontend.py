@@ -38,15 +38,17 @@ from collections.abc import Callable
 from typing import Any
 
 from ..cache import FeatureCache
-from ..keys import ImageKey, KeyHasher
+from ..keys import ImageKey, KeyHasher, KeyPrefix
 from ..lrumap import LruMap
 from .entry_meta import decode_item, encode_item
 from .fastprep import FastPreprocess
-from .media import LOCAL_FILES, MediaError, MediaPolicy, image_io_options
+from .httpfetch import FetchError
+from .media import LOCAL_FILES, ImageOptions, MediaError, MediaPolicy, image_io_options
 from .media import MediaOptionError as MediaOptionError  # (its home: media; named here too)
 from .refs import REF_KEY, FeatRef
 from .sources import (
     ID_FIELD,
+    ID_INFO,
     KEY_INFO,
     BadImageError,
     CachedImage,
@@ -127,11 +129,15 @@ class Frontend:
         self._warned_at: float | None = None  # the last bad image's warning (``_bad_image``)
 
     def __call__(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        binds = _binds(messages) if self.trust_image_ids == "verify" else []
         try:
-            return self._preprocess(messages)
+            out = self._preprocess(messages)
         except Exception:
             self._failed("frontend failed; preprocessing without the cache")
-            return self.original(_decoded(messages))
+            out = self.original(_decoded(messages))
+        for key, content in binds:  # the request is accepted: its verified ids name its images
+            self.id_contents.setdefault(key, content)
+        return out
 
     def _failed(self, what: str) -> None:
         self.cache.count(SECTION, "frontend_errors")
@@ -158,8 +164,8 @@ class Frontend:
             try:
                 resolved = [self._resolve_message(m, io_kwargs, allowed_media_domains)
                             for m in messages]
-            except (ImageIdError, MediaError, BadImageError):
-                raise
+            except (ImageIdError, MediaError, BadImageError, FetchError):
+                raise  # (a URL that cannot be fetched: refused at once, never fetched again)
             except Exception:
                 self._failed("resolving encoded image sources failed; featcache reads them uncached")
                 resolved = messages
@@ -193,19 +199,19 @@ class Frontend:
 
     def _source_bytes(self, source: str, domains: Any) -> bytes | None:
         """The encoded image behind ``source`` (data URL, file, http(s) URL), read under
-        ``self.media``, or None where featcache cannot read it (``sources.guarded`` then tries
-        once more and reports what is wrong with it); ``MediaError`` where the policy refuses
-        it. An http(s) URL is fetched here with lmdeploy's address, domain and redirect checks
-        (``media.fetch_http``), never by lmdeploy."""
+        ``self.media``, or None for a data URL or file featcache cannot read (``sources.guarded``
+        then reports what is wrong with it); ``MediaError`` where the policy refuses it. An
+        http(s) URL is fetched here, once, with lmdeploy's address, domain and redirect checks
+        (``httpfetch.fetch_http``), never by lmdeploy: one that cannot be fetched raises
+        ``FetchError`` (counted, ``fetch_failed``), and is not fetched again (issue 39: a failing
+        URL cost two fetches, the second by ``guarded``)."""
         if not is_http(source):
             return encoded_bytes(source, self.media)
         try:
             return fetched_bytes(source, domains, self.media)
-        except MediaError:
-            raise  # over the byte cap: refused, not fetched again
-        except Exception:  # blocked, unreachable, ...: reported by guarded's fetch
+        except FetchError:  # blocked, unreachable, an error status, ...: the client's 400
             self.cache.count(SECTION, "fetch_failed")
-            return None
+            raise
 
     def _resolve_item(self, item: Any, io_kwargs: dict[str, Any], domains: Any = None) -> Any:
         parts = image_parts(item) if isinstance(item, dict) else None
@@ -219,54 +225,61 @@ class Frontend:
             return item
         ident = self.data_urls.ident(source, params, io_kwargs) if is_data_url(source) else None
         if ident is not None and (known := self.data_urls.get(ident)) is not None:
-            if image_id is not None:
-                self._check_id(image_id, params, io_kwargs, known)
+            binds = None if image_id is None else self._check_id(image_id, params, io_kwargs, known)
             # keyed without decoding the base64 again; decoded below only on a miss
             self.cache.count(SECTION, "source_keyed")
             self.cache.count(SECTION, "data_url_remembered")
             served = self._served(known, None, params, io_kwargs, source=source)
-            return item if served is None else served
+            return item if served is None else _bound(served, binds)
         raw = self._source_bytes(source, domains)
         if raw is None:
             return item
         try:
             key = self._bytes_key(raw, params, io_kwargs)  # (an ImageKey)
-        except (TypeError, ValueError):
-            return item  # not keyable here: lmdeploy decodes it, the frontend decides
+        except (TypeError, ValueError):  # not keyable here: decoded uncached (never read again)
+            return {"type": "image_data", "image_data": {"data": decode_image(raw, io_kwargs), **params}}
         if ident is not None:
             self.data_urls.put(ident, key)
-        if image_id is not None:
-            self._check_id(image_id, params, io_kwargs, key)
+        binds = None if image_id is None else self._check_id(image_id, params, io_kwargs, key)
         self.cache.count(SECTION, "source_keyed")
-        return self._served(key, raw, params, io_kwargs)
+        return _bound(self._served(key, raw, params, io_kwargs), binds)
 
     def _bytes_key(self, raw: bytes, params: dict[str, Any], io: dict[str, Any]) -> ImageKey:
         """The key of an encoded image: its bytes, the model, its per-image parameters and the
         request's decode options (which change the decoded pixels: issue 26)."""
-        return self.hasher.image_key(raw, namespace=self.namespace,
-                                     params={"item": params, "io": io})
+        return self._keys(io).image_key(raw, params)
 
     def _id_key(self, image_id: Any, params: dict[str, Any], io: dict[str, Any]) -> bytes:
         try:
-            return self.hasher.client_key(image_id, namespace=self.namespace,
-                                          params={"item": params, "io": io})
+            return self._keys(io).client_key(image_id, params)
         except (TypeError, ValueError) as e:
             raise ImageIdError(f"bad image uuid: {e}") from None
 
+    def _keys(self, io: dict[str, Any]) -> KeyPrefix:
+        """The keys of a request's images (``params={"io": io, "item": ...}``), its decode
+        options framed once per request (``ImageOptions.key_prefix``), not once per image (issue
+        39: 200 images with a 50,000-key object took 24-36 s); a plain dict, for this key alone."""
+        if isinstance(io, ImageOptions):
+            return io.key_prefix(self.hasher, self.namespace)
+        return self.hasher.prefix(self.namespace, {"io": io}, "item")
+
     def _check_id(self, image_id: Any, params: dict[str, Any], io: dict[str, Any],
-                  content: bytes) -> None:
+                  content: bytes) -> tuple[bytes, bytes] | None:
         """``--trust-client-image-ids verify``: an id sent with its image is served by the
-        image's own key (``content``), and remembered with the first one it came with, so a
-        later request naming the id alone gets that image; an id sent again with other bytes
-        keeps its first image (counted, ``image_id_mismatch``) and this request is answered
-        from its own bytes."""
+        image's own key (``content``), and remembered with the first one it came with in a
+        request that was accepted, so a later request naming the id alone gets that image; an
+        id sent again with other bytes keeps its first image (counted, ``image_id_mismatch``)
+        and this request is answered from its own bytes. Returns the binding (id key, image
+        key; None: ids are not verified), which the image's item carries (``_bound``) until the
+        whole request is preprocessed (``__call__``): a refused request binds no id (issue 39)."""
         if self.trust_image_ids != "verify":
-            return
+            return None
         key = self._id_key(image_id, params, io)
-        first = self.id_contents.setdefault(key, content)
+        first = self.id_contents.get(key)
         self.cache.count(SECTION, "image_id_verified")
-        if first != content:
+        if first is not None and first != content:
             self.cache.count(SECTION, "image_id_mismatch")
+        return key, content
 
     def _resolve_id(self, image_id: Any, source: Any, params: dict[str, Any],
                     io_kwargs: dict[str, Any], domains: Any = None) -> Any:
@@ -285,7 +298,10 @@ class Frontend:
                                    "sent with its image, or forgotten since): send the image again "
                                    "with this uuid")
             key = content
-        raw = self._source_bytes(source, domains) if isinstance(source, str) else None
+        try:
+            raw = self._source_bytes(source, domains) if isinstance(source, str) else None
+        except FetchError as e:
+            raise ImageIdError(f"image uuid {image_id!r}: its image could not be read ({e})") from None
         if isinstance(source, str) and raw is None:
             raise ImageIdError(f"image uuid {image_id!r}: its image could not be read: send it "
                                "with its uuid as a data URL, a file path or an http(s) URL this "
@@ -347,7 +363,8 @@ class Frontend:
             raw = encoded_bytes(source, self.media)
         if raw is None:
             return None
-        return _sourced(key, meta, raw, {"io": io_kwargs}, params)
+        decode = io_kwargs.decode_text if isinstance(io_kwargs, ImageOptions) else {"io": io_kwargs}
+        return _sourced(key, meta, raw, decode, params)
 
     def _sent_image_tag(self, key: bytes, item: dict[str, Any]) -> FeatTag | None:
         """Several processes: the tag of an in-memory image (a pipeline's PIL image) sent before,
@@ -457,15 +474,19 @@ class Frontend:
                 output[REF_KEY] = FeatRef(self.cache, key, meta, None)
 
 
-def _sourced(key: bytes, meta: bytes, raw: bytes, decode: dict[str, Any],
+def _sourced(key: bytes, meta: bytes, raw: bytes, decode: dict[str, Any] | str | None,
              params: dict[str, Any]) -> FeatTag | None:
     """The tag of an image sent before (``meta``, remembered) carrying ``raw`` and how to read
-    it; None where the options or parameters are not plain JSON (the model process could not
-    rebuild the same pixels) or ``meta`` cannot be read."""
+    it (``decode``: a dict, or its JSON text made and checked once per request,
+    ``ImageOptions.decode_text``); None where the options or parameters are not plain JSON (the
+    model process could not rebuild the same pixels) or ``meta`` cannot be read."""
+    if decode is None:
+        return None
     try:
-        how = json.dumps(decode, sort_keys=True)
+        how = decode if isinstance(decode, str) else json.dumps(decode, sort_keys=True)
         values = json.dumps(params, sort_keys=True)
-        if json.loads(how) != decode or json.loads(values) != params:
+        if (not isinstance(decode, str) and json.loads(how) != decode
+                or json.loads(values) != params):
             return None
         decode_item(meta)
     except Exception:
@@ -477,6 +498,37 @@ def _keyed_by_bytes(item: dict[str, Any]) -> bool:
     """Whether the item's image was decoded by ``Frontend._served`` after its bytes' key missed."""
     info = getattr(item["data"], "info", None)
     return isinstance(info, dict) and isinstance(info.get(KEY_INFO), bytes)
+
+
+def _bound(served: Any, binds: tuple[bytes, bytes] | None) -> Any:
+    """``served`` (an ``image_data`` item, or None) carrying the id binding its request makes
+    once it is accepted (``Frontend._check_id``)."""
+    if binds is not None and served is not None:
+        data = served["image_data"]["data"]
+        if isinstance(data, CachedImage):
+            data.binds = binds
+        else:
+            data.info[ID_INFO] = binds
+    return served
+
+
+def _binds(messages: list[dict[str, Any]]) -> list[tuple[bytes, bytes]]:
+    """The id bindings the images of ``messages`` carry (``_bound``). Only a pair of byte strings
+    is one: a decoded image's ``info`` also holds what its file says (a PNG's text chunks)."""
+    found = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        for item in content if isinstance(content, list) else ():
+            data = item.get("data") if isinstance(item, dict) else None
+            if isinstance(data, CachedImage):
+                binds: Any = data.binds
+            else:
+                info = getattr(data, "info", None)
+                binds = info.get(ID_INFO) if isinstance(info, dict) else None
+            if (isinstance(binds, tuple) and len(binds) == 2
+                    and all(isinstance(x, bytes) for x in binds)):
+                found.append(binds)
+    return found
 
 
 def _image_items(messages: list[dict[str, Any]]) -> list[tuple[int, int, dict[str, Any]]] | None:

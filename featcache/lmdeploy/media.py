@@ -13,9 +13,9 @@ it reads them under one ``MediaPolicy``:
   following a link at any step below the allowed directory (``_open_under``), checked on the
   opened descriptor, so that what is read is what was checked;
 - at most ``max_image_bytes`` of any source: a file's size, a data URL's base64 text (refused
-  before it is decoded) and an http body (read in chunks, never past the cap, within
-  lmdeploy's image fetch timeout in all: ``fetch_http``, which keeps lmdeploy's address, domain
-  and redirect checks).
+  before it is decoded) and an http body, as sent and decoded (``httpfetch.fetch_http``: read as
+  it arrives, never past the cap, all of the fetch within lmdeploy's image fetch timeout, with
+  lmdeploy's address, domain and redirect checks).
 
 A refusal is a ``MediaError``, a ``ValueError``: lmdeploy's server answers it with HTTP 400 and the
 message, which says what to send instead and names the server option.
@@ -28,18 +28,17 @@ import functools
 import json
 import os
 import stat
-import time
 from dataclasses import dataclass
 from typing import Any
 
 from ..config import MEDIA_DEFAULTS
+from ..keys import KeyHasher, KeyPrefix
 from ..sizes import format_bytes, parse_bytes
 
 LOCAL_OPTION = "--allowed-local-media-path"
 CAP_OPTION = "--max-image-bytes"
 DEFAULT_MAX_IMAGE_BYTES = parse_bytes(MEDIA_DEFAULTS["max_image_bytes"])  # type: ignore[arg-type]
-MAX_REDIRECTS = 3  # lmdeploy 0.18's (vl/media/connection.py)
-_CHUNK = 1 << 20  # bytes read at a time past a file's stated size, and of an http body
+_CHUNK = 1 << 20  # bytes read at a time past a file's stated size
 _DIR_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY
 
@@ -232,110 +231,79 @@ def check_decoded(raw: bytes, policy: MediaPolicy) -> bytes:
     return raw
 
 
-# -- http(s) -----------------------------------------------------------------------------------
-def fetch_http(url: str, allowed_media_domains: list[str] | None, policy: MediaPolicy) -> bytes:
-    """The body behind an http(s) image URL, fetched as lmdeploy 0.18's ``_load_http_url``
-    fetches it (its address check ``_is_safe_url`` on every hop, ``allowed_media_domains``, at
-    most 3 redirects, its headers and ``LMDEPLOY_IMAGE_FETCH_TIMEOUT``, with its messages), but
-    read in chunks: ``MediaError`` once the body passes ``max_image_bytes`` (or its stated
-    length does) or when it is not all received within the timeout. Raises what lmdeploy's
-    fetch raises otherwise (a blocked address: ``ValueError``; a failed request: requests')."""
-    import requests
-    from lmdeploy.vl.media import connection
-    from urllib3.util import parse_url
-
-    domains = {d.lower() for d in allowed_media_domains} if allowed_media_domains else None
-    timeout = int(os.environ.get("LMDEPLOY_IMAGE_FETCH_TIMEOUT", 10))
-    with requests.Session() as client:
-        for _ in range(MAX_REDIRECTS + 1):
-            parsed = parse_url(url)
-            if parsed.scheme not in ("http", "https"):
-                raise ValueError("URL is blocked for security reasons: Unsupported scheme: "
-                                 f"{parsed.scheme}")
-            if not parsed.hostname:
-                raise ValueError("URL is blocked for security reasons: Could not parse hostname "
-                                 "from URL")
-            if domains and parsed.hostname not in domains:
-                raise ValueError(f"The URL must be from one of the allowed domains: {domains}. "
-                                 f"Input URL domain: {parsed.hostname}")
-            safe, reason = connection._is_safe_url(parsed.url)
-            if not safe:
-                raise ValueError(f"URL is blocked for security reasons: {reason}")
-            deadline = time.monotonic() + timeout
-            with client.get(parsed.url, headers=connection.headers, timeout=timeout,
-                            allow_redirects=False, stream=True) as response:
-                if response.is_redirect:
-                    location = response.headers.get("Location")
-                    if not location:
-                        raise ValueError("Redirect response missing Location header")
-                    from urllib.parse import urljoin
-
-                    url = urljoin(parsed.url, location)
-                    continue
-                response.raise_for_status()
-                return _body(response, url, policy.max_image_bytes, deadline, timeout)
-    raise ValueError("Exceeded maximum media URL redirects")
-
-
-def _body(response: Any, url: str, cap: int, deadline: float, timeout: int) -> bytes:
-    what = f"the image at {shown(url)!r}"
-    stated = response.headers.get("Content-Length", "")
-    if stated.isdigit() and int(stated) > cap and not response.headers.get("Content-Encoding"):
-        raise _too_large(what, cap)
-    chunks: list[bytes] = []
-    total = 0
-    for chunk in _chunks(response):
-        chunks.append(chunk)
-        total += len(chunk)
-        if total > cap:  # (a chunk is at most _CHUNK bytes: never far past the cap)
-            raise _too_large(what, cap)
-        if time.monotonic() > deadline:
-            raise MediaError(f"{what} was not received within {timeout} s "
-                             "(LMDEPLOY_IMAGE_FETCH_TIMEOUT): send it as a data URL, or from a "
-                             "faster server")
-    return b"".join(chunks)
-
-
-def _chunks(response: Any) -> Any:
-    """The body's chunks as they arrive (decoded: gzip and the like), each at most ``_CHUNK``
-    bytes: one socket read each (urllib3 2's ``read1``; requests' ``iter_content`` waits to fill
-    a whole chunk, so a body dripped slowly would pass the deadline unseen)."""
-    raw = response.raw
-    if not hasattr(raw, "read1"):  # urllib3 1.x: small chunks instead
-        yield from response.iter_content(chunk_size=1 << 16)
-        return
-    while chunk := raw.read1(_CHUNK, decode_content=True):
-        yield chunk
-
-
 class MediaOptionError(ValueError):
     """A request's decode options (``media_io_kwargs``) are not what lmdeploy's image reader
     takes; the message tells the client which (lmdeploy answers a ``ValueError`` with a 400)."""
 
 
-def image_io_options(media_io_kwargs: Any) -> dict[str, Any]:
+# The most a request's image decode options may hold, as canonical JSON. lmdeploy's image reader
+# takes one option (``image_mode``) and keeps any other unused; every image of a request is keyed
+# with its options, so their size is a cost per request (issue 39: 50,000 keys took 24-36 s).
+MAX_IMAGE_OPTIONS_BYTES = 16 << 10
+
+
+class ImageOptions(dict[str, Any]):
+    """A request's checked image decode options (``image_io_options``), a dict as lmdeploy's
+    ``ImageMediaIO(**options)`` takes it, with what every image of the request is keyed by made
+    once: ``text``, the canonical JSON (sorted keys, ASCII), the key prefixes framed from it
+    (``key_prefix``) and what a tag carries to rebuild an image with them (``decode_text``).
+    Invariant: never changed after it is made (what is made from it would go stale)."""
+
+    def __init__(self, options: dict[str, Any], text: str) -> None:
+        super().__init__(options)
+        self.text = text
+        self._prefixes: dict[tuple[KeyHasher, str], KeyPrefix] = {}
+
+    def key_prefix(self, hasher: KeyHasher, namespace: str) -> KeyPrefix:
+        """``hasher.prefix(namespace, {"io": self}, "item")`` (``keys.KeyPrefix``), framed once
+        per hasher and namespace."""
+        held = self._prefixes.get((hasher, namespace))
+        if held is None:
+            held = self._prefixes[(hasher, namespace)] = hasher.prefix(namespace, {"io": self},
+                                                                       "item")
+        return held
+
+    @functools.cached_property
+    def decode_text(self) -> str | None:
+        """``{"io": options}`` as JSON (``tags.Source.decode``), or None where JSON would not
+        give these options back (a tuple, a key that is no string): such an image cannot travel
+        without its pixels."""
+        text = json.dumps({"io": self}, sort_keys=True)
+        return text if json.loads(text) == {"io": self} else None
+
+    def __reduce__(self) -> tuple[Any, ...]:  # travels as the plain dict it is
+        return (dict, (dict(self),))
+
+
+def image_io_options(media_io_kwargs: Any) -> ImageOptions:
     """The image decode options of a request (``media_io_kwargs["image"]``, lmdeploy's
-    ``ImageMediaIO`` arguments), checked: a JSON object whose ``image_mode``, when given, is a
-    mode PIL converts an RGB image to. Raises ``MediaOptionError`` otherwise; so does lmdeploy,
-    later and for every request, when it decodes with them."""
+    ``ImageMediaIO`` arguments), checked: a JSON object of at most ``MAX_IMAGE_OPTIONS_BYTES``
+    (as canonical JSON) whose ``image_mode``, when given, is a mode PIL converts an RGB image
+    to. Raises ``MediaOptionError`` otherwise; so does lmdeploy, later and for every request,
+    when it decodes with them (it takes options of any size)."""
     if media_io_kwargs is None:
-        return {}
+        return ImageOptions({}, "{}")  # (one per request: what is made from it is the request's)
     if not isinstance(media_io_kwargs, dict):
         raise MediaOptionError(f"media_io_kwargs must be an object, not {type(media_io_kwargs).__name__}")
     options = media_io_kwargs.get("image", {})
     if options is None:
-        return {}
+        return ImageOptions({}, "{}")
     if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
         raise MediaOptionError("media_io_kwargs.image must be an object of named options")
     try:
-        json.dumps(options, allow_nan=False)
-    except (TypeError, ValueError):
+        text = json.dumps(options, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
         raise MediaOptionError("media_io_kwargs.image must hold JSON values only") from None
+    if len(text) > MAX_IMAGE_OPTIONS_BYTES:  # (ASCII: its length is its size in bytes)
+        raise MediaOptionError(
+            f"media_io_kwargs.image is {len(text)} bytes as JSON, more than this server takes "
+            f"({MAX_IMAGE_OPTIONS_BYTES} bytes, {format_bytes(MAX_IMAGE_OPTIONS_BYTES)}): send only "
+            "the options lmdeploy's image reader takes (e.g. {\"image_mode\": \"L\"})")
     mode = options.get("image_mode", "RGB")
     if not (isinstance(mode, str) and _convertible(mode)):
         raise MediaOptionError(f"media_io_kwargs.image.image_mode {mode!r:.40} is not an image mode "
                                "images can be converted to (e.g. 'RGB', 'L', 'RGBA')")
-    return options
+    return ImageOptions(options, text)
 
 
 @functools.lru_cache(maxsize=64)

@@ -122,7 +122,8 @@ def report_of(inputs: Any, mode: str) -> RequestReport:
     items = inputs.get("multimodal") if isinstance(inputs, dict) else None
     if not isinstance(items, list):
         items = []
-    refs = [item.get(REF_KEY) if isinstance(item, dict) else None for item in items]
+    # (a Mapping: a miss of Qwen2-VL is a transformers BatchFeature, a UserDict)
+    refs = [item.get(REF_KEY) if isinstance(item, Mapping) else None for item in items]
     if mode == "mp":
         hits = sum(1 for ref in refs if isinstance(ref, FeatTag) and ref.source is not None)
         return RequestReport("mp", len(items), hits)

@@ -13,12 +13,14 @@ up *before* lmdeploy's parser runs (on the event loop's default executor, as lmd
   as an ``image_data`` PIL image that carries its key in ``image.info``, so its features are
   stored under the bytes' key.
 
-http(s) URLs are fetched here, once, with lmdeploy's own checks (``media.fetch_http``: public
-addresses only, ``allowed_media_domains``, at most 3 redirects, its timeout and messages) by a
-reader that keeps the bytes instead of decoding them; a hit is then never decoded, a miss is
-decoded from those bytes (lmdeploy does not fetch it again). A URL featcache cannot fetch is
-fetched once more by ``guarded``, which raises lmdeploy's error for it. The same picture sent as a
-PIL image and as encoded bytes gets two keys (two entries), never a wrong answer.
+http(s) URLs are fetched here, once, with lmdeploy's own checks (``httpfetch.fetch_http``:
+public addresses only, ``allowed_media_domains``, at most 3 redirects, its timeout and messages,
+one deadline for the whole fetch) by a reader that keeps the bytes instead of decoding them; a
+hit is then never decoded, a miss is decoded from those bytes (lmdeploy does not fetch it
+again). A URL that cannot be fetched is refused at once (``FetchError``, a 400 with the reason),
+never fetched again (issue 39: a failing URL cost two fetches, a redirect loop 8 requests). The
+same picture sent as a PIL image and as encoded bytes gets two keys (two entries), never a wrong
+answer.
 
 Every source is read under the frontend's ``MediaPolicy`` (``media``: local files only under
 ``allowed_local_media_path``, regular files only, at most ``max_image_bytes`` of a file, a data
@@ -43,9 +45,10 @@ from __future__ import annotations
 import asyncio
 import base64
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import urlparse, urlsplit
 from urllib.request import url2pathname
 
+from .httpfetch import fetch_http
 from .media import (
     LOCAL_FILES,
     MediaError,
@@ -53,7 +56,6 @@ from .media import (
     check_base64_length,
     check_decoded,
     check_local,
-    fetch_http,
     image_io_options,
     read_local,
     shown,
@@ -62,6 +64,9 @@ from .refs import FeatRef
 from .tags import FeatTag
 
 KEY_INFO = "featcache_key"  # image.info entry carrying the bytes' key of a decoded miss
+# image.info entry (``CachedImage.binds`` for a hit): the (id key, image key) a verified client id
+# is bound to once the whole request is accepted (``Frontend._check_id``)
+ID_INFO = "featcache_id"
 ID_FIELD = "uuid"  # an image item's client-supplied id (vLLM's name for it)
 _IMAGE_TYPES = ("image_url", "image")
 # the items lmdeploy 0.18's parser reads a source for (``_parse_multimodal_item``): images above,
@@ -76,7 +81,7 @@ class ImageIdError(ValueError):
 class CachedImage:
     """An image whose features are cached: stands in for the decoded image until preprocessing."""
 
-    __slots__ = ("image_id", "media", "media_io_kwargs", "raw", "ref", "source")
+    __slots__ = ("binds", "image_id", "media", "media_io_kwargs", "raw", "ref", "source")
 
     def __init__(self, ref: FeatRef | FeatTag, raw: bytes | None, media_io_kwargs: dict[str, Any],
                  image_id: str | None = None, source: str | None = None,
@@ -87,6 +92,7 @@ class CachedImage:
         self.image_id = image_id
         self.source = source
         self.media = media  # the policy ``source`` is read under (None: ``LOCAL_FILES``)
+        self.binds: tuple[bytes, bytes] | None = None  # (``ID_INFO``)
 
     def decode(self) -> Any:
         """The PIL image lmdeploy would have decoded (for a fallback to plain preprocessing);
@@ -110,17 +116,19 @@ def encoded_bytes(source: str, media: MediaPolicy | None = None) -> bytes | None
     refuses. Any source other than http(s) and data URLs is a local file, named as lmdeploy
     names it (a path, or a ``file:`` URL).
 
-    A data URL is split by hand, not by ``urlparse``: on a ~5 MB URL ``urlparse`` costs ~2 ms
-    (it scans and copies the whole string, and its LRU cache keeps the last 128 URLs alive), and
-    this runs on every hit (issue 16, ``bench/hit_path_costs.py``)."""
+    A data URL is read as lmdeploy reads it (``_data_url_bytes``), split by hand where that
+    gives what ``urlparse`` gives: on a ~5 MB URL ``urlparse`` costs ~2 ms (it scans and copies
+    the whole string, and its LRU cache keeps the last 128 URLs alive), and this runs on every
+    hit (issue 16, ``bench/hit_path_costs.py``)."""
     media = LOCAL_FILES if media is None else media
     if is_data_url(source):
-        return _data_url_bytes(source, 5, media)
-    spec = urlparse(source)
+        return _data_url_bytes(source, media)
+    spec = _urlsplit(source)
     if spec.scheme.startswith("http"):
         return None
-    if spec.scheme == "data":  # (leading blanks or controls, which urlparse strips)
-        return _data_url_bytes(spec.path or "", 0, media)
+    if spec.scheme == "data":  # (leading blanks or controls, tabs or line breaks: urlparse drops them)
+        return _path_bytes(spec.path, media)
+    spec = urlparse(source)  # a file, named as lmdeploy names it (urlparse cuts ';...' off a path)
     try:
         return read_local(url2pathname((spec.netloc or "") + (spec.path or "")), media, source)
     except MediaError:
@@ -140,9 +148,9 @@ def is_http(source: str) -> bool:
 def fetched_bytes(url: str, allowed_media_domains: list[str] | None = None,
                   media: MediaPolicy | None = None) -> bytes:
     """The bytes behind an http(s) image URL, fetched with lmdeploy's checks, headers and image
-    timeout (``media.fetch_http``), at most ``media``'s ``max_image_bytes`` of them, not
-    decoded. Raises what lmdeploy's fetch raises (a blocked address: ``ValueError``), and
-    ``MediaError`` for a body over the cap."""
+    timeout (``httpfetch.fetch_http``), at most ``media``'s ``max_image_bytes`` of them, not
+    decoded. Raises ``FetchError`` for a URL that cannot be fetched (with lmdeploy's message for
+    its checks), ``MediaError`` for a body over the cap or not received within the timeout."""
     return fetch_http(url, allowed_media_domains, LOCAL_FILES if media is None else media)
 
 
@@ -151,45 +159,87 @@ def read_source(source: str, media: MediaPolicy, allowed_media_domains: list[str
     """The encoded image behind any string source, read under ``media``; raises for every
     source it cannot give (a ``ValueError`` with a message for the client, as lmdeploy's parser
     raises for it, or ``MediaError``), never returns None."""
-    if is_http(source) or urlparse(source).scheme.startswith("http"):
+    if is_http(source) or _urlsplit(source).scheme.startswith("http"):
         return fetched_bytes(source, allowed_media_domains, media)
     raw = encoded_bytes(source, media)
     if raw is not None:
         return raw
-    if is_data_url(source) or urlparse(source).scheme == "data":
+    if is_data_url(source) or _urlsplit(source).scheme == "data":
         raise ValueError(f"invalid data URL {shown(source)!r}: only base64 data URLs "
                          "(data:image/png;base64,...) are read")
     raise ValueError(f"cannot read image file {shown(source)!r}: no such file, or not readable "
                      "by the server")
 
 
-def _data_url_bytes(text: str, start: int, media: MediaPolicy) -> bytes | None:
-    """The bytes of a data URL's part from ``start`` on, after ``data:`` (``MEDIA;base64,DATA``),
-    or None when it is not base64 (``read_source`` reports that). The same bytes lmdeploy's
-    non-validating decoder gives: the strict decoder first (several times faster), the lenient
-    one when it refuses (line breaks, missing padding...); invalid base64 raises as lmdeploy's
-    decoding would. Text that would decode to more than ``media.max_image_bytes`` is refused
-    before it is decoded or copied (its length is all it takes)."""
-    comma = text.find(",", start)
-    if comma < 0 or comma == len(text) - 1 or text[start:comma].partition(";")[2] != "base64":
+# urllib's urlsplit without its cache (``functools.lru_cache``, Python 3.11+): the cache keeps the
+# last 128 URLs it split alive, each up to --max-image-bytes of data URL text
+_urlsplit = getattr(urlsplit, "__wrapped__", urlsplit)
+# what ends the path of a URL (``?``, ``#``) or is removed from all of it (tab, CR, LF) by urlsplit
+_URL_BREAKS = "?#\t\r\n"
+
+
+def _data_url_bytes(url: str, media: MediaPolicy) -> bytes | None:
+    """The bytes of the data URL ``url`` (``data:MEDIA;base64,DATA``) as lmdeploy 0.18 reads them
+    (``vl/media/connection.py``: ``_load_data_url`` on ``urlparse(url).path``, the text after
+    ``data:`` and any ``//host``, up to the first ``?`` or ``#``, tabs and line breaks removed),
+    or None when that is no base64 data URL (``read_source`` reports it). Issue 39: reading past
+    a ``#`` or ``?`` answered from other bytes than lmdeploy's, even another image.
+
+    The fast path: a URL whose text after ``data:`` does not begin with ``//``, whose
+    ``MEDIA;base64`` holds none of ``? # tab CR LF`` and whose DATA the strict decoder takes
+    (base64 characters only: none of those either) has all of it as its path, so urlparse is
+    not called. Any other is split by urllib's own ``urlsplit`` (what ``urlparse`` gives for a
+    ``data:`` URL). Text that would decode to more than ``media.max_image_bytes`` is refused
+    before it is decoded (its length is all it takes)."""
+    comma = url.find(",", 5)
+    head = url[5:comma] if comma > 0 else ""
+    if (comma > 0 and comma < len(url) - 1 and not url.startswith("//", 5)
+            and head.partition(";")[2] == "base64" and not any(c in head for c in _URL_BREAKS)):
+        check_base64_length(len(url) - comma - 1, media)
+        raw = _strict_b64decode(url[comma + 1:])
+        if raw is not None:
+            return check_decoded(raw, media)
+    try:
+        path = _urlsplit(url).path
+    except ValueError as e:  # ("Invalid IPv6 URL": a '[' in the //host): lmdeploy refuses it too
+        raise BadImageError(f"invalid data URL {shown(url)!r}: {e}") from None
+    return _path_bytes(path, media)
+
+
+def _path_bytes(path: str, media: MediaPolicy) -> bytes | None:
+    """lmdeploy's ``_load_data_url`` on a data URL's ``path`` (``MEDIA;base64,DATA``): its bytes,
+    or None where lmdeploy refuses it (no comma, no DATA, not ``;base64``). The same bytes
+    lmdeploy's non-validating decoder gives: the strict decoder first (several times faster),
+    the lenient one when it refuses (missing padding...); invalid base64 raises as lmdeploy's
+    decoding would."""
+    spec, comma, data = path.partition(",")
+    if not comma or not data or spec.partition(";")[2] != "base64":
         return None
-    check_base64_length(len(text) - comma - 1, media)
-    return check_decoded(_b64decode(text[comma + 1:]), media)
+    check_base64_length(len(data), media)
+    raw = _strict_b64decode(data)
+    return check_decoded(_b64decode(data) if raw is None else raw, media)
 
 
-def _b64decode(data: str) -> bytes:
+def _strict_b64decode(data: str) -> bytes | None:
+    """``data`` decoded if it is strictly base64 (the alphabet and its padding only), else None."""
+    try:
+        return bytes(_b64decoder()(data, validate=True))
+    except ValueError:  # (binascii.Error)
+        return None
+
+
+def _b64decoder() -> Any:
     try:
         import pybase64
     except ImportError:
-        decode: Any = base64.b64decode
-    else:
-        decode = pybase64.b64decode
+        return base64.b64decode
+    return pybase64.b64decode
+
+
+def _b64decode(data: str) -> bytes:
+    """``data`` decoded as lmdeploy decodes it (pybase64's non-validating decoder)."""
     try:
-        return bytes(decode(data, validate=True))
-    except ValueError:  # (binascii.Error)
-        pass
-    try:
-        return bytes(decode(data))
+        return bytes(_b64decoder()(data))
     except ValueError as e:  # not base64 even leniently: the client's to fix
         raise BadImageError(f"the image's data URL is not valid base64 ({e})") from None
 
@@ -202,15 +252,28 @@ class BadImageError(ValueError):
 
 def decode_image(raw: bytes, io_kwargs: dict[str, Any]) -> Any:
     """The PIL image lmdeploy's parser would make of ``raw`` (``ImageMediaIO.load_bytes`` with
-    the request's decode options); ``BadImageError`` for bytes that are no image."""
+    the request's decode options); ``BadImageError`` for bytes that are no image.
+
+    Whatever PIL raises reading a client's bytes is a bad image: on damaged files it raises far
+    more than ``OSError`` and ``SyntaxError`` (issue 39; one byte changed in small files gave
+    ``UnicodeDecodeError`` for a PNG chunk type that is not ASCII, ``ValueError``, ``TypeError``,
+    ``NotImplementedError``, even ``AttributeError``; its plugins also raise ``struct.error``,
+    ``EOFError``, ``IndexError``, ``ZeroDivisionError``...); ``MemoryError`` excepted (the
+    server's memory). The catch covers the decode call alone, the reader built before it, so a
+    failure of featcache's own is never passed off as the client's."""
     from lmdeploy.vl.media.image import ImageMediaIO
     from PIL import Image
 
+    if not isinstance(raw, (bytes, bytearray, memoryview)):
+        raise TypeError(f"decode_image takes the encoded bytes, not {type(raw).__name__}")
+    reader = ImageMediaIO(**io_kwargs)
     try:
-        return ImageMediaIO(**io_kwargs).load_bytes(raw)
-    except (OSError, SyntaxError, Image.DecompressionBombError) as e:  # PIL's errors for bad data
+        return reader.load_bytes(raw)
+    except MemoryError:
+        raise
+    except Exception as e:  # PIL's, for the client's bytes (above)
         why = ("not an image format it knows" if isinstance(e, Image.UnidentifiedImageError)
-               else f"{type(e).__name__}: {e}")
+               else f"{type(e).__name__}: {str(e)[:200]}")
         raise BadImageError(f"the image cannot be decoded ({why}); send a PNG, JPEG, WebP, GIF "
                             "or BMP image") from None
 
