@@ -297,8 +297,8 @@ def run_load(cache, prefix: int, threads: int, writers, seconds: float) -> dict[
                 violations.extend(bad)
             time.sleep(0.002)
 
-    workers = [threading.Thread(target=body, args=(t,)) for t in range(threads)]
-    watcher = threading.Thread(target=sampler)
+    workers = [threading.Thread(target=body, args=(t,), daemon=True) for t in range(threads)]
+    watcher = threading.Thread(target=sampler, daemon=True)
     watcher.start()
     for w in workers:
         w.start()

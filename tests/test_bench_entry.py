@@ -43,6 +43,7 @@ def test_the_list_names_every_runnable_file_with_its_line():
     assert "featcache on the real lmdeploy 0.18 PyTorch engine" in out.stdout
 
 
+@pytest.mark.timeout(600)  # every bench file's start-up, 4 at a time: 145 s on a shared 2-core machine
 def test_every_runnable_file_answers_help_through_the_entry_point():
     names = sorted(runnable())
     with ThreadPoolExecutor(4) as pool:

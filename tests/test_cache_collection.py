@@ -86,7 +86,7 @@ def test_keys_while_a_writer_thread_puts_and_discards(tmp_path, monkeypatch):
                 n += 1
                 done.set()
 
-        thread = threading.Thread(target=writer)
+        thread = threading.Thread(target=writer, daemon=True)
         thread.start()
         seen = []
         for k in cache.keys():

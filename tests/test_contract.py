@@ -232,7 +232,7 @@ class TestCacheContract:
             except Exception as e:  # pragma: no cover - reported below
                 errors.append(repr(e))
 
-        threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+        threads = [threading.Thread(target=worker, args=(s,), daemon=True) for s in range(4)]
         for t in threads:
             t.start()
         for t in threads:

@@ -104,7 +104,8 @@ def _first_open(path: str, queue) -> None:
 def test_processes_opening_a_new_store_at_once_agree_on_one_secret(tmp_path):
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_first_open, args=(str(tmp_path / "s"), queue)) for _ in range(4)]
+    procs = [ctx.Process(target=_first_open, args=(str(tmp_path / "s"), queue), daemon=True)
+             for _ in range(4)]
     for p in procs:
         p.start()
     keys = {queue.get(timeout=120) for _ in procs}
@@ -130,6 +131,27 @@ def test_replicas_sharing_a_remote_tier_share_its_secret_and_their_stores_take_i
     # the stores keep the fleet's secret: a start without the server keys alike
     with store(tmp_path / "b") as b_alone:
         assert b_alone.image_key(IMAGE) == key
+
+
+@pytest.mark.parametrize("before", ["no store yet", "a secret of its own"])
+def test_a_store_that_adopts_the_fleets_secret_keeps_it_0600(tmp_path, redis_url, before):
+    """The store's file rewritten with the remote tier's secret is its owner's alone, like the
+    one made at first open (under the usual umask 022, which would leave a new file 0644)."""
+    old = os.umask(0o022)
+    try:
+        with store(tmp_path / "fleet", remote_url=redis_url) as fleet:  # the fleet's secret
+            key, fleet_secret = fleet.image_key(IMAGE), fleet.hasher.secret
+        if before == "a secret of its own":  # a replica that ran alone before it joined
+            with store(tmp_path / "b") as alone:
+                assert alone.image_key(IMAGE) != key
+        with store(tmp_path / "b", remote_url=redis_url) as joined:
+            assert joined.image_key(IMAGE) == key
+    finally:
+        os.umask(old)
+    path = tmp_path / "b" / SECRET_FILE
+    assert read_secret(str(path)) == fleet_secret  # adopted: the file now holds the fleet's
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert [p.name for p in (tmp_path / "b").iterdir() if p.name.startswith(".key-secret")] == []
 
 
 def test_an_unreachable_remote_leaves_the_stores_secret(tmp_path, caplog):

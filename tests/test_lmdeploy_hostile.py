@@ -12,6 +12,7 @@ import gc
 import io
 
 import _lmdeploy_stack
+import _redis
 import pytest
 import torch
 
@@ -185,6 +186,47 @@ def test_the_tag_mode_keys_with_the_model_processes_store_secret(tmp_path):
         b"image bytes") == want
     assert settings_hasher({"default_cache": {"path": str(tmp_path / "t")}}).image_key(
         b"image bytes") != want
+
+
+def test_the_tag_mode_keys_with_the_fleets_secret_when_serve_names_a_remote(path, tmp_path):
+    """What `featcache serve --remote-url` hands the engine (``{"default_cache": ...}`` with a
+    store path and a ``remote_url``, serving.py's ``sizes``), on a replica whose store made a
+    secret of its own before it joined the fleet: the frontend, keying at start before any model
+    process opened the store, keys as the model processes' caches do, with the fleet's secret."""
+    from featcache.lmdeploy import ranks
+    from featcache.lmdeploy.processes import settings_hasher
+
+    server = _redis.RedisServer(_redis.redis_binary(), tmp_path)
+    raw = png(tiny.noise_image(64, 48, seed=31))
+    params = {"item": {}, "io": {}}
+    try:
+        with FeatureCache(device="cpu", host_bytes=0, disk_path=tmp_path / "fleet",
+                          disk_bytes="16MiB", remote_url=server.url) as other:  # another replica
+            fleet = other.image_key(raw, namespace="test:hostile", params=params)
+        with FeatureCache(device="cpu", host_bytes=0, disk_path=tmp_path / "s",
+                          disk_bytes="16MiB") as alone:  # this replica, before it joined
+            assert alone.image_key(raw, namespace="test:hostile", params=params) != fleet
+        settings = {"default_cache": dict(
+            path=str(tmp_path / "s"), device_bytes=1 << 20, host_bytes=0, disk_bytes=16 << 20,
+            remote_url=server.url, key_algorithm=None, key_secret_file=None)}
+        prompts = tiny.PromptPath(path)
+        frontend_cache = counters_cache()
+        install_frontend(prompts.model, frontend_cache, "test:hostile", prompts.processor,
+                         tags=True, hasher=settings_hasher(settings))
+        try:
+            tag = prompts.prompt(tiny.messages(url_item(data_url(raw))))["multimodal"][0][REF_KEY]
+        finally:
+            prompts.close()
+            gc.collect()
+            frontend_cache.close()
+        model_cache = ranks._build(settings)  # a model process's cache, built at its first image
+        try:
+            assert tag.key == model_cache.image_key(raw, namespace="test:hostile", params=params)
+            assert tag.key == fleet
+        finally:
+            model_cache.close()
+    finally:
+        server.kill()
 
 
 # -- 5. client ids, verified -------------------------------------------------------------------------

@@ -259,9 +259,9 @@ def sourced(path):
     cache.close()
 
 
-def data_url_request(prompts, raw: bytes) -> tuple[dict, bytes]:
+def data_url_request(prompts, raw: bytes, **kwargs) -> tuple[dict, bytes]:
     url = "data:image/png;base64," + base64.b64encode(raw).decode()
-    out = prompts.prompt(tiny.messages({"type": "image_url", "image_url": {"url": url}}))
+    out = prompts.prompt(tiny.messages({"type": "image_url", "image_url": {"url": url}}), **kwargs)
     return out, pickle.dumps((out["input_ids"], out["multimodal"]))
 
 
@@ -306,6 +306,38 @@ def test_a_model_process_that_lost_the_features_rebuilds_the_pixels(sourced, sid
     assert cache.stats()[SECTION]["pixels_rebuilt"] == 1
     rows3, calls3 = side.step([blob2])
     assert calls3 == [] and torch.equal(rows3, rows1)
+
+
+def test_a_rebuild_decodes_with_the_requests_options(sourced, side, path):
+    """A grey request (``media_io_kwargs`` image_mode "L") sent again without pixels, its features
+    lost: the pixels rebuilt are lmdeploy's preprocessing of the grey-converted image (what the
+    frontend made), not of the image decoded as RGB."""
+    from PIL import Image
+
+    prompts, _ = sourced
+    grey = {"image": {"image_mode": "L"}}
+    raw = png(tiny.noise_image(120, 90, seed=8))
+    first, blob1 = data_url_request(prompts, raw, media_io_kwargs=grey)
+    _, blob2 = data_url_request(prompts, raw, media_io_kwargs=grey)
+    assert len(prompts.calls) == 1  # sent again without pixels
+    plain = tiny.PromptPath(path)  # lmdeploy alone, given the grey-converted image
+    try:
+        want = plain.prompt(tiny.messages(tiny.image_item(Image.open(io.BytesIO(raw)).convert("L"))
+                                          ))["multimodal"][0]["pixel_values"]
+        as_rgb = plain.prompt(tiny.messages(tiny.image_item(Image.open(io.BytesIO(raw)).convert("RGB"))
+                                            ))["multimodal"][0]["pixel_values"]
+    finally:
+        plain.close()
+    assert not torch.equal(want, as_rgb)  # the options change the pixels
+    assert torch.equal(first["multimodal"][0]["pixel_values"], want)
+    side.step([blob1])
+    cache = ranks.local_cache()
+    cache.discard(first["multimodal"][0][REF_KEY].key)  # evicted on purpose
+
+    rows2, calls2 = side.step([blob2])
+    assert len(calls2) == 1 and cache.stats()[SECTION]["pixels_rebuilt"] == 1
+    assert torch.equal(calls2[0], want.to(calls2[0].dtype))
+    assert torch.equal(rows2, eng.per_image(tiny.INTERNVL, want))
 
 
 def test_an_image_without_pixels_or_source_is_refused_loudly(frontend, side):

@@ -232,6 +232,28 @@ def test_a_new_image_in_a_fresh_context_goes_native_then_features(rig):
     assert rig.counts()["vision_images"] == 2 and rig.prompt.calls == [[(120, 90)], [(120, 90)]]
 
 
+def test_a_turn_resending_its_history_with_a_seen_image_continues_the_history(rig):
+    """Several contexts in one request (issue 40 item 5): a turn resending a history and adding
+    an image featcache has seen elsewhere. Its last context (the history up to the new image) is
+    fresh and every image seen, but the request continues its history: native, so that
+    TurboMind's prefix cache covers the history and its image (a history sent natively) or
+    indexes it now (one sent as features). Routed features, it would lose that prefix reuse."""
+    rig.send([user("conversation B: look", 2)])  # image 2 seen: its pixels cached
+    a1 = user("conversation A: look", 1)
+    assert rig.send([a1]).route == NATIVE  # image 1 new: a miss, A sent natively
+    turn = [a1, {"role": "assistant", "content": "ok."}, user("and this one?", 2)]
+    assert_native(rig.send(turn), rig.want(turn))
+    assert rig.counts()["tm_route_continued"] == 1
+
+    c1 = user("conversation C: look", 1)
+    assert rig.send([c1]).route == FEATURES  # a fresh context, image 1 seen
+    turn = [c1, {"role": "assistant", "content": "ok."}, user("and this one?", 2)]
+    assert_native(rig.send(turn), rig.want(turn))  # C came back: indexed now
+    counts = rig.counts()
+    assert (counts["tm_route_miss"], counts["tm_route_continued"], counts["tm_route_repeat"],
+            counts["tm_route_indexed"]) == (2, 1, 1, 1)
+
+
 def test_features_survive_their_pixels(rig):
     """Pixels evicted, features held: the request still goes features, served from the cache;
     only lmdeploy's preprocessing runs again (a cost of speed)."""
@@ -371,6 +393,42 @@ def test_decide_on_hand_made_traces():
     small.record(a, NATIVE)
     small.record(b, NATIVE)
     assert small.sent_as(a[0]) is None and len(small) == 1
+
+
+def test_a_request_of_several_contexts_routes_on_its_first():
+    """A request's first context is the conversation up to its first image: what a chat turn
+    resending its history shares with the turn that sent it. The route follows how that was
+    sent; the request's later contexts (its new images) are fresh."""
+    k1, k2 = b"1" * 32, b"2" * 32
+    first = conversation(("user", "look"), ("image",))
+    sent = context_digests(first, [k1], "ns")
+    turn = first + conversation(("assistant", "ok."), ("user", "and this one?"), ("image",))
+    digests = context_digests(turn, [k1, k2], "ns")
+    assert digests[0] == sent[0] and digests[1] is not None and digests[1] != sent[0]
+
+    def both_seen() -> list[bool]:
+        return [True, True]
+
+    book = RouteBook()
+    book.record(sent, NATIVE)
+    assert book.sent_as(digests[1]) is None
+    assert decide(digests, book, both_seen) == (NATIVE, "continued")
+    book.record(digests, NATIVE)
+    assert [book.sent_as(d) for d in digests] == [NATIVE, NATIVE]
+
+    book = RouteBook()
+    book.record(sent, FEATURES)
+    assert decide(digests, book, both_seen) == (NATIVE, "indexed")
+
+    book = RouteBook()
+    book.record(sent, NATIVE)
+    book.record(digests, FEATURES)  # (forced): the history TurboMind indexed stays native
+    assert [book.sent_as(d) for d in digests] == [NATIVE, FEATURES]
+
+    fresh = context_digests(conversation(("user", "new"), ("image",), ("image",)), [k1, k2], "ns")
+    assert decide(fresh, RouteBook(), both_seen) == (FEATURES, "repeat")
+    assert decide(fresh, RouteBook(), lambda: [True, False]) == (NATIVE, "miss")
+    assert decide([digests[0], None], book, both_seen) == (NATIVE, "unkeyed")
 
 
 def test_features_keys_are_derived_from_pixel_keys():

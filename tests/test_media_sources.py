@@ -133,6 +133,34 @@ def test_files_over_the_cap_are_refused_never_read_past_it(disk):
             "--max-image-bytes")
 
 
+def test_a_file_stated_over_the_cap_is_refused_with_nothing_of_it_read(disk, monkeypatch):
+    """Refused on its stated size: not one byte of it read (a check only a little too loose
+    reads the file up to the cap, and then refuses it with the same message)."""
+    (disk.allowed / "one_over.png").write_bytes(png(1) + b"\0")
+    cap = len(png(1))
+    watched = {(st.st_dev, st.st_ino) for st in (os.stat(disk.allowed / name)
+                                                 for name in ("huge.png", "one_over.png"))}
+    reads: list[int] = []
+    real_read = os.read
+
+    def spy(fd: int, n: int) -> bytes:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) in watched:
+            reads.append(n)
+        return real_read(fd, n)
+
+    monkeypatch.setattr(os, "read", spy)
+    for name, policy in (("huge.png", disk.policy), ("huge.png", MediaPolicy(str(disk.allowed), cap)),
+                         ("one_over.png", MediaPolicy(str(disk.allowed), cap))):
+        refused(str(disk.allowed / name), policy, "larger than this server's --max-image-bytes")
+        with pytest.raises(MediaError, match="--max-image-bytes"):
+            read_local(str(disk.allowed / name), policy)
+    assert reads == []
+    assert encoded_bytes(str(disk.allowed / "one_over.png"), MediaPolicy(str(disk.allowed), cap + 1)
+                         ) == png(1) + b"\0"
+    assert reads  # the spy sees the reads of a watched file once it is under the cap
+
+
 def test_a_link_swapped_in_after_the_check_is_not_followed(disk, monkeypatch):
     """The check resolves the path; the file is then reached from the allowed directory without
     following links: a component that became a link in between does not open (here the check

@@ -79,7 +79,7 @@ def fill_while_held(cache: FeatureCache, fill) -> bool:
     held = HeldDisk(cache)
     cache.put(key(-1), feats(-1))  # the write the writer is held in
     assert held.entered.wait(30)
-    filler = threading.Thread(target=fill, name="filler")
+    filler = threading.Thread(target=fill, name="filler", daemon=True)
     filler.start()
     filler.join(1.0)
     waited = filler.is_alive()
@@ -173,7 +173,7 @@ def test_a_closed_room_ends_every_wait():
     room = Room(1)
     assert room.take() and not room.take()
     results: list[bool] = []
-    waiter = threading.Thread(target=lambda: results.append(room.take(wait=True)))
+    waiter = threading.Thread(target=lambda: results.append(room.take(wait=True)), daemon=True)
     waiter.start()
     waiter.join(0.2)
     assert waiter.is_alive()  # waiting for room
@@ -223,7 +223,7 @@ def test_warm_blocks_its_puts_so_no_image_is_lost(tmp_path, monkeypatch):
                     i = int(os.path.basename(r[0]["content"][1]["image_url"]["url"]).split(".")[0])
                     cache.count(SECTION, "misses")
                     cache.put(key(i), feats(i))  # what featcache/lmdeploy/models.py does
-            thread = threading.Thread(target=engine, name="engine")
+            thread = threading.Thread(target=engine, name="engine", daemon=True)
             thread.start()
             thread.join(1.0)
             waited.append(thread.is_alive())

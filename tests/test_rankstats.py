@@ -27,7 +27,7 @@ def test_the_driver_reads_every_live_process_in_rank_order_and_skips_a_dead_one(
     procs, readies = [], []
     for rank in (1, 0):  # started out of order
         ready = ctx.Event()
-        p = ctx.Process(target=_answer_and_wait, args=(str(tmp_path), rank, ready, done))
+        p = ctx.Process(target=_answer_and_wait, args=(str(tmp_path), rank, ready, done), daemon=True)
         p.start()
         procs.append(p)
         readies.append(ready)

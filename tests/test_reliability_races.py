@@ -307,8 +307,9 @@ def test_black_box_a_read_right_after_a_put_or_discard_never_sees_an_older_value
                 elif float(got[0]) != version[k]:
                     wrong.append((k, float(got[0]), version[k]))
 
-    readers = [threading.Thread(target=read, args=(i,)) for i in range(3)]
-    writers = [threading.Thread(target=write, args=(10 + i, keys[i::2])) for i in range(2)]
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(3)]
+    writers = [threading.Thread(target=write, args=(10 + i, keys[i::2]), daemon=True)
+               for i in range(2)]
     for t in readers + writers:
         t.start()
     for t in writers:

@@ -290,7 +290,8 @@ def test_serve_two_concurrent_requests_get_their_own_reports(serve):
     def drive(client):
         client.chat(image(6))  # cached before
         Engine.together = 2  # each answer waits until both requests are generating
-        threads = [threading.Thread(target=lambda k=k, items=items: seen.__setitem__(k, client.chat(*items)))
+        threads = [threading.Thread(target=lambda k=k, items=items: seen.__setitem__(k, client.chat(*items)),
+                                    daemon=True)
                    for k, items in (("hit", (image(6),)), ("misses", (image(7), image(8))))]
         for t in threads:
             t.start()
