@@ -205,6 +205,8 @@ def test_what_it_does_not_reproduce_goes_to_lmdeploy_counted(vision_model, image
         _assert_same(got, _outputs(vision_model.preprocess(_messages(_item(photo), item))), str(item))
         assert cache.stats()["lmdeploy"]["preprocess_fallback"] == before + 2
     assert cache.stats()["lmdeploy"].get("preprocess_fast", 0) == 0
+    # refused before the fast path ran (a planned fallback), not a failure of it caught after
+    assert cache.stats()["lmdeploy"].get("preprocess_errors", 0) == 0
 
 
 def test_a_failure_of_the_fast_path_is_lmdeploys_output_counted(vision_model, images, monkeypatch):
