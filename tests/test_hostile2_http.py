@@ -37,12 +37,11 @@ import pytest
 _lmdeploy_stack.require("fastapi")  # a skip naming the missing module; CI fails instead
 
 import lmdeploy_tiny as tiny  # noqa: E402
-from lmdeploy.vl.media import connection  # noqa: E402
+from test_media_sources import loopback_server, url_item  # noqa: E402
 from test_media_sources import model as model  # noqa: E402,F401  (the serve fixture's)
 from test_media_sources import prompt_path as prompt_path  # noqa: E402,F401  (rig's)
 from test_media_sources import rig as rig  # noqa: E402,F401
 from test_media_sources import serve as serve  # noqa: E402,F401
-from test_media_sources import url_item  # noqa: E402
 
 from featcache.lmdeploy.frontend import Frontend  # noqa: E402
 from featcache.lmdeploy.media import MediaError, MediaPolicy  # noqa: E402
@@ -149,12 +148,7 @@ def web(monkeypatch):
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    safe = connection._is_safe_url
-    monkeypatch.setattr(connection, "_is_safe_url",
-                        lambda url: (True, "test") if "//127.0.0.1:" in url else safe(url))
+    server = loopback_server(Handler, monkeypatch)
     monkeypatch.setenv("LMDEPLOY_IMAGE_FETCH_TIMEOUT", "1")
     port = server.server_address[1]
     yield types.SimpleNamespace(base=f"http://127.0.0.1:{port}", port=port, hits=hits,

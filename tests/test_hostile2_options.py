@@ -245,10 +245,7 @@ def servers(monkeypatch, model, tmp_path):
                     "4", "--server-port", "23999", *flags])
 
     yield run
-    for engine in StandInEngine.built:
-        if not engine.closed:
-            engine.close()
-    gc.collect()
+    StandInEngine.close_built()
 
 
 @pytest.mark.parametrize("engine_process", ["in", "mp"])

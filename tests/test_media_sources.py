@@ -212,6 +212,18 @@ def test_policy_values_are_checked():
 
 
 # -- http(s) -----------------------------------------------------------------------------------
+
+def loopback_server(handler: type, monkeypatch) -> http.server.ThreadingHTTPServer:
+    """``handler`` served on 127.0.0.1 from a daemon thread, and lmdeploy's address check told to
+    let fetches of it through (it refuses loopback addresses): the server, for the caller to shut."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    safe = connection._is_safe_url
+    monkeypatch.setattr(connection, "_is_safe_url",
+                        lambda url: (True, "test") if "//127.0.0.1:" in url else safe(url))
+    return server
+
 @pytest.fixture
 def web(monkeypatch):
     """An http server on 127.0.0.1 (which lmdeploy's address check, and so featcache's, may
@@ -272,12 +284,7 @@ def web(monkeypatch):
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    safe = connection._is_safe_url
-    monkeypatch.setattr(connection, "_is_safe_url",
-                        lambda url: (True, "test") if "//127.0.0.1:" in url else safe(url))
+    server = loopback_server(Handler, monkeypatch)
     yield types.SimpleNamespace(base=f"http://127.0.0.1:{server.server_address[1]}",
                                 port=server.server_address[1], image=image, sent=sent)
     server.shutdown()
@@ -461,6 +468,14 @@ class StandInEngine:
 
     built: list[StandInEngine] = []
 
+    @classmethod
+    def close_built(cls) -> None:
+        """A serve fixture's teardown: every engine it built closed (those a test left open)."""
+        for engine in cls.built:
+            if not engine.closed:
+                engine.close()
+        gc.collect()
+
     def __init__(self, model_path, backend_config, **kwargs):
         from lmdeploy.logger import RequestLogger
         from lmdeploy.serve.managers import SessionManager
@@ -531,10 +546,7 @@ def serve(monkeypatch, model, tmp_path):
                     "--server-port", "23999", *flags])
 
     yield run
-    for engine in StandInEngine.built:
-        if not engine.closed:
-            engine.close()
-    gc.collect()
+    StandInEngine.close_built()
 
 
 @pytest.mark.parametrize("engine_process", ["in", "mp"])
