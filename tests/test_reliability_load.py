@@ -1,13 +1,13 @@
 """Load: threads in several processes mixing put/get/acquire on shared keys, for seconds.
 
 Three processes (this one and two spawned children) open the same store, each with 4 load
-threads and a budget sampler, all over 48 shared keys under small budgets (512 KiB device,
-1 MiB host, 384 KiB disk) so that every tier evicts all the time. The workload is
-``_procs.load_thread``: every value served must be one that some writer put under that key, a
-lease's metadata must name the writer of its tensor, a leased tensor must not change, a key
-leased by one thread must stay in the device tier while other threads' puts evict around it,
-and no budget may be exceeded at any sampled moment. Afterwards the store is reopened and every
-entry it serves is checked the same way.
+threads and a budget sampler, all over 48 shared keys under small budgets (512 KiB device, 384
+KiB host, 384 KiB disk, where one value per key takes 610 KiB) so that every tier evicts all
+the time. The workload is ``_procs.load_thread``: every value served must be one that some
+writer put under that key, a lease's metadata must name the writer of its tensor, a leased
+tensor must not change, a key leased by one thread must stay in the device tier while other
+threads' puts evict around it, and no budget may be exceeded at any sampled moment. Afterwards
+the store is reopened and every entry it serves is checked the same way.
 """
 
 from __future__ import annotations
