@@ -281,3 +281,31 @@ def test_widen_lets_two_requests_preprocess_at_once(monkeypatch):
     assert wide.executor is forward and forward._max_workers == 1  # forward keeps its one worker
     wide._featcache_wide.shutdown(wait=True)
     forward.shutdown(wait=True)
+
+
+def test_a_model_processes_rebuild_preprocesses_with_featcache(vision_model, images, tmp_path,
+                                                                 monkeypatch):
+    """A model process rebuilding the pixels of an image it lost (``rebuild.pixels``) runs
+    featcache's preprocessing over the model its settings name: lmdeploy's output, counted as
+    fast on the process's cache; lmdeploy's own where no cache is open there."""
+    from featcache.lmdeploy import rebuild
+
+    monkeypatch.setenv(fastprep.ENV, "cpu")
+    settings = {"model_path": vision_model.model_path, "dtype": "float16", "device_type": "cpu",
+                "trust_remote_code": True}
+    cache = FeatureCache(device="cpu", device_bytes=0, host_bytes=0)
+    try:
+        with tv.installed():
+            model = rebuild.vision_model(settings)
+            fast = rebuild.preprocessor(settings, cache)
+        assert isinstance(fast, fastprep.FastPreprocess) and fast.maker is not None, fast
+        assert rebuild.preprocessor(settings, cache) is fast  # one per process
+        assert rebuild.preprocessor(settings, None) == model.preprocess  # no cache: lmdeploy's
+        photo = images[next(iter(images))]
+        got = _outputs(fast(_messages(_item(photo))))
+        _assert_same(got, _outputs(model.preprocess(_messages(_item(photo)))), "rebuild")
+        assert cache.stats()["lmdeploy"]["preprocess_fast"] == 1
+    finally:
+        cache.close()
+        rebuild._models.clear()
+        rebuild._preprocessors.clear()

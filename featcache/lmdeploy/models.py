@@ -328,8 +328,8 @@ def _rebuild(data: Any, tag: FeatTag, model: Any) -> None:
 
     placeholder = getattr(data, "data", None)
     device = placeholder.device if isinstance(placeholder, torch.Tensor) else torch.device("cpu")
-    data.data = rebuild.pixels(tag, model, ranks.rebuild_settings(), device)
     cache = ranks.local_cache()
+    data.data = rebuild.pixels(tag, model, ranks.rebuild_settings(), device, cache)
     if cache is not None:
         cache.count(SECTION, "pixels_rebuilt")
 

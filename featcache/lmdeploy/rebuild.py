@@ -8,9 +8,10 @@ process would have made them, and the step computes the image like any miss:
 
 1. decode the bytes with lmdeploy's ``ImageMediaIO`` and the request's decode options (or, for an
    in-memory image given to a pipeline, rebuild it from its pixel bytes: ``image``);
-2. lmdeploy's ``VisionModel.preprocess`` for the model (its preprocessor only, built once per
-   process with the feature dtype lmdeploy's ``ImageEncoder`` would use), with the item's
-   per-image parameters;
+2. the model's preprocessing, with the item's per-image parameters: featcache's
+   (``fastprep.FastPreprocess``: lmdeploy's output exactly, faster; lmdeploy's own
+   ``VisionModel.preprocess`` for what it does not reproduce), over lmdeploy's preprocessor for
+   the model, built once per process with the feature dtype lmdeploy's ``ImageEncoder`` would use;
 3. the model's own input processor (``get_input_processor().preprocess_input``): the tensor
    lmdeploy's engine would have put in the image's ``MultiModalData``.
 
@@ -32,10 +33,12 @@ from typing import Any
 
 import torch
 
+from ..cache import FeatureCache
 from .tags import FeatTag, Source
 
 _lock = threading.Lock()
 _models: dict[str, Any] = {}  # settings JSON -> lmdeploy VisionModel (its preprocessor)
+_preprocessors: dict[str, Any] = {}  # settings JSON -> its FastPreprocess
 
 
 def vision_model(settings: dict[str, Any]) -> Any:
@@ -56,6 +59,23 @@ def vision_model(settings: dict[str, Any]) -> Any:
                 _resolve_mm_feature_dtype(getattr(model, "hf_config", None), engine))
             _models[text] = model
         return model
+
+
+def preprocessor(settings: dict[str, Any], cache: FeatureCache | None) -> Any:
+    """``preprocess(messages)`` for ``settings``' model: featcache's, counted on ``cache``
+    (``preprocess_fast``/``_fallback``/``_errors``, as in the frontend's process), or
+    lmdeploy's own where no cache is open in this process. One per process and cache."""
+    model = vision_model(settings)
+    if cache is None:
+        return model.preprocess
+    from .fastprep import FastPreprocess
+
+    text = json.dumps(settings, sort_keys=True)
+    with _lock:
+        fast = _preprocessors.get(text)
+        if fast is None or fast.cache is not cache:  # (a cache built again: count on the new one)
+            fast = _preprocessors[text] = FastPreprocess(model, model.preprocess, cache)
+        return fast
 
 
 def image(source: Source) -> Any:
@@ -111,9 +131,11 @@ def problem(source: Source) -> str | None:
     return None
 
 
-def pixels(tag: FeatTag, model: Any, settings: dict[str, Any], device: torch.device) -> torch.Tensor:
+def pixels(tag: FeatTag, model: Any, settings: dict[str, Any], device: torch.device,
+           cache: FeatureCache | None = None) -> torch.Tensor:
     """The image's ``MultiModalData.data`` as lmdeploy's engine would have received it, on
-    ``device``; raises where it cannot be rebuilt (no source; a decode or preprocessing error)."""
+    ``device``; raises where it cannot be rebuilt (no source; a decode or preprocessing error).
+    ``cache``: the process's, where its preprocessing is counted (``preprocessor``)."""
     from .frontend import _preprocessed
 
     if tag.source is None:
@@ -121,7 +143,7 @@ def pixels(tag: FeatTag, model: Any, settings: dict[str, Any], device: torch.dev
                            "or the bytes to rebuild them")
     params = json.loads(tag.source.params)
     messages = [{"role": "user", "content": [{"type": "image", "data": image(tag.source), **params}]}]
-    (item,) = _preprocessed(vision_model(settings).preprocess(messages))
+    (item,) = _preprocessed(preprocessor(settings, cache)(messages))
     result = model.get_input_processor().preprocess_input([0], [dict(item, offset=0)])
     (data,) = result.input_multimodals["image"]
     out: torch.Tensor = data.data
