@@ -409,3 +409,22 @@ def test_a_requests_options_are_encoded_once_not_once_per_image(rig, monkeypatch
         store(rig, out)
         per_request.append(len(encoded))
     assert max(per_request) <= 4, per_request
+
+
+def test_refused_options_are_counted_and_the_next_request_is_served(rig):
+    """Decode options refused with a 400 (over the limit, not JSON, no image mode) are counted,
+    one each (``options_refused``; not ``media_refused``: no source was refused), before any
+    image of the request is read; the same image with no options is then served."""
+    url = f"data:image/png;base64,{b64(A)}"
+    msgs = tiny.messages(url_item(url))
+    bad = [{"image": {"note": "x" * (MAX_IMAGE_OPTIONS_BYTES + 1)}},
+           {"image": {"x": float("nan")}}, {"image": {"image_mode": "NOPE"}}, {"image": ["RGB"]}]
+    for options in bad:
+        with pytest.raises(ValueError, match="media_io_kwargs"):
+            rig.cached.prompt(msgs, media_io_kwargs=options)
+    stats = rig.cache.stats()["lmdeploy"]
+    assert stats["options_refused"] == len(bad)
+    assert stats.get("media_refused", 0) == 0 and stats.get("bad_images", 0) == 0
+    out = rig.cached.prompt(msgs)
+    assert out["multimodal"][0]["pixel_values"].numel() > 0 or REF_KEY in out["multimodal"][0]
+    assert rig.cache.stats()["lmdeploy"]["options_refused"] == len(bad)

@@ -215,6 +215,9 @@ def test_verify_an_id_sent_with_an_image_the_model_refuses_is_not_bound(tmp_path
         thin = png(tiny.noise_image(2000, 2, seed=42))
         with pytest.raises(ValueError, match="aspect ratio"):
             rig.cached.prompt(tiny.messages(url_item(data_url(thin), uuid="p")))
+        # the model's refusal, as plain lmdeploy's: counted as such, not as featcache's failure
+        counts = rig.counters()
+        assert counts["preprocess_refused"] == 1 and "frontend_errors" not in counts, counts
         (b,) = images(43)
         sent = rig.cached.prompt(tiny.messages(url_item(data_url(b), uuid="p")))
         rig.store(sent)

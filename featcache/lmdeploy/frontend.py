@@ -133,19 +133,27 @@ class Frontend:
         try:
             out = self._preprocess(messages)
         except Exception:
-            self._failed("frontend failed; preprocessing without the cache")
-            out = self.original(_decoded(messages))
+            trace = traceback.format_exc()
+            try:
+                out = self.original(_decoded(messages))
+            except Exception:
+                # lmdeploy's own preprocessing refuses the request too (Qwen2-VL's aspect ratio
+                # over 200, say): the client's request, not featcache's failure; plain lmdeploy
+                # fails it the same way
+                self.cache.count(SECTION, "preprocess_refused")
+                raise
+            self._failed("frontend failed; preprocessing without the cache", trace)
         for key, content in binds:  # the request is accepted: its verified ids name its images
             self.id_contents.setdefault(key, content)
         return out
 
-    def _failed(self, what: str) -> None:
+    def _failed(self, what: str, trace: str | None = None) -> None:
         self.cache.count(SECTION, "frontend_errors")
         if not self._logged:
             self._logged = True
             # the traceback as text: a record holding the exception would keep its frames, and
             # with them the request's leases, alive for as long as a handler keeps the record
-            log.error("featcache: %s (logged once)\n%s", what, traceback.format_exc())
+            log.error("featcache: %s (logged once)\n%s", what, trace or traceback.format_exc())
 
     def resolve_sources(self, messages: list[dict[str, Any]], media_io_kwargs: dict[str, Any],
                         allowed_media_domains: list[str] | None = None) -> list[dict[str, Any]]:
@@ -156,8 +164,13 @@ class Frontend:
         read that the media policy (``self.media``) refuses (``sources.guarded``): a refusal is a
         ``MediaError`` (counted, ``media_refused``). ``allowed_media_domains``: lmdeploy's, for
         the http fetches. Decode options that are not what lmdeploy's ``ImageMediaIO`` takes raise
-        ``MediaOptionError`` (a ``ValueError``: the client's request is answered 400)."""
-        io_kwargs = image_io_options(media_io_kwargs) if has_image_items(messages) else {}
+        ``MediaOptionError`` (a ``ValueError``: the client's request is answered 400; counted,
+        ``options_refused``)."""
+        try:
+            io_kwargs = image_io_options(media_io_kwargs) if has_image_items(messages) else {}
+        except MediaOptionError:
+            self.cache.count(SECTION, "options_refused")
+            raise
         # a client's error (an id, a refused source, an image that is none) is counted and raised:
         # lmdeploy answers it with a 400 and its message; any other failure is featcache's
         try:
