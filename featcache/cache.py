@@ -63,7 +63,7 @@ from .demoter import Demoter
 from .entrymeta import recorded, with_cost
 from .errors import FeatCacheError
 from .keys import ImageKey, KeyHasher
-from .keysecret import hasher_for
+from .keysecret import hasher_for, remote_secret_name
 from .lease import Lease, NoLease
 from .lookup import Lookup
 from .singleflight import SingleFlight
@@ -130,7 +130,19 @@ class FeatureCache:
         self._count = _counter(self._counts, self._counts_lock)  # no reference to the cache
         # puts, discards and promotions' installs take its lock (``order``), one at a time
         self._lookup = Lookup(self._chain, self._demoter, self._copier, self._count)
+        self._keep_remote_secret()
         self._finalizer = weakref.finalize(self, forks.release, self._forks, self._chain, self._demoter)
+
+    def _keep_remote_secret(self) -> None:
+        """Hand the remote tier the fleet's key secret this cache keys with (it sets it again
+        on a server that lost it: ``featcache.tiers.remote``); not an operator's secret file."""
+        secret = self.hasher.secret
+        if secret is None or self.config.remote_url is None or self.config.key_secret_file is not None:
+            return
+        for slot in self._chain.below:
+            keep = getattr(slot.tier, "keep_secret", None)
+            if keep is not None:
+                keep(remote_secret_name(self.config), secret)
 
     # -- public API ----------------------------------------------------------------------------
     def image_key(self, image: Any, *, namespace: str = "",

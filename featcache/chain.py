@@ -26,6 +26,7 @@ from .tiers.base import LeasingTier, PersistentTier, StagingTier, Tier, WrittenT
 from .tiers.device import DeviceTier
 from .tiers.disk import DiskTier
 from .tiers.host import HostTier
+from .tiers.mooncake import MooncakeTier
 from .tiers.remote import RemoteTier
 from .writer import TierWriter
 
@@ -114,8 +115,12 @@ def _disk(config: CacheConfig, copier: Copier, on_corrupt: OnCorrupt) -> DiskTie
     return DiskTier(config.disk_path, config.disk_bytes, sync=config.disk_sync, on_corrupt=on_corrupt)
 
 
-def _remote(config: CacheConfig, copier: Copier, on_corrupt: OnCorrupt) -> RemoteTier | None:
-    return RemoteTier.from_config(config, on_corrupt=on_corrupt) if config.remote_url is not None else None
+def _remote(config: CacheConfig, copier: Copier, on_corrupt: OnCorrupt) -> RemoteTier | MooncakeTier | None:
+    if config.remote_url is None:
+        return None
+    if config.remote_url.startswith("mooncake://"):  # Mooncake Store (optional: featcache[mooncake])
+        return MooncakeTier.from_config(config, on_corrupt=on_corrupt)
+    return RemoteTier.from_config(config, on_corrupt=on_corrupt)
 
 
 TOP: Kind[LeasingTier] = Kind("device", _device, Rules())
@@ -134,6 +139,7 @@ BELOW: tuple[Kind[WrittenTier], ...] = (
             when_off=False, labelled=False, queue=("remote", "publish_queue"),
             queue_help="Publishes to the remote tier waiting.",
             gauges=(("breaker_open", "1 while the remote tier is skipped (its circuit breaker is open)."),
+                    ("breaker_open_nodes", "Redis Cluster nodes skipped (their breakers open)."),
                     ("enabled", "1: a remote tier is configured.")),
         ),
     )),

@@ -53,8 +53,9 @@ DEFAULTS: dict[str, int | str | bool | None] = {
     "eviction": "value",
 }
 
-# URL schemes of the remote tier: one server (redis-py's own forms) or a Redis Cluster (any node).
-REMOTE_SCHEMES = ("redis", "rediss", "unix", "redis-cluster", "rediss-cluster")
+# URL schemes of the remote tier: one server (redis-py's own forms), a Redis Cluster (any node), or
+# Mooncake Store (featcache.tiers.mooncake: mooncake://MASTER:PORT?metadata=...).
+REMOTE_SCHEMES = ("redis", "rediss", "unix", "redis-cluster", "rediss-cluster", "mooncake")
 
 # Where `featcache serve` runs the PyTorch engine (--engine-process); the first is the default:
 # "mp" lmdeploy's own engine process (what `lmdeploy serve api_server` does), "in" the server's

@@ -162,13 +162,18 @@ def _store_secret(disk_path: str) -> bytes | None:
         return None
 
 
+def remote_secret_name(config: CacheConfig) -> str:
+    """Where the fleet's secret lives on the remote server."""
+    return f"{config.remote_prefix}:{REMOTE_SUFFIX}"
+
+
 def _remote_secret(config: CacheConfig) -> bytes | None:
     """The fleet's secret on the remote server (set there once, from the store's when it has one),
     written into the store so that a later start without the server keys alike; None where the
     server cannot be reached (then the store's secret serves, said once)."""
     from .tiers.remote import connect
 
-    name = f"{config.remote_prefix}:{REMOTE_SUFFIX}"
+    name = remote_secret_name(config)
     local = None
     if config.disk_path is not None:
         try:
@@ -177,12 +182,17 @@ def _remote_secret(config: CacheConfig) -> bytes | None:
             local = None
     proposal = local or os.urandom(SECRET_BYTES)
     try:
-        client: Any = connect(config)
-        try:
-            client.set(name, proposal.hex(), nx=True)
-            value = client.get(name)
-        finally:
-            client.close()
+        if config.remote_url is not None and config.remote_url.startswith("mooncake://"):
+            from .tiers.mooncake import read_or_set_secret
+
+            value = read_or_set_secret(config, name, proposal.hex().encode())
+        else:
+            client: Any = connect(config)
+            try:
+                client.set(name, proposal.hex(), nx=True)
+                value = client.get(name)
+            finally:
+                client.close()
         secret = _parse(value if isinstance(value, bytes) else str(value).encode(), name)
     except Exception as e:  # unreachable, refused, or not a secret: keys stay local
         log.warning("featcache: cannot read the key secret from the remote tier (%s); keying "

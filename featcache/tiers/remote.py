@@ -22,13 +22,39 @@ Invariants:
   then one trial call decides. redis-py's own retries are off (one attempt per call); its pool
   reconnects on the next call after a lost connection;
 - the URL's password never appears in logs, ``repr`` or stats (``config.redact_url``).
+
+A Redis Cluster (``redis-cluster://`` or ``rediss-cluster://``, any node's address) is driven by
+redis-py's ``RedisCluster``: it keeps the slot map, follows MOVED (slot map patched, refreshed
+after repeated ones) and ASK (the ASKING redirect of a slot being migrated), and refreshes the map
+after a lost connection. All of an entry's keys share one hash tag, so every call is one slot's,
+on one node. On top of it:
+- a breaker per node (``breaker_for``): a primary that is dead, partitioned or failing over costs
+  the misses of its own slots, not the whole tier's (a tier-wide breaker opened on a third of the
+  calls failing); its key's node is looked up in the client's slot map (no I/O); the tier's own
+  ``breaker`` stands for calls whose node is not known (no slot map yet, every node gone);
+- a deadline per call (``remote_timeout_ms``): redis-py's cluster client sleeps inside a call
+  (250 ms on CLUSTERDOWN, 50 ms steps on TRYAGAIN) and refreshes the slot map inline after a lost
+  connection (a connect per node it tries), so its calls run on the tier's worker threads and a
+  caller waits at most the deadline (then it is a timeout, counted; what the worker still does is
+  discarded: reads are assembled by the caller, and a publish's head is written only after its
+  chunks' call returned in time);
+- CLUSTERDOWN and "no node reachable" are outages (the breaker's failures), TRYAGAIN (a multi-key
+  read of a slot mid-migration) an error reply that is a miss.
+
+The fleet's key secret (``featcache.keysecret``) lives on the same server: ``keep_secret`` gives
+the tier the one this process keys with, and the publisher sets it again (``SET NX``) after an
+outage or every ``SECRET_CHECK_S``, so a server that lost it (a restart without persistence, a
+flush) gets it back before a new replica would make up another; a server holding another secret is
+counted (``secret_mismatch``) and said once, never adopted (this process's keys stay as they are).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -65,7 +91,10 @@ T = TypeVar("T")
 STAT_NAMES = (
     "hits", "misses", "corrupt", "incomplete", "errors", "timeouts", "breaker_skips",
     "published", "publish_errors", "publish_dropped", "discards", "bytes_read", "bytes_published",
+    "secret_restored", "secret_mismatch",
 )
+SECRET_CHECK_S = 60.0  # the publisher checks the fleet's key secret on the server this often
+CLUSTER_WORKERS = 8  # calls to a cluster in flight at once (each bounded by the deadline)
 
 
 class _Unavailable(Exception):
@@ -112,7 +141,11 @@ class RemoteTier:
         breaker: Breaker,
         url_for_logs: str = "remote",
         on_corrupt: Callable[[bytes], None] | None = None,
+        cluster: bool = False,
+        deadline_s: float | None = None,
     ) -> None:
+        """``cluster``: the client is a ``RedisCluster`` (a breaker per node, and calls run on
+        worker threads, each abandoned after ``deadline_s``)."""
         self._factory = client_factory
         self._client: Any = None
         self._client_lock = threading.Lock()
@@ -126,6 +159,15 @@ class RemoteTier:
         self._lock = threading.Lock()
         self._was_open = False
         self._logged_unexpected = False
+        self._cluster = cluster
+        self._node_breakers: dict[str, Breaker] = {}
+        self._said_open: set[int] = set()  # node breakers whose opening was logged
+        self._deadline_s = deadline_s
+        self._pool = (concurrent.futures.ThreadPoolExecutor(CLUSTER_WORKERS, "featcache-remote")
+                      if cluster else None)
+        self._secret: tuple[str, bytes] | None = None
+        self._secret_due = 0.0  # monotonic time of the next check (0: at the next publish)
+        self._secret_mismatch_said = False
 
     @classmethod
     def from_config(
@@ -149,6 +191,8 @@ class RemoteTier:
             breaker=Breaker(config.remote_breaker_failures, config.remote_breaker_cooldown_ms / 1000),
             url_for_logs=config.remote_url_redacted or "remote",
             on_corrupt=on_corrupt,
+            cluster=(config.remote_url or "").partition("://")[0].endswith("-cluster"),
+            deadline_s=config.remote_timeout_ms / 1000,
         )
 
     # -- keys ----------------------------------------------------------------------------------
@@ -172,7 +216,8 @@ class RemoteTier:
         """Whether the server holds a head for ``key`` (one network call; the cache never asks,
         so that ``key in cache`` stays local)."""
         try:
-            return bool(self._call(lambda c: c.exists(self.head_key(key))))
+            name = self.head_key(key)
+            return bool(self._call(lambda c: c.exists(name), name))
         except _Unavailable:
             return False
 
@@ -197,7 +242,7 @@ class RemoteTier:
         try:
             if HEAD.size + value_len <= self.chunk_bytes:
                 head = b"".join((pack_head(INLINE, nonce, value_len, self.chunk_bytes, 0), lead, payload))
-                old = self._call(lambda c: c.set(head_key, head, ex=ttl, get=True))
+                old = self._call(lambda c: c.set(head_key, head, ex=ttl, get=True), head_key)
             else:
                 manifest = Manifest(CHUNKED, nonce, value_len, self.chunk_bytes,
                                     -(-value_len // self.chunk_bytes))
@@ -210,9 +255,9 @@ class RemoteTier:
                         pipe.set(name, piece, ex=chunk_ttl)
                     return list(pipe.execute())
 
-                self._call(write_chunks)  # raises on any failed SET: the head is not written
+                self._call(write_chunks, head_key)  # raises on any failed SET: no head written
                 head = pack_head(CHUNKED, nonce, value_len, self.chunk_bytes, manifest.chunks)
-                old = self._call(lambda c: c.set(head_key, head, ex=ttl, get=True))
+                old = self._call(lambda c: c.set(head_key, head, ex=ttl, get=True), head_key)
         except _Unavailable:
             self.count("publish_errors")
             return False
@@ -224,7 +269,8 @@ class RemoteTier:
     def discard(self, key: bytes) -> bool:
         """Delete ``key`` (its head, then its chunks). False if the server could not be reached."""
         try:
-            old = self._call(lambda c: c.getdel(self.head_key(key)))
+            name = self.head_key(key)
+            old = self._call(lambda c: c.getdel(name), name)
         except _Unavailable:
             return False
         self.count("discards")
@@ -234,6 +280,7 @@ class RemoteTier:
     def write(self, ops: Sequence[Op]) -> None:
         """Apply ``ops`` in order (the publisher thread): publish puts, delete discards. A publish
         that fails leaves the server's value as it was (counted in ``publish_errors``)."""
+        self._check_secret()
         for op in ops:
             if op.kind == "put":
                 assert op.entry is not None
@@ -248,18 +295,53 @@ class RemoteTier:
     def stats(self) -> dict[str, int]:
         with self._lock:
             counts = {name: self._counts.get(name, 0) for name in STAT_NAMES}
+        nodes = list(self._node_breakers.values())
         return {
             **counts,
             "breaker_open": int(self.breaker.is_open),
-            "breaker_opened": self.breaker.opened,
+            "breaker_open_nodes": sum(b.is_open for b in nodes),
+            "breaker_opened": self.breaker.opened + sum(b.opened for b in nodes),
             "enabled": 1,
         }
+
+    def keep_secret(self, name: str, secret: bytes) -> None:
+        """The fleet's key secret this process keys with, kept on the server under ``name``
+        (see the module docstring)."""
+        self._secret = (name, secret)
+        self._secret_due = time.monotonic() + SECRET_CHECK_S  # just read or set at start
+
+    def _check_secret(self) -> None:
+        """On the publisher thread, when due: set the secret again where the server lost it."""
+        if self._secret is None or time.monotonic() < self._secret_due:
+            return
+        name, secret = self._secret
+        self._secret_due = time.monotonic() + SECRET_CHECK_S
+        value = secret.hex().encode()
+        try:
+            if self._call(lambda c: c.set(name, value, nx=True), name):
+                self.count("secret_restored")
+                log.warning("featcache: the remote tier %s had lost the fleet's key secret; set it "
+                            "again", self._url)
+                return
+            held = self._call(lambda c: c.get(name), name)
+        except _Unavailable:
+            self._secret_due = 0.0  # try again at the next publish
+            return
+        if held is not None and bytes(held).strip().lower() != value:
+            self.count("secret_mismatch")
+            if not self._secret_mismatch_said:
+                self._secret_mismatch_said = True
+                log.warning("featcache: the remote tier %s holds another key secret than this "
+                            "process keys with: its entries and this process's do not meet until "
+                            "it restarts", self._url)
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._counts[name] += n
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
         with self._client_lock:
             client, self._client = self._client, None
         if client is not None:
@@ -274,7 +356,8 @@ class RemoteTier:
     # -- reading -------------------------------------------------------------------------------
     def _read(self, key: bytes, alloc: Alloc | None) -> Entry | None:
         try:
-            raw = self._call(lambda c: c.get(self.head_key(key)))
+            name = self.head_key(key)
+            raw = self._call(lambda c: c.get(name), name)
             if raw is None:
                 return None
             manifest = parse_head(raw)
@@ -282,7 +365,7 @@ class RemoteTier:
                 pieces: list[bytes | memoryview] = [manifest.inline]
             else:
                 names = self.chunk_keys(key, manifest)
-                got = self._call(lambda c: c.mget(names))
+                got = self._call(lambda c: c.mget(names), name)
                 if any(piece is None for piece in got):
                     self.count("incomplete")  # chunks evicted, expired, or replaced by a newer write
                     self._dropped(key)
@@ -341,44 +424,84 @@ class RemoteTier:
             return
         names = self.chunk_keys(key, manifest)
         try:
-            self._call(lambda c: c.unlink(*names))
+            self._call(lambda c: c.unlink(*names), names[0])
         except _Unavailable:
             pass
 
     # -- calls ---------------------------------------------------------------------------------
-    def _call(self, op: Callable[[Any], T]) -> T:
-        """Run ``op(client)`` through the breaker; raise ``_Unavailable`` (counted) if it did not
-        complete. A server error reply (e.g. OOM under ``maxmemory-policy noeviction``) is an
-        error but not an outage: the breaker sees a success."""
-        import redis
+    def breaker_for(self, key: str | None) -> Breaker:
+        """The breaker of the node that serves ``key``'s slot (a cluster whose slot map is
+        known), else the tier's."""
+        client = self._client
+        if not self._cluster or key is None or client is None:
+            return self.breaker
+        try:
+            name = client.get_node_from_key(key).name
+        except Exception:  # no slot map (every node was unreachable at the last refresh)
+            return self.breaker
+        breaker = self._node_breakers.get(name)
+        if breaker is None:
+            breaker = self._node_breakers.setdefault(
+                name, Breaker(self.breaker.failures, self.breaker.cooldown_s, self.breaker.clock))
+        return breaker
 
-        if not self.breaker.allow():
+    def _call(self, op: Callable[[Any], T], key: str | None = None) -> T:
+        """Run ``op(client)`` through the breaker of ``key``'s node; raise ``_Unavailable``
+        (counted) if it did not complete. A server error reply (e.g. OOM under
+        ``maxmemory-policy noeviction``, TRYAGAIN) is an error but not an outage: the breaker
+        sees a success."""
+        import redis
+        from redis.exceptions import ClusterDownError, RedisClusterException
+
+        breaker = self.breaker_for(key)
+        if not breaker.allow():
             self.count("breaker_skips")
             raise _Unavailable
         try:
-            result = op(self._connected())
+            result = self._run(op)
+        except ClusterDownError as e:  # before ResponseError, its base: the cluster is down
+            self.count("errors")
+            breaker.failure()
+            self._secret_due = min(self._secret_due, time.monotonic() + 1.0)
+            self._note_state(e, breaker)
+            raise _Unavailable from e
         except redis.exceptions.ResponseError as e:
-            self.breaker.success()
+            breaker.success()
             self.count("errors")
             log.debug("featcache: remote error reply from %s: %s", self._url, e)
             raise _Unavailable from e
-        except (redis.exceptions.RedisError, OSError) as e:
+        except (redis.exceptions.RedisError, RedisClusterException, OSError) as e:
             self.count("timeouts" if isinstance(e, (redis.exceptions.TimeoutError, TimeoutError))
                        else "errors")
-            self.breaker.failure()
-            self._note_state(e)
+            breaker.failure()
+            self._secret_due = min(self._secret_due, time.monotonic() + 1.0)  # it may have lost it
+            self._note_state(e, breaker)
             raise _Unavailable from e
         except Exception as e:  # anything else the client raises is a miss too, never a failed get
             self.count("errors")
-            self.breaker.failure()
+            breaker.failure()
             if not self._logged_unexpected:
                 self._logged_unexpected = True
                 log.exception("featcache: unexpected error from the remote tier %s (logged once)",
                               self._url)
             raise _Unavailable from e
-        self.breaker.success()
-        self._note_state(None)
+        breaker.success()
+        self._note_state(None, breaker)
         return result
+
+    def _run(self, op: Callable[[Any], T]) -> T:
+        """``op(client)``: here, or (a cluster) on a worker thread, waited for at most the
+        deadline (then ``TimeoutError``; the worker's late result is dropped)."""
+        if self._pool is None:
+            return op(self._connected())
+        future = self._pool.submit(lambda: op(self._connected()))
+        try:
+            return future.result(timeout=self._deadline_s)
+        except concurrent.futures.TimeoutError:
+            if not future.done():
+                future.cancel()
+                raise TimeoutError(f"no answer within {self._deadline_s} s") from None
+            return future.result()  # done just now: its result or its own error
 
     def _connected(self) -> Any:
         with self._client_lock:
@@ -386,17 +509,28 @@ class RemoteTier:
                 self._client = self._factory()
             return self._client
 
-    def _note_state(self, error: BaseException | None) -> None:
-        """Log outages once: when the breaker opens and when a call succeeds again."""
-        is_open = self.breaker.is_open
-        if is_open and not self._was_open:
+    def _note_state(self, error: BaseException | None, breaker: Breaker) -> None:
+        """Log outages once: when a breaker opens and when a call succeeds again (a cluster's
+        node breakers name their node)."""
+        is_open = breaker.is_open
+        was_open = self._was_open if breaker is self.breaker else id(breaker) in self._said_open
+        where = self._url if breaker is self.breaker else f"{self._url} (node {self._node_of(breaker)})"
+        if is_open and not was_open:
             log.warning(
                 "featcache: remote tier %s unreachable (%s: %s); skipping it for %.1f s at a time "
-                "until a call succeeds", self._url, type(error).__name__, error, self.breaker.cooldown_s,
+                "until a call succeeds", where, type(error).__name__, error, breaker.cooldown_s,
             )
-        elif error is None and self._was_open:
-            log.warning("featcache: remote tier %s reachable again", self._url)
-        self._was_open = is_open
+        elif error is None and was_open:
+            log.warning("featcache: remote tier %s reachable again", where)
+        if breaker is self.breaker:
+            self._was_open = is_open
+        elif is_open:
+            self._said_open.add(id(breaker))
+        else:
+            self._said_open.discard(id(breaker))
+
+    def _node_of(self, breaker: Breaker) -> str:
+        return next((name for name, b in self._node_breakers.items() if b is breaker), "?")
 
 
 def server_summary(config: CacheConfig, max_entries: int = 1_000_000) -> dict[str, Any]:
