@@ -7,6 +7,9 @@ The images go in the first user message as base64 data URLs and stay in the hist
 turn sends them again; each turn's time to first token (streamed) is printed. Against
 `featcache serve`, turn 1 computes the images' features and every later turn gets them from the
 cache (and, with --enable-prefix-caching, reuses the KV of the history). Needs `pip install openai`.
+
+Exit codes: 0 done, 1 the server could not be reached or answered with an error (one line on
+stderr, naming the address), 2 bad usage (e.g. an image file that cannot be read), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -49,12 +52,48 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0, help="seed of the generated image")
     args = p.parse_args(argv)
+    if args.turns < 1:
+        p.error(f"argument --turns: {args.turns} is not a number of turns (1 or more)")
+    try:
+        images = [data_url(path, args.seed) for path in (args.image or [None])]
+    except OSError as e:  # a missing or unreadable --image
+        p.error(f"argument --image: cannot read {e.filename!r}: {e.strerror or e}")
+    try:
+        import openai
+    except ModuleNotFoundError:
+        print("chat.py: error: this example needs the openai client: pip install openai",
+              file=sys.stderr)
+        return 1
+    try:
+        return chat(openai.OpenAI(base_url=args.base_url, api_key=args.api_key), args, images)
+    except openai.APIConnectionError as e:  # no server there (refused, no route, timed out)
+        cause = e.__cause__ or e
+        why = " ".join(str(cause).split()) or type(cause).__name__
+        print(f"chat.py: error: cannot reach {args.base_url} ({why}): start the server "
+              "(featcache serve MODEL ...) or pass --base-url", file=sys.stderr)
+    except openai.APIStatusError as e:  # the server answered with an error status
+        print(f"chat.py: error: {args.base_url} answered HTTP {e.status_code}: "
+              f"{' '.join(str(e.message).split())[:300]}", file=sys.stderr)
+    except openai.OpenAIError as e:
+        print(f"chat.py: error: {args.base_url}: {type(e).__name__}: "
+              f"{' '.join(str(e).split())[:300]}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("chat.py: interrupted", file=sys.stderr)
+        return 130
+    return 1
 
-    from openai import OpenAI
 
-    client = OpenAI(base_url=args.base_url, api_key=args.api_key)
-    model = args.model or client.models.list().data[0].id
-    images = [data_url(path, args.seed) for path in (args.image or [None])]
+def chat(client, args: argparse.Namespace, images: list[str]) -> int:
+    """The conversation: ``args.turns`` turns, each resending the history with its images."""
+    if args.model:
+        model = args.model
+    else:
+        served = client.models.list().data
+        if not served:
+            print(f"chat.py: error: {args.base_url} serves no model: pass --model",
+                  file=sys.stderr)
+            return 1
+        model = served[0].id
     history: list[dict] = []
     for turn in range(args.turns):
         question = QUESTIONS[turn % len(QUESTIONS)]

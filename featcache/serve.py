@@ -44,6 +44,7 @@ from .config import ENGINE_PROCESSES, REPORTS
 from .lmdeploy import SPECS, keep_prefix_caching, multi_process, wrap
 from .lmdeploy.media import MediaPolicy
 from .lmdeploy.turbomind import PATHS
+from .warm import loading
 
 TURBOMIND_PATHS = tuple(PATHS)  # "native" (the default), "features", "combined"
 
@@ -234,7 +235,9 @@ def featcache_engine(cache: FeatureCache, namespace: str | None,
     media = MediaPolicy() if media_policy is None else media_policy
 
     def get_task(*a: Any, **k: Any) -> tuple[str, Any]:
-        task, engine_class = original(*a, **k)
+        model = str(k.get("model_path", a[1] if len(a) > 1 else "?"))
+        with loading(model):  # a model lmdeploy cannot load: one line naming it (ModelLoadError)
+            task, engine_class = original(*a, **k)
 
         def build(**kwargs: Any) -> Any:
             config = kwargs.get("backend_config")
@@ -252,7 +255,8 @@ def featcache_engine(cache: FeatureCache, namespace: str | None,
                     from .lmdeploy.processes import FeatcacheEngineConfig
 
                     kwargs["backend_config"] = FeatcacheEngineConfig.of(config, model_cache)
-            with keep_prefix_caching(wanted, supported=set(SPECS)):
+            with keep_prefix_caching(wanted, supported=set(SPECS)), \
+                    loading(str(kwargs.get("model_path", model))):
                 engine = engine_class(**kwargs)
             if elsewhere and engines is not None:
                 engines.append(engine)

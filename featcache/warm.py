@@ -21,11 +21,16 @@ turbomind`` serves the native path).
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from .errors import FeatCacheError
 
 if TYPE_CHECKING:
     from .cache import FeatureCache
@@ -33,6 +38,93 @@ if TYPE_CHECKING:
 BACKENDS = ("pytorch", "turbomind")
 TURBOMIND_PATHS = ("native", "features", "combined")  # featcache.lmdeploy.turbomind.PATHS' names
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+class ModelLoadError(FeatCacheError):
+    """A model that ``warm`` or ``serve`` cannot load: one line naming its path and what is wrong
+    (``model_error``)."""
+
+
+def config_problem(model: str) -> str | None:
+    """What is wrong with the model directory ``model``'s ``config.json`` that no loader gets
+    past (none there, not JSON, not an object), or None. Reads the file only (no lmdeploy)."""
+    config = os.path.join(model, "config.json")
+    try:
+        with open(config, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return f"{model!r} is not a model directory: it has no config.json"
+    except OSError as e:
+        return f"cannot read {config!r}: {e.strerror or e}"
+    try:
+        doc = json.loads(raw)
+    except UnicodeDecodeError:
+        return f"{config!r} is not a model config: it is not UTF-8 text"
+    except ValueError as e:
+        where = f": {e.msg} at line {e.lineno} column {e.colno}" if isinstance(
+            e, json.JSONDecodeError) else ""
+        return f"{config!r} is not valid JSON{where}"
+    if not isinstance(doc, dict):
+        return f"{config!r} is not a model config (a JSON object)"
+    return None
+
+
+def _architectures(model: str) -> str:
+    """The architectures ``model``'s config.json names, for a message (empty if it names none)."""
+    try:
+        with open(os.path.join(model, "config.json"), "rb") as f:
+            names = json.loads(f.read()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return ", ".join(str(n) for n in names) if isinstance(names, list) else ""
+
+
+def model_error(model: str, error: BaseException) -> str:
+    """What went wrong loading ``model``, in one line that names it: lmdeploy's and transformers'
+    errors as a user can act on them, else the error's type and first line."""
+    text = str(error).strip()
+    archs = _architectures(model)
+    if "featcache does not cache" in text:  # featcache's own refusal (tm_warm): already says it
+        return f"{model!r}: {' '.join(text.split())}"
+    if "Could not find model architecture" in text:
+        what = "its config.json names no model architecture (no \"architectures\")"
+    elif "Unrecognized model in" in text:
+        what = "its config.json names no \"model_type\" transformers knows"
+    elif "unsupported vl model" in text:
+        what = ("it is not a vision-language model lmdeploy 0.18 runs"
+                + (f" (config.json: architectures {archs})" if archs else ""))
+    elif "is not a valid JSON file" in text:
+        what = "its config.json is not valid JSON"
+    else:
+        said = " ".join(text.split()).rstrip(":{ ")  # every line of it, on one
+        if len(said) > 400:
+            said = said[:400] + " ..."
+        what = f"{type(error).__name__}" + (f": {said}" if said else "")
+    return f"cannot load the model {model!r}: {what}"
+
+
+@contextlib.contextmanager
+def loading(model: str) -> Iterator[None]:
+    """Building ``model``'s pipeline or prompt path: any failure becomes a ``ModelLoadError``
+    naming it (``model_error``), and transformers' note that torchvision is missing (it falls back
+    to the PIL image processors lmdeploy's InternVL module imports, whatever the model) is not
+    shown: a server over the same environment preprocesses as this does."""
+    quiet = _NoTorchvisionNote()
+    logger = logging.getLogger("transformers.utils.import_utils")
+    logger.addFilter(quiet)
+    try:
+        yield
+    except FeatCacheError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(model_error(model, e)) from e
+    finally:
+        logger.removeFilter(quiet)
+
+
+class _NoTorchvisionNote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "requires torchvision (not installed); falling back" not in record.getMessage()
 
 
 def collect(images: Iterable[str], from_dir: str | None) -> list[str]:
@@ -107,8 +199,9 @@ def warm_images(model: str, cache: FeatureCache, paths: list[str], *, params: di
 
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
-    send, close = (_turbomind(model, cache, turbomind, dtype, batch) if backend == "turbomind"
-                   else _pytorch(model, cache, dtype))
+    with loading(model):  # one line naming the model if it cannot be loaded
+        send, close = (_turbomind(model, cache, turbomind, dtype, batch) if backend == "turbomind"
+                       else _pytorch(model, cache, dtype))
     failed: list[str] = []
     start = time.perf_counter()
     done = nbytes = 0
@@ -158,12 +251,29 @@ def _turbomind(model: str, cache: FeatureCache, path: str, dtype: str,
                batch: int) -> tuple[Send, Callable[[], None]]:
     """Requests through lmdeploy's TurboMind prompt path with featcache's ``path`` (no engine):
     all the images of a batch in one request, so the features tower runs over them at once."""
+    from lmdeploy.utils import get_logger
+
     from .lmdeploy.tm_warm import PromptPath
 
-    prompt = PromptPath(model, cache, path, dtype, batch)
+    # lmdeploy logs INFO lines on stdout ("matching vision model: ..."), which carries warm's
+    # report (--json: one object): errors only, as the PyTorch path's pipeline(log_level="ERROR")
+    logger = get_logger("lmdeploy")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        prompt = PromptPath(model, cache, path, dtype, batch)
+    except BaseException:
+        logger.setLevel(level)
+        raise
 
     def send(requests: list[list[dict[str, Any]]]) -> None:
         prompt.send([[{"role": "user", "content": [
             part for messages in requests for part in messages[0]["content"]]}]])
 
-    return send, prompt.close
+    def close() -> None:
+        try:
+            prompt.close()
+        finally:
+            logger.setLevel(level)
+
+    return send, close

@@ -43,7 +43,7 @@ def test_the_readme_quick_start_is_the_example_file():
 
 
 def test_the_first_screen_says_what_it_is_the_problem_a_number_and_the_two_commands():
-    first_benchmark = README.index("**InternVL2-26B, tp=1 on an H200**")  # the benchmark paragraph
+    first_benchmark = README.index("\n## Results\n")  # the figures' table (issue 41)
     top = README[:first_benchmark]
     assert top.index("tiered") < top.index("every turn") < top.index(MAIN_COMMAND)
     assert "<!-- test-command: .ci/run runs the next line verbatim -->" in top
@@ -57,9 +57,9 @@ def test_the_first_screen_says_what_it_is_the_problem_a_number_and_the_two_comma
     assert top.count("```bash") == 2  # the two commands, nothing else to run yet
 
     # the headline number, recomputed from the results file it names
-    headline = re.search(r"597 -> 237 ms \(\*\*2\.5x\*\*; `(bench/results/[^`]+)`\)", top)
+    headline = re.search(r"\| PyTorch engine \| 597 ms \| 237 ms \| \*\*2\.5x\*\* \| `([^`]+)` \|", top)
     assert headline is not None
-    runs = json.loads((ROOT / headline.group(1)).read_text())
+    runs = json.loads((ROOT / "bench" / "results" / headline.group(1)).read_text())
     ms = {engine: statistics.median(x for rep in runs[engine]["raw"]["a"] for x in rep["ms"])
           for engine in ("plain", "featcache")}
     assert (round(ms["plain"]), round(ms["featcache"])) == (597, 237)

@@ -21,10 +21,10 @@ import sys
 import lmdb
 
 from .._version import __version__
-from ..config import STORE_DIR_HELP
+from ..config import ENV_DIR, STORE_DIR_HELP
 from ..errors import FeatCacheError
 from ..store.files import NO_LOCK_HINT
-from .command import EXIT_BAD, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, Command, UsageError
+from .command import EXIT_BAD, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, Command, Parser, UsageError
 from .demo import DEMO
 from .doctor import DOCTOR
 from .maintenance import COMPACT, PURGE, VERIFY
@@ -44,13 +44,14 @@ exit codes:
   1    the command failed: one line on stderr says why (missing directory, not a featcache
        store, a store of another format version, permission denied, no such key, or the
        demo's check did not pass)
-  2    bad entries found (verify, inspect), or bad usage
+  2    bad entries found (verify, inspect; compact leaves them out of its copy), or bad
+       usage
   130  interrupted"""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="featcache",
+def build_parser() -> Parser:
+    parser = Parser(
+        prog="featcache", unknown="return",  # main names what it does not know
         description="A content-hashed, tiered image-feature cache for vision-language models "
         "served with lmdeploy.",
         epilog=EPILOG,
@@ -67,15 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); the exit code."""
     parser = build_parser()
-    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    # each command's parser says its own errors (``Parser``); serve's keeps lmdeploy's options
+    # as ``args.rest``, after what the top level did not know (argparse's order)
+    args, extras = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    own = extras[:len(extras) - len(getattr(args, "rest", []))]
+    if own:  # e.g. `featcache --bogus`: named, with the top level's usage
+        parser.error(f"unrecognized arguments: {' '.join(own)}")
     if args.command is None:
         parser.print_help()
         return EXIT_BAD
     command = next(c for c in COMMANDS if c.name == args.command)
-    if command.takes_rest:
-        args.rest = rest
-    elif rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return run(command, args)
 
 
@@ -108,7 +110,9 @@ def run(command: Command, args: argparse.Namespace) -> int:
     except (FeatCacheError, lmdb.Error, OSError) as e:
         message = str(e) if not isinstance(e, lmdb.Error) else f"LMDB error: {e}"
         if getattr(args, "dir", "set") is None and "no such directory" in message:
-            message += " (the default store: pass DIR or set FEATCACHE_DIR)"
+            message += (f" (the default store, from {ENV_DIR}: pass DIR, or set {ENV_DIR} to a "
+                        "store's directory)" if os.environ.get(ENV_DIR) else
+                        f" (the default store: pass DIR or set {ENV_DIR})")
         if not hasattr(args, "no_lock"):  # advice this command cannot follow
             message = message.replace(NO_LOCK_HINT, "")
         return fail(message)

@@ -176,10 +176,19 @@ def _lmdeploy() -> list[Check]:
 
 
 def _store() -> Check:
-    from ..config import default_store_dir
+    from ..config import ENV_DIR, default_store_dir
     from ..store.files import DATA_FILE, store_in_use
 
     path = default_store_dir()
+    source = f" (from {ENV_DIR})" if os.environ.get(ENV_DIR) else ""
+    blocker = next((p for p in _parents(path)
+                    if os.path.exists(p) and not os.path.isdir(p)), None)
+    if blocker is not None:  # a file where the store, or a directory above it, would be
+        what = ("is a file, not a directory (a store is a directory)" if blocker == path else
+                f"cannot be created: {blocker} is a file, not a directory")
+        return Check("store", MISSING, f"{path}{source}: {what}",
+                     f"set {ENV_DIR} to a directory (a store, or where one may be created), or "
+                     "pass --cache-dir / DIR")
     if os.path.isdir(path):
         writable = os.access(path, os.W_OK | os.X_OK)
         has_store = os.path.exists(os.path.join(path, DATA_FILE))

@@ -200,28 +200,39 @@ def _compact_arguments(p: argparse.ArgumentParser) -> None:
 def _compact(args: argparse.Namespace) -> int:
     with StoreView(args.dir) as view:
         before = view.summary()
-        compact(view, args.dest)
+        skipped = compact(view, args.dest)
     with StoreView(args.dest) as copy:
         after = copy.summary()
+    code = EXIT_BAD if skipped else EXIT_OK  # as verify's: bad entries found
     if args.json:
         print(json.dumps(dict(source=before.path, dest=after.path, entries=after.entries,
                               source_data_file_bytes=before.data_file_bytes,
                               dest_data_file_bytes=after.data_file_bytes,
-                              source_in_use_by=before.in_use_by), indent=2))
-        return EXIT_OK
+                              source_in_use_by=before.in_use_by,
+                              skipped=[dict(key=e.key.hex(), size=e.size, problem=e.problem)
+                                       for e in skipped]), indent=2))
+        return code
     print(f"compacted {before.path} (data file {format_bytes(before.data_file_bytes)}) into "
           f"{after.path} (data file {format_bytes(after.data_file_bytes)}, {after.entries} entries)")
+    if skipped:
+        n = len(skipped)
+        print(f"skipped {n} bad entr{'y' if n == 1 else 'ies'} "
+              f"({format_bytes(sum(e.size for e in skipped))}): the copy holds only entries whose "
+              f"checksum holds; `featcache verify --fix {before.path}` deletes them from the store")
+        for e in skipped:
+            print(f"bad   {e.key.hex()}  {format_bytes(e.size):>10}  {e.problem}")
     if before.in_use_by:
         print(f"note: process {before.in_use_by} has {args.dir} open: what it wrote after the copy "
               "began is not in the copy")
     print("swap the copy in while no process uses the store (e.g. stop the server, move DIR away, "
           "move DEST to DIR)")
-    return EXIT_OK
+    return code
 
 
 COMPACT = Command(
     "compact", help="write a compacted copy of a store",
-    description="Copy the store at DIR into DEST (empty or missing), leaving free pages out. "
-    "The copy is consistent as of its start; swap it in while no process uses DIR.",
+    description="Copy the store at DIR into DEST (empty or missing), leaving free pages out, "
+    "and bad entries (a checksum that does not hold: exit code 2, as verify's). The copy is "
+    "consistent as of its start; swap it in while no process uses DIR.",
     add_arguments=_compact_arguments, run=_compact,
 )

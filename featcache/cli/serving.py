@@ -28,8 +28,17 @@ from ..config import (
 )
 from ..errors import FeatCacheError
 from ..sizes import parse_bytes
-from ..warm import BACKENDS, IMAGE_SUFFIXES, TURBOMIND_PATHS, collect, parse_params
-from .command import EXIT_BAD, EXIT_ERROR, EXIT_OK, Command, at_least_one, json_argument
+from ..warm import (
+    BACKENDS,
+    IMAGE_SUFFIXES,
+    TURBOMIND_PATHS,
+    collect,
+    config_problem,
+    loading,
+    model_error,
+    parse_params,
+)
+from .command import EXIT_BAD, EXIT_ERROR, EXIT_OK, Command, Parser, at_least_one, json_argument
 from .progress import ProgressBar
 
 
@@ -62,9 +71,10 @@ def cuda_problem() -> str | None:
 
 def model_problem(model: str) -> str | None:
     """Why ``model`` (a directory, or a Hugging Face hub id as lmdeploy takes) cannot be loaded,
-    or None: a missing directory, a name that is no hub id, a hub id neither cached nor reachable."""
+    or None: a missing directory, a directory with no readable ``config.json``, a name that is no
+    hub id, a hub id neither cached nor reachable."""
     if os.path.isdir(model):
-        return None
+        return config_problem(model)
     if os.path.exists(model):
         return f"{model!r} is not a model directory"
     from huggingface_hub import hf_hub_download, try_to_load_from_cache
@@ -83,6 +93,44 @@ def model_problem(model: str) -> str | None:
         return (f"cannot get the model {model!r} from the Hugging Face hub ({type(e).__name__}"
                 f"{': ' + first if first else ''}); pass a local model directory")
     return None
+
+
+def arch_problem(model: str, trust_remote_code: bool, backend: str | None = None) -> str | None:
+    """Why lmdeploy cannot tell what ``model`` is (its config names no architecture it knows), or,
+    with ``backend`` (warm: a vision model is all there is to warm), why it is no vision-language
+    model lmdeploy runs on ``backend``; None if neither. lmdeploy's own reading of the config
+    (``get_model_arch``, ``check_vl_llm``), before any cache or engine is built."""
+    logging.disable(logging.WARNING)  # transformers' and lmdeploy's import-time notes
+    try:
+        from lmdeploy.archs import check_vl_llm, get_model_arch
+
+        arch, config = get_model_arch(model, trust_remote_code=trust_remote_code)
+    except ImportError:
+        raise  # a missing extra: said as such (``featcache.cli.run``)
+    except Exception as e:  # noqa: BLE001 (a config lmdeploy cannot read: said in one line)
+        return model_error(model, e)
+    finally:
+        logging.disable(logging.NOTSET)
+    if backend is None:
+        return None
+    try:
+        vlm = check_vl_llm(backend, config.to_dict())
+    except Exception:  # noqa: BLE001 (no "architectures": lmdeploy's pipeline cannot tell either)
+        vlm = False
+    if not vlm:
+        return (f"cannot load the model {model!r}: it is not a vision-language model lmdeploy 0.18 "
+                f"runs (architecture {arch}): there are no image features to warm")
+    return None
+
+
+def _remote_code(model: str) -> bool:
+    """Whether the checkpoint brings its own config classes (``auto_map``: legacy InternVL2), as
+    the TurboMind prompt path and lmdeploy's pipeline then trust them."""
+    try:
+        with open(os.path.join(model, "config.json"), "rb") as f:
+            return "auto_map" in json.loads(f.read())
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 # -- serve -------------------------------------------------------------------------------------------
@@ -154,9 +202,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    "answer; only for a single trusted tenant)")
 
 
-def featcache_parser() -> argparse.ArgumentParser:
+def featcache_parser() -> Parser:
     """The ``serve`` command's parser alone, built as the table builds it (for its help text)."""
-    parser = argparse.ArgumentParser(prog="featcache serve", **SERVE.parser_options())
+    parser = Parser(prog="featcache serve", **SERVE.parser_options())
     SERVE.add_arguments(parser)
     return parser
 
@@ -208,11 +256,13 @@ def _serve(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as e:  # not a directory, a cap of 0
         print(f"featcache serve: error: {e}", file=sys.stderr)
         return EXIT_BAD
-    why = model_problem(lmdeploy_args.model_path)
+    why = (model_problem(lmdeploy_args.model_path)
+           or arch_problem(lmdeploy_args.model_path, lmdeploy_args.trust_remote_code))
     if why:
         print(f"featcache serve: error: {why}", file=sys.stderr)
         return EXIT_ERROR
-    backend = backend_of(lmdeploy_args)
+    with loading(lmdeploy_args.model_path):  # a config lmdeploy cannot judge: one line
+        backend = backend_of(lmdeploy_args)
     why = turbomind_refusal(args.turbomind, backend, lmdeploy_args)
     if why:  # before the engine is built: at start, not at the first request
         print(f"featcache serve: error: {why}", file=sys.stderr)
@@ -322,7 +372,8 @@ def _warm(args: argparse.Namespace) -> int:
     from ..lmdeploy import default_cache  # lmdeploy: only when warming
     from ..warm import warm_images
 
-    why = model_problem(args.model)
+    why = model_problem(args.model) or arch_problem(args.model, _remote_code(args.model),
+                                                    args.backend)
     if why:
         print(f"featcache warm: error: {why}", file=sys.stderr)
         return EXIT_ERROR

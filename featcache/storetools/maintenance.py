@@ -10,7 +10,10 @@ Invariants:
   transaction (``Books.is_bad``): a writer may have replaced a bad value with a good one since;
 - files are deleted only from a store this featcache can tell is featcache's, of another format
   version, that no process has open (``store.files.store_in_use``);
-- ``compact`` writes only into an empty or new directory; the store itself is only read.
+- ``compact`` writes only into an empty or new directory; the store itself is only read. The
+  copy holds only entries that pass ``verify`` (their checksums hold, their books agree): the
+  others are deleted from the copy (never from the store) and returned, and the copy is
+  compacted again so that their pages are given back too.
 
 LMDB forbids opening one environment twice in a process: no ``StoreView`` or ``FeatureCache`` on
 the same directory may be open in this process while these run.
@@ -30,6 +33,7 @@ from ..store.files import (
     DATA_FILE,
     LOCK_FILE,
     SECRET_FILE,
+    StorePermissionError,
     check_store_dir,
     open_error,
     os_error,
@@ -37,6 +41,7 @@ from ..store.files import (
 )
 from ..store.layout import FORMAT_RECORD, FORMAT_TAG, INFO_TABLE, TABLES, is_featcache_tag
 from ..store.lmdbcheck import check_data_file
+from ..store.report import EntryInfo
 from .view import StoreView
 
 DISCARD_BATCH = 1024  # discards per write transaction
@@ -52,7 +57,29 @@ def discard_keys(path: str | os.PathLike[str], keys: Iterable[bytes], *,
     Returns the number of entries deleted. Raises ``StoreOpenError`` if the store cannot be
     opened for writing, ``FeatCacheError`` if a transaction failed (some entries remain).
     """
+    check_deletable(os.fspath(path))
     return delete_entries(path, list(keys), only_bad=only_bad, batch=DISCARD_BATCH)
+
+
+def check_deletable(path: str) -> None:
+    """Raise the error a user can act on if the store at ``path`` cannot be written, which
+    deleting entries needs (``purge``, ``verify --fix``): a read-only file system, or a directory
+    or ``data.mdb`` this user cannot write. (The cache's own open says "open it read-only", which
+    a delete cannot.)"""
+    try:
+        read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only:
+        raise StorePermissionError(
+            f"the store at {path!r} is on a read-only file system, and deleting entries writes "
+            "to it: remount it read-write (or copy the store to a writable place and work there)")
+    data = os.path.join(path, DATA_FILE)
+    for target in (path, data):
+        if os.path.exists(target) and not os.access(target, os.W_OK):
+            raise StorePermissionError(
+                f"permission denied: {target!r} is not writable by this user, and deleting "
+                "entries writes to it; run as the store's owner")
 
 
 def purge_foreign_store(path: str | os.PathLike[str]) -> str:
@@ -95,10 +122,11 @@ def purge_foreign_store(path: str | os.PathLike[str]) -> str:
     return tag.decode("ascii", "replace")
 
 
-def compact(view: StoreView, dest: str | os.PathLike[str]) -> None:
+def compact(view: StoreView, dest: str | os.PathLike[str]) -> list[EntryInfo]:
     """Write a compacted copy of the store ``view`` reads (free pages left out) into ``dest``: an
     empty or missing directory, created 0700. The copy is consistent as of one read transaction;
-    what writers add meanwhile is not in it."""
+    what writers add meanwhile is not in it. Entries of the copy that fail ``verify`` (a checksum
+    that does not hold, broken books) are left out of it: returned, as ``verify`` reports them."""
     target = os.fspath(dest)
     if os.path.exists(target):
         if not os.path.isdir(target):
@@ -113,6 +141,28 @@ def compact(view: StoreView, dest: str | os.PathLike[str]) -> None:
     view.copy_to(target)
     os.chmod(os.path.join(target, DATA_FILE), 0o600)  # as the disk tier creates its files
     _copy_key_secret(view.path, target)
+    return _drop_bad_entries(target)
+
+
+def _drop_bad_entries(target: str) -> list[EntryInfo]:
+    """Delete the entries of the fresh copy at ``target`` that fail ``verify`` (no process has it
+    open), then compact it once more so their pages leave the file as well; the entries dropped."""
+    with StoreView(target) as copy:
+        bad = copy.verify().bad
+    if not bad:
+        return []
+    discard_keys(target, [e.key for e in bad])
+    again = os.path.join(target, ".compact")
+    try:
+        os.mkdir(again, 0o700)
+        with StoreView(target) as copy:
+            copy.copy_to(again)
+        os.replace(os.path.join(again, DATA_FILE), os.path.join(target, DATA_FILE))
+        os.chmod(os.path.join(target, DATA_FILE), 0o600)
+        os.rmdir(again)
+    except OSError as e:
+        raise os_error(target, e) from e
+    return bad
 
 
 def _copy_key_secret(source: str, target: str) -> None:
