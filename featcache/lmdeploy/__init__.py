@@ -42,10 +42,10 @@ from .models import SPECS, patch_model_class
 from .prefix import install_prefix_hook
 from .refs import FeatRef
 from .report import RequestReport, install_reports
-from .sources import SourceGuard, install_sources, set_media_policy
+from .sources import read_sources_under
 from .sources import trust_image_ids as trust_image_ids_on
 from .tags import FeatTag
-from .turbomind import install_turbomind
+from .turbomind import wrap_turbomind
 
 __all__ = ["DEFAULT_DIR", "SECTION", "SPECS", "FeatRef", "FeatTag", "MediaPolicy", "RequestReport",
            "chosen_budgets", "default_cache", "model_stats", "multi_process", "pipeline", "wrap"]
@@ -209,15 +209,11 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
     arch = hf_config.architectures[0]
     spec = SPECS.get(arch)
     if not isinstance(engine.backend_config, PytorchEngineConfig):  # TurboMind: turbomind.py
-        install_turbomind(pipe, cache, arch, namespace, turbomind)
-        widen(encoder)  # the preprocessing of different requests overlaps (``fastprep``)
-        trust_image_ids_on(engine.prompt_processor, trust_image_ids)
-        _read_sources_under(engine.prompt_processor, media)
-        return pipe
+        return wrap_turbomind(pipe, cache, arch, namespace, turbomind, trust_image_ids, media)
     if spec is None or getattr(hf_config, "flash_mode", None):
         log.warning("featcache: architecture %s is not cached; it passes through untouched (its "
                     "image sources read under the media policy)", arch)
-        _read_sources_under(getattr(engine, "prompt_processor", None), media)
+        read_sources_under(getattr(engine, "prompt_processor", None), media)
         return pipe
     widen(encoder)  # the preprocessing of different requests overlaps (``fastprep``)
     namespace = namespace or model_identity(
@@ -241,7 +237,7 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
         install_frontend(encoder.model, cache, namespace, engine.prompt_processor, tags=True,
                          hasher=settings_hasher(engine.backend_config.featcache_cache))
         trust_image_ids_on(engine.prompt_processor, trust_image_ids)
-        _read_sources_under(engine.prompt_processor, media)
+        read_sources_under(engine.prompt_processor, media)
         install_reports(engine, "mp")
         pipe.featcache = cache
         log.info("featcache: caching %s image features in the model processes (namespace %s)",
@@ -250,7 +246,7 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
     patch_model_class(spec)
     install_frontend(encoder.model, cache, namespace, engine.prompt_processor)
     trust_image_ids_on(engine.prompt_processor, trust_image_ids)
-    _read_sources_under(engine.prompt_processor, media)
+    read_sources_under(engine.prompt_processor, media)
     engine.engine.input_processor = KeyedInputProcessor(inner)
     install_reports(engine, "in")
     if engine.backend_config.enable_prefix_caching:  # matches may end inside held images
@@ -268,15 +264,3 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
     pipe.featcache = cache
     log.info("featcache: caching %s image features (namespace %s)", arch, namespace)
     return pipe
-
-
-def _read_sources_under(prompt_processor: Any, media: MediaPolicy) -> None:
-    """featcache reads the prompt path's image sources under ``media``: through its frontend, or,
-    where none is installed (an architecture it does not cache), a ``SourceGuard`` alone. (No
-    prompt processor: an engine that parses no request here.)"""
-    if prompt_processor is None:
-        return
-    if getattr(prompt_processor.async_parse_multimodal_item, "frontend", None) is None:
-        install_sources(prompt_processor, SourceGuard(media))
-    else:
-        set_media_policy(prompt_processor, media)

@@ -414,3 +414,15 @@ def set_media_policy(prompt_processor: Any, media: MediaPolicy) -> None:
         raise TypeError(f"media_policy must be a featcache.lmdeploy.media.MediaPolicy, not "
                         f"{type(media).__name__}")
     frontend.media = media
+
+
+def read_sources_under(prompt_processor: Any, media: MediaPolicy) -> None:
+    """featcache reads the prompt path's image sources under ``media``: through its frontend, or,
+    where none is installed (an architecture it does not cache), a ``SourceGuard`` alone. (No
+    prompt processor: an engine that parses no request here.)"""
+    if prompt_processor is None:
+        return
+    if getattr(prompt_processor.async_parse_multimodal_item, "frontend", None) is None:
+        install_sources(prompt_processor, SourceGuard(media))
+    else:
+        set_media_policy(prompt_processor, media)

@@ -117,7 +117,7 @@ class PromptPath:
         from lmdeploy.tokenizer import Tokenizer
         from lmdeploy.vl.engine import ImageEncoder
 
-        from . import wrap
+        from .turbomind import wrap_turbomind
 
         if path not in PATHS:
             raise ValueError(f"turbomind path must be one of {PATHS}, not {path!r}")
@@ -131,7 +131,7 @@ class PromptPath:
             model, None, trust_remote_code=remote), vl_encoder=self.encoder, backend="turbomind")
         vision = _VisionDtype(vision_dtype)  # what engine_vision_dtype reads off a TurboMind
         engine = _Engine(self.encoder, self.processor, config, vision)
-        wrap(_Pipe(engine), cache, turbomind=path)
+        wrap_turbomind(_Pipe(engine), cache, self.encoder.model.hf_config.architectures[0], None, path)
         if not getattr(self.encoder.model.preprocess, "_featcache", False):
             arch = self.encoder.model.hf_config.architectures[0]
             self.close()

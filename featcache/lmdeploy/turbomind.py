@@ -20,6 +20,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ..cache import FeatureCache
+from .fastprep import widen
+from .media import LOCAL_FILES, MediaPolicy
+from .sources import read_sources_under, trust_image_ids
 from .tm_combined import install_combined
 from .tm_features import install_features
 from .tm_native import install_native_path
@@ -38,4 +41,17 @@ def install_turbomind(pipe: Any, cache: FeatureCache, arch: str, namespace: str 
     if path not in PATHS:
         raise ValueError(f"turbomind= must be one of {tuple(PATHS)}, not {path!r}")
     PATHS[path](pipe, cache, arch, namespace)
+    return pipe
+
+
+def wrap_turbomind(pipe: Any, cache: FeatureCache, arch: str, namespace: str | None, path: str,
+                   trust_ids: bool | str = False, media: MediaPolicy = LOCAL_FILES) -> Any:
+    """``featcache.lmdeploy.wrap`` on a TurboMind pipeline (and ``tm_warm``'s): the ``path``
+    installed, the encoder's preprocessing widened (``fastprep``), client image ids honoured as
+    asked, image sources read under ``media``; returns ``pipe``."""
+    engine = pipe.async_engine
+    install_turbomind(pipe, cache, arch, namespace, path)
+    widen(engine.vl_encoder)  # the preprocessing of different requests overlaps
+    trust_image_ids(engine.prompt_processor, trust_ids)
+    read_sources_under(engine.prompt_processor, media)
     return pipe
