@@ -19,8 +19,10 @@ Data flow:
   remote) is verified, copied into a host block (kept in the host tier) and promoted the same
   way, and a tier that keeps recency by writes (disk) is sent a touch. The remote tier comes
   last: it is read only when every local tier missed (one bounded, short-timeout network read).
-- Eviction: the memory tiers by the config's ``eviction`` ("lru", or "value": GreedyDual-Size-
-  Frequency over the cost ``put(..., cost_s=)`` records; ``featcache.eviction``), the disk by LRU.
+- Eviction: the memory tiers by the config's ``eviction`` ("admit", the default: GreedyDual over
+  the cost ``put(..., cost_s=)`` records, behind an admission filter that may leave a new entry
+  out of a memory tier (it is still written through below); "value": GreedyDual-Size-Frequency;
+  "lru"; ``featcache.eviction``), the disk by LRU.
   Because every entry is written through, evicting never copies.
 
 Invariants:
@@ -193,8 +195,8 @@ class FeatureCache:
         ``cost_s``: what a hit on the entry saves, in seconds (the time ``features`` took to
         compute: the lmdeploy integration records its vision model's). Recorded in the metadata
         (``{"cost_s": ...}``, like the namespace; ``ValueError`` with ``meta`` that is not a JSON
-        object), so it travels through every tier; ``eviction="value"`` keeps the entries that
-        save the most per byte. None: unknown (counted as the mean of the known costs).
+        object), so it travels through every tier; ``eviction="admit"`` or ``"value"`` keeps the
+        entries that save the most per byte. None: unknown (counted as the mean of the known costs).
         """
         self._check_open()
         _check_key(key)

@@ -85,9 +85,11 @@ class LruBooks:
             free += self._sizes[key]
         return victims if free >= nbytes else None
 
-    def evict_for(self, nbytes: int, replacing: bytes | None = None) -> list[bytes] | None:
+    def evict_for(self, nbytes: int, replacing: bytes | None = None,
+                  cost_s: float | None = None) -> list[bytes] | None:
         """Remove the victims that make room for ``nbytes`` (``victims_for``) and return them;
-        None, with nothing removed, if no choice of unpinned keys makes enough room."""
+        None, with nothing removed, if no choice of unpinned keys makes enough room. (``cost_s``,
+        the incoming entry's, is accepted and ignored: the admission books weigh it.)"""
         victims = self.victims_for(nbytes, replacing)
         for key in victims or ():
             self.remove(key)

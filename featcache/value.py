@@ -125,11 +125,13 @@ class ValueBooks:
         self.used_bytes -= item.nbytes
         return item.nbytes
 
-    def evict_for(self, nbytes: int, replacing: bytes | None = None) -> list[bytes] | None:
+    def evict_for(self, nbytes: int, replacing: bytes | None = None,
+                  cost_s: float | None = None) -> list[bytes] | None:
         """Remove the lowest-``H`` unpinned keys whose removal makes room for ``nbytes`` and
         return them (``L`` rises to the highest of their ``H``); None, with nothing removed, if
         that is impossible. ``replacing`` is a key about to be overwritten: its size is counted
-        as free and it is never a victim."""
+        as free and it is never a victim. (``cost_s``, the incoming entry's, is accepted and
+        ignored: ``add`` takes it.)"""
         if nbytes > self.capacity_bytes:
             return None
         free = self.capacity_bytes - self.used_bytes

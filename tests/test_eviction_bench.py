@@ -14,23 +14,25 @@ import eviction  # noqa: E402
 
 
 def test_the_dry_run_replays_every_trace_and_writes_its_report(tmp_path, capsys):
+    """Every development trace at each of the dry run's budgets, through every policy's books:
+    the hit ratios and savings hold together and each replay is the trace's length."""
     out = tmp_path / "eviction.json"
     assert eviction.main(["--dry-run", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     report = json.loads(out.read_text())
-    rows = report["rows"]
-    assert [(r["trace"], r["budget_bytes"]) for r in rows] == [
-        (t, b) for t in eviction.TRACES for b in (64 << 20, 256 << 20, 1 << 30)]
+    rows = report["sets"]["dev"]["rows"]
+    traces = [shape.name for shape, _ in eviction.dev()]
+    assert sorted((r["trace"], r["budget_bytes"]) for r in rows) == sorted(
+        (t, b) for t in traces for b in (64 << 20, 256 << 20, 1 << 30))
     for r in rows:
-        for policy in ("lru", "value"):
+        assert set(r["saved_s"]) == set(r["hit_ratio"]) == {"lru", "value", "admit"}
+        for policy in r["saved_s"]:
             assert 0 <= r["hit_ratio"][policy] <= 1
             assert 0 <= r["saved_s"][policy] <= r["ceiling_s"] + 1e-6  # nothing saves more
+        assert [p["policy"] for p in r["replays"]] == ["lru", "value", "admit"]
+        assert all(p["requests"] == r["requests"] > 0 for p in r["replays"])
         assert f"| {r['trace']} | " in printed
-    replays = report["replays"]
-    assert len(replays) == 2 * len(rows) and all(r["requests"] == 3000 for r in replays)
-    assert all(r["us_per_call"] > 0 and r["calls"] >= 4 * r["requests"] - 4 for r in replays)
-    verdicts = report["verdicts"]
-    assert set(verdicts) >= {"skewed_gain_met", "uniform_met", "cost_met"}
+    assert set(report["verdicts"]) >= {"dev_within_2pct", "cost_met"}
     assert "books' cost per call" in printed and report["run"]["source_digest"]
 
 

@@ -19,8 +19,8 @@ CONFIG = ROOT / ".importlinter"
 def lint(path: Path) -> subprocess.CompletedProcess[str]:
     """``lint-imports`` with the house's contracts, on the package found first on ``path``."""
     env = dict(os.environ, PYTHONPATH=str(path))
-    return subprocess.run([sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command;"
-                           " sys.exit(lint_imports_command())", "--config", str(CONFIG), "--no-cache"],
+    run = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
+    return subprocess.run([sys.executable, "-c", run, "--config", str(CONFIG), "--no-cache"],
                           cwd=path, env=env, capture_output=True, text=True, timeout=300)
 
 

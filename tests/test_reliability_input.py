@@ -621,6 +621,7 @@ def test_a_bad_disk_bytes_on_the_command_line_is_one_line_not_a_traceback(tmp_pa
     import featcache.cli.serving as serving
 
     monkeypatch.setattr(serving, "model_problem", lambda model: None)  # the store fails first
+    monkeypatch.setattr(serving, "arch_problem", lambda *a: None)  # (no config to read: a stand-in)
     monkeypatch.setattr(serving, "cuda_problem", lambda: None)
     assert cli([*argv, "--disk-bytes", "9" * 400 + "TiB"]) == 2  # OverflowError before
     err = capsys.readouterr().err

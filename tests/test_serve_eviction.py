@@ -70,7 +70,7 @@ def test_serve_refuses_an_unknown_policy(capsys):
     assert "featcache serve: error: argument --eviction: invalid choice: 'lfu'" in (
         capsys.readouterr().err)
     assert cli(["serve", "--help"]) == 0
-    assert "--eviction {lru,value}" in capsys.readouterr().out
+    assert "--eviction {lru,value,admit}" in capsys.readouterr().out
 
 
 def test_pipeline_takes_the_policy_for_the_cache_it_builds(monkeypatch):

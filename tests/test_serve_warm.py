@@ -378,6 +378,7 @@ def stand_in_warm(tmp_path, monkeypatch):
     monkeypatch.setattr(fc_lmdeploy, "default_cache", default_cache)
     monkeypatch.setattr(serving, "cuda_problem", lambda: None)  # the pipeline is a stand-in
     monkeypatch.setattr(serving, "model_problem", lambda model: None)
+    monkeypatch.setattr(serving, "arch_problem", lambda *a: None)  # (no config: a stand-in model)
     monkeypatch.setattr(serving.ProgressBar, "update", lambda self, done, n, force=False:
                         run.drawn.append(done))
     run.argv = ["warm", "m", *map(str, run.files), "--cache-dir", str(tmp_path / "s"), "--batch", "2"]

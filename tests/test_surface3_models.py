@@ -159,7 +159,7 @@ def free_port() -> int:
 def test_chat_example_without_a_server_is_one_line(tmp_path):
     """examples/chat.py with nothing listening: before, openai.APIConnectionError's 85-line
     traceback."""
-    pytest.importorskip("openai", reason="examples/chat.py needs the openai client")
+    _lmdeploy_stack.need("openai", stack=False)  # examples/chat.py needs the openai client
     url = f"http://127.0.0.1:{free_port()}/v1"
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "chat.py"), "--base-url", url,
                           "--turns", "1"], capture_output=True, text=True, cwd=tmp_path, timeout=120)

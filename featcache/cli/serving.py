@@ -147,10 +147,12 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    f"the disk {AUTO_BUDGETS['disk_bytes']}. Each process that holds a cache prints "
                    "what it chose and why when it starts (docs/tuning.md)".replace("%", "%%"))
     g.add_argument("--eviction", choices=EVICTIONS, default=None,
-                   help=f"what the device and host tiers evict when full: 'lru', the least "
-                   f"recently used, or 'value', the entries whose hits save the least vision time "
-                   f"per byte (GreedyDual-Size-Frequency over each entry's measured cost). Default: "
-                   f"{DEFAULTS['eviction']} (docs/tuning.md)")
+                   help=f"what the device and host tiers evict when full: 'admit', the entries "
+                   f"whose hits save the least vision time per byte (GreedyDual over each entry's "
+                   f"measured cost) behind an admission filter that is on only while it pays; "
+                   f"'value', the same weighed by uses too (GreedyDual-Size-Frequency, no filter); "
+                   f"'lru', the least recently used. Default: {DEFAULTS['eviction']} "
+                   f"(docs/tuning.md)")
     g.add_argument("--remote-url", metavar="URL",
                    help="a shared remote tier: redis://[:password@]host:6379/0, rediss://..., "
                    "redis-cluster://node:port (default: none; docs/tuning.md)")

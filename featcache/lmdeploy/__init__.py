@@ -63,7 +63,7 @@ def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: s
     once the engine is built (closed with the pipeline; ``host_only`` when the backend is
     TurboMind): ``budgets="auto"`` sizes its device tier from what the engine's KV cache left
     (``chosen_budgets(pipe.featcache)`` says what each tier got and why; docs/tuning.md), and
-    ``eviction`` ("lru" or "value", None: the config's default) is what its memory tiers evict.
+    ``eviction`` ("admit", "value" or "lru"; None: the config's default) is what its memory tiers evict.
     ``enable_prefix_caching=True`` in a
     ``PytorchEngineConfig`` stays on for the supported models (lmdeploy alone turns it off for
     them). ``turbomind`` ("native", "features" or "combined"), ``trust_image_ids`` and ``media_policy``: see

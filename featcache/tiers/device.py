@@ -1,11 +1,13 @@
 """The device tier: features kept as tensors on the cache's device (a GPU, or the CPU without one).
 
 A put stores the caller's tensor itself (no copy); when room is needed, entries are evicted by the
-tier's policy (``eviction``: "lru", oldest first; "value", lowest GDSF priority, weighing the cost
-each entry's metadata records: ``featcache.eviction``), except entries pinned by a lease, which
-stay until released. ``clear`` drops every entry but the pinned ones, which it marks dropped:
-they are no longer found (lookups miss, ``contains`` is False) but stay, counted in the budget,
-until their last lease is released, then go (a put of the key in between keeps the new value).
+tier's policy (``eviction``: "lru", oldest first; "value", lowest GDSF priority; "admit",
+GreedyDual behind an admission filter, which may turn a new entry away: ``put`` is then False;
+the last two weigh the cost each entry's metadata records: ``featcache.eviction``), except
+entries pinned by a lease, which stay until released. ``clear`` drops every entry but the pinned
+ones, which it marks dropped: they are no longer found (lookups miss, ``contains`` is False)
+but stay, counted in the budget, until their last lease is released, then go (a put of the key
+in between keeps the new value).
 Thread-safe.
 """
 
@@ -72,7 +74,7 @@ class DeviceTier:
             if pin:
                 self._books.pin(key)
             self._dropped.discard(key)
-            victims = self._books.evict_for(entry.nbytes, replacing=key)
+            victims = self._books.evict_for(entry.nbytes, replacing=key, cost_s=cost)
             if victims is None:
                 return False
             for victim in victims:

@@ -2,9 +2,10 @@
 
 Entries live in blocks of a ``HostPool``; ``reserve`` hands out a block for the demoter (or a disk
 hit) to fill, evicting entries until one fits, in the order of the tier's policy (``eviction``:
-"lru", oldest first; "value", lowest GDSF priority, weighing the cost each entry's metadata
-records: ``featcache.eviction``). Budget accounting counts block sizes (the requested bytes rounded
-up to the pool's alignment), which is what the pool really holds; the books weigh those too.
+"lru", oldest first; "value", lowest GDSF priority; "admit", GreedyDual behind an admission
+filter; the last two weigh the cost each entry's metadata records: ``featcache.eviction``).
+Budget accounting counts block sizes (the requested bytes rounded up to the pool's alignment),
+which is what the pool really holds; the books weigh those too.
 
 Invariant: a block is referenced by the tier while its entry is stored, and by any reader (a
 promotion copy, a pending disk write) until that reader releases it; the pool reuses it only when no
