@@ -1,7 +1,8 @@
 """A stream of new images (issue 38; lmdeploy #2604's workload: 100 different documents, one
 prompt each): plain lmdeploy against featcache in the same run, ratios per repetition.
 
-    python3 -m bench distinct stages --model M [--n 16] [--batch 32] [--reps 3] [--json F]
+    python3 -m bench distinct stages --model M [--size WxH] [--max-pixels N] [--n 16] [--batch 32]
+        [--reps 3] [--json F]
     python3 -m bench distinct pipeline --model M [--engine pytorch|turbomind] [--paths ...]
         [--n 16] [--batch 32] [--reps 3] [--no-disk] [--ceiling] [--json F]
     python3 -m bench distinct serve --model M [--engine pytorch|turbomind] [--clients 16]
@@ -13,8 +14,13 @@ decoded as lmdeploy decodes a request's image (``ImageMediaIO``) before the cloc
 
 ``stages`` (no engine: the CPU, or the GPU machine): lmdeploy's own ``preprocess`` of the model
 against featcache's (``fastprep.FastPreprocess``), each image's ``pixel_values`` compared with
-``torch.equal``; sequential (per image, ms) and a batch of ``--batch`` requests at once through
-each side's executor (lmdeploy's one worker; featcache's ``widen``), images/s.
+``torch.equal`` (and every other output: ``outputs_differ``); sequential (per image, ms) and a
+batch of ``--batch`` requests at once through each side's executor (lmdeploy's one worker;
+featcache's ``widen``), images/s. ``--size``: the photos' size; ``--max-pixels``: each image's
+``max_pixels`` (Qwen2-VL's per-image parameter, which lmdeploy passes to its processor).
+``--model tiny-qwen2vl``: tests/lmdeploy_tiny.py's Qwen2-VL checkpoint, built in a temporary
+directory (transformers' PIL processors, no torchvision: runs on a CPU); with ``--max-pixels
+12845056`` its preprocessing is Qwen2-VL-7B-Instruct's.
 
 ``pipeline`` (the GPU machine): the real engine, one new token per request (so the wall time is
 the time to first token); sequential (``--n`` new images, one at a time) and a batch of
@@ -38,7 +44,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import faulthandler
+import shutil
 import statistics
 import sys
 import tempfile
@@ -63,8 +71,33 @@ def decoded(seed: int, size: tuple[int, int] = CHAT_SIZE) -> tuple[Any, float]:
     return image, (time.perf_counter() - t) * 1e3
 
 
-def _messages(image: Any) -> list[dict[str, Any]]:
-    return [dict(role="user", content=[dict(type="text", text=PROMPT), dict(type="image", data=image)])]
+def _messages(image: Any, **params: Any) -> list[dict[str, Any]]:
+    return [dict(role="user", content=[dict(type="text", text=PROMPT),
+                                       dict(type="image", data=image, **params)])]
+
+
+def _same(got: dict[str, Any], want: dict[str, Any]) -> bool:
+    """Whether two per-image dicts hold the same keys in the same order and equal values."""
+    import torch
+
+    if list(got) != list(want):
+        return False
+    return all(torch.equal(a, b) if isinstance(b, torch.Tensor) else type(a) is type(b) and a == b
+               for a, b in zip(got.values(), want.values(), strict=True))
+
+
+def _stages_model(name: str, root: str) -> str:
+    """``name``'s checkpoint directory (``tiny-qwen2vl``: built under ``root``)."""
+    if name != "tiny-qwen2vl":
+        return name
+    import os
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "tests"))
+    import lmdeploy_tiny as tiny
+
+    tiny.register_processors()
+    return tiny.build(root, tiny.QWEN2VL)
 
 
 def _ms(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
@@ -78,12 +111,13 @@ def _ratios(num: list[float], den: list[float]) -> list[float]:
     return [round(a / b, 2) for a, b in zip(num, den, strict=True)]
 
 
-def _batch_ips(executor: Any, fn: Any, images: list[Any]) -> float:
+def _batch_ips(executor: Any, fn: Any, images: list[Any], **params: Any) -> float:
     """Images/s of ``len(images)`` requests preprocessed at once through ``executor``, as
     lmdeploy's ``ImageEncoder.preprocess`` runs them (``run_in_executor``)."""
     async def run() -> None:
         loop = asyncio.get_running_loop()
-        await asyncio.gather(*(loop.run_in_executor(executor, fn, _messages(im)) for im in images))
+        await asyncio.gather(*(loop.run_in_executor(executor, fn, _messages(im, **params))
+                               for im in images))
 
     t = time.perf_counter()
     asyncio.run(run())
@@ -100,35 +134,45 @@ def stages(args: argparse.Namespace) -> dict[str, Any]:
     from featcache.lmdeploy import fastprep
 
     dtype = "bfloat16" if torch.cuda.is_available() else "float16"
-    with torchvision_ref.installed():  # (lmdeploy builds InternVL's transforms from torchvision's)
-        encoder = ImageEncoder(args.model, "pytorch", backend_config=PytorchEngineConfig(dtype=dtype),
+    root = tempfile.mkdtemp(prefix="featcache-stages-")
+    model = _stages_model(args.model, root)
+    # (lmdeploy builds InternVL's transforms from torchvision's; the tiny Qwen2-VL's processors
+    # must not see it)
+    aside = contextlib.nullcontext() if model != args.model else torchvision_ref.installed()
+    with aside:
+        encoder = ImageEncoder(model, "pytorch", backend_config=PytorchEngineConfig(dtype=dtype),
                                trust_remote_code=True)
     vm = encoder.model
     plain = vm.preprocess
     cache = FeatureCache(device="cpu", device_bytes=0, host_bytes=0)
     fast = fastprep.FastPreprocess(vm, plain, cache)
     wide = ThreadPoolExecutor(fastprep.THREADS)
+    size = args.size
+    params = {} if args.max_pixels is None else dict(max_pixels=args.max_pixels)
     report: dict[str, Any] = dict(bench="distinct stages", model=args.model, where=fast.why,
+                                  size=list(size), image_params=params,
                                   threads=fastprep.THREADS, torch_threads=torch.get_num_threads())
     raw: dict[str, list[Any]] = dict(decode=[], plain=[], featcache=[], plain_ips=[], featcache_ips=[])
-    differ = 0
+    differ = outputs_differ = 0
     for warm in range(2):  # coefficients, CUDA context, allocator
-        fast(_messages(decoded(900 + warm)[0]))
+        fast(_messages(decoded(900 + warm, size)[0], **params))
     for rep in range(args.reps):
         base = 1_000 * (rep + 1)
         seq, seq_fc, dec = [], [], []
         for i in range(args.n):
-            image, d = decoded(base + i)
-            want, t_plain = _ms(plain, _messages(image))
-            got, t_fc = _ms(fast, _messages(image))
-            differ += not torch.equal(want[-1]["content"][0]["pixel_values"],
-                                      got[-1]["content"][0]["pixel_values"])
+            image, d = decoded(base + i, size)
+            want, t_plain = _ms(plain, _messages(image, **params))
+            got, t_fc = _ms(fast, _messages(image, **params))
+            w, g = want[-1]["content"][0], got[-1]["content"][0]
+            differ += not torch.equal(w["pixel_values"], g["pixel_values"])
+            outputs_differ += not _same(g, w)
+            del want, got, w, g
             dec.append(d)
             seq.append(t_plain)
             seq_fc.append(t_fc)
-        batch = [decoded(base + 500 + i)[0] for i in range(args.batch)]
-        raw["plain_ips"].append(round(_batch_ips(encoder.executor, plain, batch), 2))
-        raw["featcache_ips"].append(round(_batch_ips(wide, fast, batch), 2))
+        batch = [decoded(base + 500 + i, size)[0] for i in range(args.batch)]
+        raw["plain_ips"].append(round(_batch_ips(encoder.executor, plain, batch, **params), 2))
+        raw["featcache_ips"].append(round(_batch_ips(wide, fast, batch, **params), 2))
         raw["decode"].append(dec)
         raw["plain"].append(seq)
         raw["featcache"].append(seq_fc)
@@ -144,10 +188,11 @@ def stages(args: argparse.Namespace) -> dict[str, Any]:
         batch=dict(size=args.batch, plain_images_per_s=raw["plain_ips"],
                    featcache_images_per_s=raw["featcache_ips"],
                    speedup_per_rep=_ratios(raw["featcache_ips"], raw["plain_ips"])),
-        pixel_values_differ=differ, compared=args.n * args.reps,
+        pixel_values_differ=differ, outputs_differ=outputs_differ, compared=args.n * args.reps,
         counters=cache.stats().get("lmdeploy", {}))
     wide.shutdown()
     encoder.executor.shutdown()
+    shutil.rmtree(root, ignore_errors=True)
     return report
 
 
@@ -357,6 +402,17 @@ def serve(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def _size(text: str) -> tuple[int, int]:
+    w, _, h = text.lower().partition("x")
+    try:
+        size = int(w), int(h)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a size is WxH, such as 1344x1008, not {text!r}") from None
+    if min(size) < 1:
+        raise argparse.ArgumentTypeError(f"a size's sides are at least 1, not {text!r}")
+    return size
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m bench distinct", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -367,6 +423,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--batch", type=int, default=32, help="new images at once, per repetition")
         p.add_argument("--reps", type=int, default=3)
         p.add_argument("--json", help="write the report here too")
+        if name == "stages":
+            p.add_argument("--size", type=_size, default=CHAT_SIZE, help="WxH of the photos")
+            p.add_argument("--max-pixels", type=int, default=None,
+                           help="each image's max_pixels (Qwen2-VL's per-image parameter)")
         if name in ("pipeline", "serve"):
             p.add_argument("--engine", choices=("pytorch", "turbomind"), default="pytorch")
             p.add_argument("--eager", action="store_true",

@@ -87,13 +87,32 @@ class PromptPath:
         self.processor = MultimodalProcessor(Tokenizer(path), template,
                                              vl_encoder=self.encoder, backend=backend)
         self.calls: list[list[tuple[int, int]]] = []
+        self._lmdeploy_only = True
         original = self.model.preprocess
 
         def preprocess(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-            self.calls.append([data.size for _, data, _ in self.model.collect_multimodal_items(messages)])
+            if self._lmdeploy_only:
+                self._record(messages)
             return original(messages)
 
         self.model.preprocess = preprocess
+
+    def _record(self, messages: list[dict[str, Any]]) -> None:
+        self.calls.append([data.size for _, data, _ in self.model.collect_multimodal_items(messages)])
+
+    def record_featcache(self) -> None:
+        """Once featcache is installed on this path: ``calls`` records every preprocessing its
+        frontend runs, featcache's own (``fastprep``, which makes lmdeploy's output itself for the
+        models it reproduces, e.g. Qwen2-VL) or lmdeploy's, not only lmdeploy's."""
+        frontend = self.model.preprocess.frontend
+        inner = frontend.original
+        self._lmdeploy_only = False
+
+        def preprocess(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            self._record(messages)
+            return inner(messages)
+
+        frontend.original = preprocess
 
     def prompt(self, msgs: list[dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
         """What ``VLAsyncEngine`` hands the engine for ``msgs``: prompt, input_ids, per-image dicts

@@ -44,6 +44,7 @@ class Rig:
         self.plain = tiny.PromptPath(path)  # lmdeploy alone
         self.cached = tiny.PromptPath(path)  # lmdeploy + featcache
         install_frontend(self.cached.model, self.cache, f"test:{arch}")
+        self.cached.record_featcache()  # calls: featcache's preprocessing too (Qwen2-VL's)
 
     def close(self) -> None:
         self.plain.close()

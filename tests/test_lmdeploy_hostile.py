@@ -56,6 +56,7 @@ class Rig(SourcesRig):
         self.cached = tiny.PromptPath(path)
         install_frontend(self.cached.model, self.cache, self.namespace, self.cached.processor,
                          tags=tags)
+        self.cached.record_featcache()
         self.frontend = self.cached.model.preprocess.frontend
 
 

@@ -50,6 +50,7 @@ class Rig:
         self.plain = tiny.PromptPath(path)
         self.cached = tiny.PromptPath(path)
         install_frontend(self.cached.model, self.cache, self.namespace, self.cached.processor)
+        self.cached.record_featcache()  # calls: featcache's preprocessing too (Qwen2-VL's)
         self.frontend = self.cached.model.preprocess.frontend
 
     def bytes_key(self, raw: bytes, params: dict | None = None, io: dict | None = None) -> bytes:

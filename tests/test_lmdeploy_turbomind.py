@@ -96,6 +96,7 @@ class Rig:
         self.plain = tiny.PromptPath(path, ENGINE_DTYPE, backend="turbomind")
         self.cached = tiny.PromptPath(path, ENGINE_DTYPE, backend="turbomind")
         install_native(self.cached.model, self.cache, f"test-tm:{arch}", vision_dtype=torch.float16)
+        self.cached.record_featcache()  # calls: featcache's preprocessing too (Qwen2-VL's)
         self.tm = source_model(arch, path)
 
     def items(self, out: dict) -> list:

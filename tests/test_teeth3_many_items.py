@@ -68,3 +68,17 @@ def test_a_request_of_servable_images_is_servable():
     items = [_with_pixels(1), _rebuildable(2), _with_pixels(3), _rebuildable(4)]
     assert unservable(items) is None
     assert unservable(list(reversed(items))) is None
+
+
+def test_the_report_of_a_request_to_model_processes_counts_every_image_sent_without_pixels():
+    """The X-Featcache report in mp mode: of five images, the three the frontend sent without
+    pixels (a source to rebuild them: the model process holds their features) are the hits,
+    wherever they stand. (Planted: the count as ``int(any(...))``; a request of one image
+    passed.)"""
+    from featcache.lmdeploy.report import report_of
+
+    items = [_rebuildable(1), _with_pixels(2), _rebuildable(3), _with_pixels(4), _rebuildable(5)]
+    report = report_of({"multimodal": items}, "mp")
+    assert (report.mode, report.images, report.hits) == ("mp", 5, 3)
+    assert report_of({"multimodal": items[1::2]}, "mp").hits == 0
+    assert report_of({"multimodal": list(reversed(items))}, "mp").hits == 3

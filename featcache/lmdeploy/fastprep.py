@@ -6,11 +6,13 @@ photos). Two changes, installed by ``wrap`` on every path that preprocesses (the
 misses, the PyTorch engine in one process or several, TurboMind native, features, combined):
 
 - ``FastPreprocess`` stands in for the vision model's ``preprocess(messages)``: for a model and
-  image it reproduces exactly (``internvl_spec``: lmdeploy's InternVL-Chat-V1-5 recipe, RGB
-  images, a grid of at most ``MAX_FAST_TILES``), it makes the same per-image dicts with
-  ``preprocess.internvl.TileMaker`` (on the GPU where there is one, else PIL in threads); for
-  anything else, lmdeploy's own code runs, counted as ``preprocess_fallback``. A failure of the
-  fast path is a fallback too (``preprocess_errors``), never a failed request.
+  image it reproduces exactly, it makes the same per-image dicts: legacy InternVL
+  (``internvl_spec``: lmdeploy's InternVL-Chat-V1-5 recipe, RGB images, a grid of at most
+  ``MAX_FAST_TILES``) with ``preprocess.internvl.TileMaker`` (on the GPU where there is one, else
+  PIL in threads); Qwen2-VL / Qwen2.5-VL (``preprocess.qwen2vl.qwen2vl_spec``: transformers' PIL
+  image processor, RGB images) with ``preprocess.qwen2vl.PatchMaker`` on the CPU. For anything
+  else, lmdeploy's own code runs, counted as ``preprocess_fallback``. A failure of the fast path
+  is a fallback too (``preprocess_errors``), never a failed request.
 - ``widen`` runs the encoder's preprocessing on a bounded pool (``THREADS``) in place of its
   single worker, so the preprocessing of different requests overlaps (the vision model's
   ``forward`` stays on that worker).
@@ -34,6 +36,7 @@ import torch
 
 from ..cache import FeatureCache
 from ..preprocess.internvl import TileMaker, TileSpec
+from ..preprocess.qwen2vl import PatchMaker, qwen2vl_spec
 from ..preprocess.resample import Resampler, matches_pillow
 from ..threads import usable_cores
 
@@ -139,6 +142,60 @@ def _device(wanted: str) -> tuple[torch.device, str]:
     return device, "the engine's GPU"
 
 
+def _is_qwen2vl(vision_model: Any) -> bool:
+    try:
+        from lmdeploy.vl.model.qwen2 import Qwen2VLModel
+    except ImportError:
+        return False
+    return isinstance(vision_model, Qwen2VLModel)
+
+
+def _patch_maker(vision_model: Any) -> tuple[PatchMaker | None, str]:
+    """Qwen2-VL's maker (on the CPU: its output is float32 twice the image's size, which a GPU
+    would only send back), or None and why not."""
+    try:
+        spec = qwen2vl_spec(vision_model)
+    except Exception as e:  # (a processor that cannot even be probed: lmdeploy's own code)
+        spec = f"its processor could not be probed ({type(e).__name__}: {e})"
+    if isinstance(spec, str):
+        return None, spec
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    return PatchMaker(spec, smart_resize, pool(), bands=THREADS), "on cpu (PIL's resize, one table pass)"
+
+
+def _pixels_param(params: dict[str, Any], key: str, default: int) -> int | None:
+    """``min_pixels``/``max_pixels`` as the processor's call reads an image's parameter (absent:
+    its own), or None where it is not a positive int (lmdeploy's code decides what it means: a
+    None given, for one, fails transformers' check of the call's arguments)."""
+    if key not in params:
+        return default
+    value = params[key]
+    return value if type(value) is int and value > 0 else None
+
+
+def _patch_plan(maker: PatchMaker, items: list[tuple[str, Any, dict[str, Any]]]
+                ) -> list[tuple[Any, int, int]] | None:
+    """(image, min_pixels, max_pixels) per item, or None where any is not one ``maker``
+    reproduces (not an RGB image, a transparency key, parameters lmdeploy's code must judge,
+    a size ``smart_resize`` refuses)."""
+    plan = []
+    for modality, image, params in items:
+        if getattr(modality, "value", modality) != "image" or getattr(image, "mode", None) != "RGB" \
+                or image.info.get("transparency") is not None:
+            return None  # (the processor composites an image with transparency onto white)
+        low = _pixels_param(params, "min_pixels", maker.spec.min_pixels)
+        high = _pixels_param(params, "max_pixels", maker.spec.max_pixels)
+        if low is None or high is None:
+            return None
+        try:
+            maker.size(image.width, image.height, low, high)
+        except (ValueError, ZeroDivisionError):
+            return None
+        plan.append((image, low, high))
+    return plan
+
+
 class FastPreprocess:
     """``preprocess(messages)`` as lmdeploy's vision model does it, by ``TileMaker`` where it is
     exact, else by ``original`` (lmdeploy's). Counts on ``cache``: ``preprocess_fast``,
@@ -148,18 +205,20 @@ class FastPreprocess:
         self.vision_model = vision_model
         self.original = original
         self.cache = cache
-        self.maker: TileMaker | None = None
+        self.maker: TileMaker | PatchMaker | None = None
         self._logged = False
         wanted = mode()
         spec = internvl_spec(vision_model) if wanted != "lmdeploy" else f"{ENV}=lmdeploy"
-        if isinstance(spec, str):
-            self.why = spec
-        else:
+        if isinstance(spec, TileSpec):
             from lmdeploy.vl.model.internvl import find_closest_aspect_ratio
 
             device, why = _device(wanted)
             self.maker = TileMaker(spec, find_closest_aspect_ratio, device, pool())
             self.why = f"on {device} ({why})"
+        elif wanted != "lmdeploy" and _is_qwen2vl(vision_model):
+            self.maker, self.why = _patch_maker(vision_model)
+        else:
+            self.why = spec
         log.info("featcache: preprocessing of new images: %s", "featcache's, " + self.why
                  if self.maker is not None else f"lmdeploy's ({self.why})")
 
@@ -169,12 +228,17 @@ class FastPreprocess:
         # lmdeploy's own walk of the items (a static method: a stand-in model need not have it),
         # whose order the per-image dicts keep
         items = VisionModel.collect_multimodal_items(messages)
-        plan = self._plan(items) if self.maker is not None else None
+        patches = isinstance(self.maker, PatchMaker)
+        plan: list[Any] | None = None
+        if isinstance(self.maker, PatchMaker):
+            plan = _patch_plan(self.maker, items)
+        elif self.maker is not None:
+            plan = self._plan(items)
         if plan is None:
             self.cache.count(SECTION, "preprocess_fallback", len(items))
             return self.original(messages)
         try:
-            values = self._pixel_values(plan)
+            outputs = self._patches(plan) if patches else self._tiles(plan)
         except Exception:
             if not self._logged:  # (once: counted every time)
                 self._logged = True
@@ -183,13 +247,34 @@ class FastPreprocess:
             self.cache.count(SECTION, "preprocess_errors", len(items))
             self.cache.count(SECTION, "preprocess_fallback", len(items))
             return self.original(messages)
-        vm = self.vision_model
-        outputs = [dict(pixel_values=pv, image_tokens=pv.shape[0] * vm.image_tokens_per_patch,
-                        image_token_id=vm.image_token_id, image_size=image.size)
-                   for (image, _), pv in zip(plan, values, strict=True)]
         self.cache.count(SECTION, "preprocess_fast", len(items))
         messages.append(dict(role="preprocess", content=outputs))
         return messages
+
+    def _tiles(self, plan: list[tuple[Any, int]]) -> list[dict[str, Any]]:
+        """InternVL's per-image dicts, as ``_preprocess_v1_5`` makes them."""
+        vm = self.vision_model
+        return [dict(pixel_values=pv, image_tokens=pv.shape[0] * vm.image_tokens_per_patch,
+                     image_token_id=vm.image_token_id, image_size=image.size)
+                for (image, _), pv in zip(plan, self._pixel_values(plan), strict=True)]
+
+    def _patches(self, plan: list[tuple[Any, int, int]]) -> list[Any]:
+        """Qwen2-VL's per-image ``BatchFeature``s, as ``Qwen2VLModel.preprocess`` makes them
+        (its keys in its order, its token count from the grid)."""
+        # (the processor's own class: transformers has two of that name)
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import BatchFeature
+
+        maker = self.maker
+        assert isinstance(maker, PatchMaker)
+        merge_length = maker.spec.merge_size ** 2
+        outputs = []
+        for image, min_pixels, max_pixels in plan:
+            values, thw = maker(image, min_pixels, max_pixels)
+            result = BatchFeature(data={"pixel_values": values, "image_grid_thw": thw})
+            result.update(dict(image_size=image.size, image_tokens=thw.prod(dim=1) // merge_length,
+                               image_token_id=self.vision_model.image_token_id))
+            outputs.append(result)
+        return outputs
 
     def _plan(self, items: list[tuple[str, Any, dict[str, Any]]]) -> list[tuple[Any, int]] | None:
         """(image, max tiles) per item, or None where any is not one the fast path reproduces."""
@@ -212,14 +297,14 @@ class FastPreprocess:
             if not isinstance(detail, str):
                 return None
             max_num = IMAGE_RES.get(detail, self.vision_model.config.max_dynamic_patch)
-        assert self.maker is not None
+        assert isinstance(self.maker, TileMaker)
         if not isinstance(max_num, int) or not self.maker.spec.min_num <= max_num <= MAX_FAST_TILES:
             return None
         return int(max_num)
 
     def _pixel_values(self, plan: list[tuple[Any, int]]) -> list[torch.Tensor]:
         maker = self.maker
-        assert maker is not None
+        assert isinstance(maker, TileMaker)
         if maker.device.type == "cuda" and len(plan) > 1:  # the images side by side
             return list(pool().map(lambda p: maker(*p), plan))
         return [maker(image, max_num) for image, max_num in plan]

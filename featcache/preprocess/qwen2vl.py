@@ -1,0 +1,198 @@
+"""Qwen2-VL / Qwen2.5-VL preprocessing (lmdeploy 0.18's ``Qwen2VLModel.preprocess`` over
+transformers' ``Qwen2VLImageProcessorPil``), equal to it bit for bit and faster.
+
+lmdeploy's recipe for one RGB image, one processor call per image: ``smart_resize`` picks a size
+whose sides are multiples of ``patch_size * merge_size`` and whose area lies in ``[min_pixels,
+max_pixels]`` (the processor's ``size``, or the image's ``min_pixels``/``max_pixels``
+parameters), PIL's BICUBIC resizes to it (always called: the identity at the same size), then in
+NumPy ``float32(float64(x) * rescale_factor)``, ``(x - mean) / std`` in float32, and the patchify:
+``[C, H, W]`` reordered to ``[grid_h * grid_w, C * temporal * patch * patch]``, each patch repeated
+``temporal_patch_size`` times. ``image_grid_thw`` is ``[[1, grid_h, grid_w]]`` and the image's
+token count ``grid_h * grid_w // merge_size**2``. Over a second for a 3000x2000 photo on a loaded
+2-core CPU: float64 and float32 copies of the whole image, then the patchified copy.
+
+Here (``PatchMaker``): the same PIL resize (skipped where the size is already right: Pillow's
+resize at the same size is a copy), then one pass from the uint8 pixels to the output. Rescale
+and normalize are elementwise, so each output value is a function of its channel and its uint8
+value alone: a ``[C, 256]`` table made once by the processor's own ``rescale`` and
+``normalize`` (``value_table``: its operations, order and dtypes by construction); each output
+value is that table read at its pixel (``np.take``, which releases the GIL), written straight into
+the patchified layout, in row bands on a pool. ``qwen2vl_spec`` says whether a model is one this
+reproduces, and checks it against the processor itself on probe images before saying yes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+# smart_resize(height, width, factor, min_pixels, max_pixels) -> (height, width): transformers'
+SmartResize = Callable[..., tuple[int, int]]
+BICUBIC = 3  # PIL.Image.Resampling.BICUBIC
+MIN_BAND_BYTES = 4 << 20  # output bytes below which one image is one task (a thread's start costs more)
+_METHODS = ("__call__", "preprocess", "_preprocess", "_preprocess_image_like_inputs",
+            "_prepare_image_like_inputs", "process_image", "convert_to_rgb", "resize", "rescale",
+            "normalize", "patchify", "_standardize_kwargs")
+
+
+@dataclass(frozen=True, eq=False)
+class PatchSpec:
+    """The processor's constants: ``patch_size``, ``merge_size``, ``temporal_patch_size``, its
+    default ``min_pixels``/``max_pixels`` (``size``) and ``table``: float32 ``[C * 256]``, the
+    rescaled and normalized value of each uint8 value of each channel."""
+
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    min_pixels: int
+    max_pixels: int
+    table: np.ndarray
+
+    @property
+    def channels(self) -> int:
+        return self.table.shape[0] // 256
+
+
+def value_table(processor: Any) -> np.ndarray:
+    """The processor's own ``rescale`` then ``normalize`` (its arguments, as its ``_preprocess``
+    passes them) over a ``[C, 1, 256]`` image holding every uint8 value: float32 ``[C * 256]``."""
+    channels = len(processor.image_mean)
+    probe = np.broadcast_to(np.arange(256, dtype=np.uint8), (channels, 1, 256)).copy()
+    x = processor.rescale(probe, processor.rescale_factor)
+    x = processor.normalize(x, processor.image_mean, processor.image_std)
+    x = np.asarray(x, dtype=np.float32)  # (patchify's own cast: a no-op on float32)
+    if x.shape != probe.shape:
+        raise ValueError(f"rescale and normalize made {x.shape} of {probe.shape}")
+    return np.ascontiguousarray(x.reshape(-1))
+
+
+class PatchMaker:
+    """``pixel_values`` and ``image_grid_thw`` of one RGB PIL image as the processor makes them.
+    ``pool``: threads for the row bands of a large image (none: inline). Thread-safe."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, spec: PatchSpec, smart_resize: SmartResize, pool: Executor | None = None,
+                 bands: int = 1) -> None:
+        self.spec = spec
+        self.smart_resize = smart_resize
+        self.pool = pool
+        self.bands = max(1, bands)
+        c = spec.channels
+        self._offsets = (np.arange(c, dtype=np.uint16) * 256).reshape(c, 1, 1)
+
+    def size(self, width: int, height: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+        """(width, height) after ``smart_resize`` (which raises where lmdeploy's call would)."""
+        s = self.spec
+        h, w = self.smart_resize(height, width, factor=s.patch_size * s.merge_size,
+                                 min_pixels=min_pixels, max_pixels=max_pixels)
+        return int(w), int(h)
+
+    def __call__(self, image: Any, min_pixels: int, max_pixels: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if image.mode != "RGB":
+            raise ValueError(f"PatchMaker takes RGB images, not {image.mode}")
+        width, height = self.size(image.width, image.height, min_pixels, max_pixels)
+        if (width, height) != image.size:
+            image = image.resize((width, height), BICUBIC)
+        pixels = np.asarray(image)  # [H, W, C] uint8
+        s = self.spec
+        p, m, t, c = s.patch_size, s.merge_size, s.temporal_patch_size, s.channels
+        gh, gw = height // p, width // p
+        # [gh/m, m, p, gw/m, m, p, C] -> patchify's (gh/m, gw/m, mh, mw, C, ph, pw)
+        src = pixels.reshape(gh // m, m, p, gw // m, m, p, c).transpose(0, 3, 1, 4, 6, 2, 5)
+        out = np.empty((gh // m, gw // m, m, m, c, t, p, p), dtype=np.float32)
+        rows = gh // m
+        bands = min(self.bands, rows, max(1, out.nbytes // MIN_BAND_BYTES))
+        cuts = [rows * i // bands for i in range(bands + 1)]
+        spans = list(zip(cuts[:-1], cuts[1:], strict=True))
+        if self.pool is None or bands == 1:
+            for lo, hi in spans:
+                self._band(src, out, lo, hi)
+        else:
+            for f in [self.pool.submit(self._band, src, out, lo, hi) for lo, hi in spans]:
+                f.result()
+        values = torch.from_numpy(out.reshape(gh * gw, c * t * p * p))
+        return values, torch.tensor([[1, gh, gw]], dtype=torch.int64)
+
+    def _band(self, src: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
+        """Rows ``lo:hi`` (of merged patches): each value ``table[channel * 256 + pixel]``."""
+        index = np.add(src[lo:hi], self._offsets, dtype=np.uint16)
+        band = out[lo:hi]
+        np.take(self.spec.table, np.broadcast_to(index[:, :, :, :, :, None], band.shape),
+                out=band, mode="clip")
+
+
+def qwen2vl_spec(vision_model: Any) -> PatchSpec | str:
+    """The ``PatchSpec`` of a vision model whose preprocessing is lmdeploy's Qwen2-VL recipe over
+    transformers' PIL ``Qwen2VLImageProcessorPil`` exactly as ``PatchMaker`` reproduces it, else
+    why not (a sentence)."""
+    try:
+        from lmdeploy.vl.model.qwen2 import Qwen2VLModel
+        from transformers import Qwen2VLImageProcessorPil
+    except ImportError as e:
+        return f"lmdeploy's Qwen2-VL model or transformers' PIL processor does not import ({e})"
+    if not isinstance(vision_model, Qwen2VLModel):
+        return f"{type(vision_model).__name__} is not lmdeploy's Qwen2-VL model"
+    if type(vision_model).preprocess is not Qwen2VLModel.preprocess:
+        return f"{type(vision_model).__name__} has a preprocess of its own"
+    ip = getattr(getattr(vision_model, "processor", None), "image_processor", None)
+    if type(ip) is not Qwen2VLImageProcessorPil:
+        return (f"its image processor is {type(ip).__name__}, not transformers' "
+                "Qwen2VLImageProcessorPil (the torchvision-backed one resizes differently)")
+    patched = [name for name in _METHODS if name in vars(ip)]
+    if patched:
+        return f"its image processor's {', '.join(patched)} are replaced on the instance"
+    why = _settings(ip)
+    if why is not None:
+        return why
+    size: Any = ip.size
+    spec = PatchSpec(patch_size=int(ip.patch_size), merge_size=int(ip.merge_size),
+                     temporal_patch_size=int(ip.temporal_patch_size),
+                     min_pixels=size.shortest_edge, max_pixels=size.longest_edge,
+                     table=value_table(ip))
+    return _probe(ip, spec)
+
+
+def _settings(ip: Any) -> str | None:
+    """Why the processor's settings are not the ones ``PatchMaker`` reproduces, or None."""
+    if ip.do_resize is not True or ip.resample not in (BICUBIC,):
+        return f"its resize is do_resize={ip.do_resize} resample={ip.resample}, not BICUBIC"
+    if ip.do_rescale is not True or ip.do_normalize is not True:
+        return "it does not both rescale and normalize"
+    for name in ("device", "input_data_format", "data_format", "min_pixels", "max_pixels"):
+        if getattr(ip, name, None) is not None:
+            return f"its {name} is set ({getattr(ip, name)!r})"
+    size: Any = ip.size
+    for v in (size.shortest_edge, size.longest_edge, ip.patch_size, ip.merge_size,
+              ip.temporal_patch_size):
+        if type(v) is not int or v < 1:
+            return f"its sizes are {size} patch {ip.patch_size} merge {ip.merge_size}"
+    if len(ip.image_mean) != 3 or len(ip.image_std) != 3:
+        return "its mean and std are not per RGB channel"
+    return None
+
+
+def _probe(ip: Any, spec: PatchSpec) -> PatchSpec | str:
+    """``spec`` where ``PatchMaker`` equals the processor itself on probe images (one at its
+    size, one resized up, one down), else why not."""
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    maker = PatchMaker(spec, smart_resize)
+    rng = np.random.default_rng(20261203)
+    f = spec.patch_size * spec.merge_size
+    for w, h in ((2 * f, f), (37, 23), (3 * f + 5, 2 * f - 3)):
+        image = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
+        try:
+            want = ip(images=[image], return_tensors="pt")
+        except ValueError:
+            continue  # (a probe outside the processor's own limits)
+        got, thw = maker(image, spec.min_pixels, spec.max_pixels)
+        if not (torch.equal(got, want["pixel_values"]) and torch.equal(thw, want["image_grid_thw"])):
+            return f"featcache's patches differ from its processor's on a {w}x{h} probe"
+    return spec

@@ -1,0 +1,293 @@
+"""featcache's Qwen2-VL / Qwen2.5-VL preprocessing against lmdeploy 0.18's own (issue 38): every
+per-image output equal (``torch.equal`` tensors, same keys in the same order, same types), or
+lmdeploy's own code, counted.
+
+The reference is lmdeploy's real ``Qwen2VLModel.preprocess`` over transformers' PIL
+``Qwen2VLImageProcessorPil`` of the tiny checkpoint (tests/lmdeploy_tiny.py: ``min_pixels``
+56*56, ``max_pixels`` 28*28*64), and per-image ``min_pixels``/``max_pixels`` (which lmdeploy
+passes to the processor) for sizes that keep their pixels, shrink or grow. Images are generated
+files (tests/image_corpus.py) decoded as lmdeploy decodes a request's image, and noise images of
+chosen sizes. Every comparison also checks that the fast path ran (its counter), so that a
+fallback cannot pass for exactness.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import _lmdeploy_stack
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+_lmdeploy_stack.require()
+
+import image_corpus as corpus  # noqa: E402  (puts the checkout on sys.path)
+import lmdeploy_tiny as tiny  # noqa: E402
+
+from featcache import FeatureCache  # noqa: E402
+from featcache.lmdeploy import fastprep  # noqa: E402
+from featcache.preprocess import qwen2vl  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+QWEN_MAX = 12845056  # Qwen2-VL-7B-Instruct's max_pixels (its preprocessor_config.json)
+
+
+def _encoder(path):
+    from lmdeploy.messages import PytorchEngineConfig
+    from lmdeploy.vl.engine import ImageEncoder
+
+    return ImageEncoder(path, "pytorch", backend_config=PytorchEngineConfig(dtype="float16"))
+
+
+@pytest.fixture(scope="module")
+def vision_model(tmp_path_factory):
+    encoder = _encoder(tiny.checkpoint(tiny.QWEN2VL, tmp_path_factory))
+    yield encoder.model
+    encoder.executor.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module")
+def images():
+    from lmdeploy.vl.media.image import ImageMediaIO
+
+    return {name: ImageMediaIO().load_bytes(make()) for name, make in corpus.CASES.items()}
+
+
+def _messages(*items):
+    return [dict(role="user", content=[dict(type="text", text="describe"), *items])]
+
+
+def _item(image, **params):
+    return dict(type="image", data=image, **params)
+
+
+def _fast(vision_model, monkeypatch, mode="auto"):
+    monkeypatch.setenv(fastprep.ENV, mode)
+    cache = FeatureCache(device="cpu", device_bytes=0, host_bytes=0)
+    fast = fastprep.FastPreprocess(vision_model, vision_model.preprocess, cache)
+    return fast, cache
+
+
+def _outputs(messages):
+    return messages[-1]["content"]
+
+
+def _assert_same(got, want, what):
+    assert len(got) == len(want), what
+    for g, w in zip(got, want, strict=True):
+        assert type(g) is type(w), what
+        assert list(g.keys()) == list(w.keys()), what
+        for key, value in w.items():
+            mine = g[key]
+            assert type(mine) is type(value), (what, key)
+            if isinstance(value, torch.Tensor):
+                assert mine.dtype == value.dtype and mine.device == value.device, (what, key)
+                assert torch.equal(mine, value), (what, key)
+            else:
+                assert mine == value, (what, key)
+
+
+def _stat(cache, name):
+    return cache.stats().get("lmdeploy", {}).get(name, 0)
+
+
+def _check(fast, cache, vision_model, items, what):
+    before = _stat(cache, "preprocess_fast")
+    got = _outputs(fast(_messages(*items)))
+    want = _outputs(vision_model.preprocess(_messages(*items)))
+    _assert_same(got, want, what)
+    assert _stat(cache, "preprocess_fast") == before + len(items), what
+
+
+def _noise(w, h, seed=0):
+    return tiny.noise_image(w, h, seed)
+
+
+def test_the_tiny_checkpoints_processor_is_reproduced(vision_model, monkeypatch):
+    fast, _ = _fast(vision_model, monkeypatch)
+    assert isinstance(fast.maker, qwen2vl.PatchMaker), fast.why
+    assert (fast.maker.spec.min_pixels, fast.maker.spec.max_pixels) == (56 * 56, 28 * 28 * 64)
+
+
+def test_every_corpus_image_at_the_processors_defaults(vision_model, images, monkeypatch):
+    fast, cache = _fast(vision_model, monkeypatch)
+    for name, image in images.items():
+        assert image.mode == "RGB"
+        _check(fast, cache, vision_model, [_item(image)], name)
+
+
+SIZES = [(1, 1), (3, 5), (27, 29), (28, 28), (56, 56), (57, 55), (224, 224), (640, 480),
+         (1344, 1008), (1000, 7), (7, 1000), (5600, 28), (28, 5600), (1999, 13)]
+PIXELS = [{}, dict(max_pixels=QWEN_MAX), dict(min_pixels=200 * 200), dict(max_pixels=28 * 28 * 4),
+          dict(min_pixels=28 * 28, max_pixels=28 * 28 * 16)]
+
+
+def test_generated_sizes_and_pixel_limits(vision_model, monkeypatch):
+    """Sizes a multiple of 28 and not, tiny, 1:200 both ways; limits that keep the pixels (so no
+    resize), shrink or grow them, or one side only."""
+    fast, cache = _fast(vision_model, monkeypatch)
+    for i, (w, h) in enumerate(SIZES):
+        image = _noise(w, h, seed=i)
+        for params in PIXELS:
+            _check(fast, cache, vision_model, [_item(image, **params)], f"{w}x{h} {params}")
+
+
+def test_a_size_that_needs_no_resize_is_not_resized(vision_model, monkeypatch):
+    fast, cache = _fast(vision_model, monkeypatch)
+    image = corpus._rgb(1344, 1008)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("resized")
+
+    monkeypatch.setattr(Image.Image, "resize", refused)
+    got = _outputs(fast(_messages(_item(image, max_pixels=QWEN_MAX))))
+    monkeypatch.undo()
+    _assert_same(got, _outputs(vision_model.preprocess(_messages(_item(image, max_pixels=QWEN_MAX)))),
+                 "1344x1008")
+    assert got[0]["image_grid_thw"].tolist() == [[1, 72, 96]]
+
+
+@pytest.mark.parametrize("size", [(3000, 2000), (1344, 1008)])
+def test_large_photos_at_qwen2vls_real_limit(vision_model, size, monkeypatch):
+    """Many row bands on the pool: 3000x2000 resized to 2996x1988, 1344x1008 as it is."""
+    fast, cache = _fast(vision_model, monkeypatch)
+    assert fast.maker.bands == fastprep.THREADS
+    monkeypatch.setattr(fast.maker, "bands", 8)  # more bands than this machine's threads
+    _check(fast, cache, vision_model, [_item(corpus._rgb(*size, seed=5), max_pixels=QWEN_MAX)],
+           f"{size}")
+
+
+def test_many_images_in_one_request_keep_their_order_and_parameters(vision_model, images,
+                                                                   monkeypatch):
+    fast, cache = _fast(vision_model, monkeypatch)
+    names = list(images)[:6]
+    params = [{}, dict(max_pixels=QWEN_MAX), dict(min_pixels=100 * 100), {}, dict(max_pixels=3136), {}]
+    _check(fast, cache, vision_model,
+           [_item(images[n], **p) for n, p in zip(names, params, strict=True)], "six images")
+
+
+def test_the_prompt_lmdeploy_builds_is_the_same(tmp_path_factory, monkeypatch):
+    """What the engine gets (input_ids, every per-image input, the token spans) through
+    lmdeploy's own prompt path, its model's preprocess featcache's or lmdeploy's."""
+    path = tiny.checkpoint(tiny.QWEN2VL, tmp_path_factory)
+    plain, ours = tiny.PromptPath(path), tiny.PromptPath(path)
+    monkeypatch.setenv(fastprep.ENV, "auto")
+    cache = FeatureCache(device="cpu", device_bytes=0, host_bytes=0)
+    try:
+        ours.model.preprocess = fastprep.FastPreprocess(ours.model, ours.model.preprocess, cache)
+        msgs = lambda: tiny.messages(tiny.image_item(_noise(300, 200, 1)),  # noqa: E731
+                                     tiny.image_item(_noise(90, 700, 2), max_pixels=QWEN_MAX))
+        want, got = plain.prompt(msgs()), ours.prompt(msgs())
+        assert ours.calls == [] and _stat(cache, "preprocess_fast") == 2
+        assert got.keys() == want.keys() and got["prompt"] == want["prompt"]
+        assert got["input_ids"] == want["input_ids"]
+        _assert_same(got["multimodal"], want["multimodal"], "prompt")
+    finally:
+        plain.close()
+        ours.close()
+
+
+def test_qwen25vl_checkpoints_are_reproduced_too(tmp_path_factory, monkeypatch):
+    """lmdeploy's ``Qwen2VLModel`` serves both architectures with the same processor call."""
+    src = tiny.checkpoint(tiny.QWEN2VL, tmp_path_factory)
+    path = str(tmp_path_factory.mktemp("qwen25") / "qwen25vl_tiny")
+    shutil.copytree(src, path)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["architectures"] = ["Qwen2_5_VLForConditionalGeneration"]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    encoder = _encoder(path)
+    try:
+        fast, cache = _fast(encoder.model, monkeypatch)
+        assert isinstance(fast.maker, qwen2vl.PatchMaker), fast.why
+        _check(fast, cache, encoder.model, [_item(_noise(500, 300))], "qwen2.5-vl")
+    finally:
+        encoder.executor.shutdown(wait=True)
+
+
+# -- what is not reproduced: lmdeploy's own code, counted ---------------------------------------------
+
+def _assert_fallback(fast, cache, vision_model, items, what):
+    before = _stat(cache, "preprocess_fallback")
+    try:
+        want = _outputs(vision_model.preprocess(_messages(*items)))
+    except Exception as e:  # lmdeploy refuses it: so must featcache's stand-in, the same way
+        with pytest.raises(type(e)):
+            fast(_messages(*items))
+    else:
+        _assert_same(_outputs(fast(_messages(*items))), want, what)
+    assert _stat(cache, "preprocess_fallback") == before + len(items), what
+
+
+def test_images_and_parameters_it_does_not_reproduce_go_to_lmdeploy_counted(vision_model, images,
+                                                                            monkeypatch):
+    """A grey image, an RGB image with a transparency key (the processor composites it onto
+    white), parameters that are not ints (None fails the processor's check), an aspect past
+    1:200 (the processor refuses it): the
+    request is lmdeploy's, counted as ``preprocess_fallback`` for every image in it."""
+    fast, cache = _fast(vision_model, monkeypatch)
+    photo = images["png-895x449"]
+    keyed = _noise(64, 48)
+    keyed.info["transparency"] = (0, 0, 0)
+    for item in (_item(images["png-448x448"].convert("L")), _item(keyed),
+                 _item(photo, max_pixels="50176"), _item(photo, min_pixels=3136.0),
+                 _item(photo, max_pixels=True), _item(photo, min_pixels=None),
+                 _item(_noise(2010, 10))):
+        _assert_fallback(fast, cache, vision_model, [_item(photo), item], str(item))
+    assert _stat(cache, "preprocess_fast") == 0
+    assert _stat(cache, "preprocess_errors") == 0  # refused before it ran, not failed after
+
+
+def test_a_failure_of_the_fast_path_is_lmdeploys_output_counted(vision_model, images, monkeypatch):
+    fast, cache = _fast(vision_model, monkeypatch)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(fast.maker, "_band", broken)
+    items = [_item(images["png-449x448"]), _item(images["bmp-333x222"])]
+    _assert_same(_outputs(fast(_messages(*items))),
+                 _outputs(vision_model.preprocess(_messages(*items))), "planted failure")
+    assert _stat(cache, "preprocess_errors") == 2 and _stat(cache, "preprocess_fallback") == 2
+
+
+@pytest.mark.parametrize("change", ["bilinear", "no_normalize", "patched_resize", "device",
+                                    "subclass", "lmdeploy_mode"])
+def test_a_processor_config_it_does_not_reproduce_is_lmdeploys_counted(vision_model, images, change,
+                                                                      monkeypatch):
+    """Each change to the processor (or ``FEATCACHE_PREPROCESS=lmdeploy``) is detected: no fast
+    maker, a reason, lmdeploy's own output, every image counted as a fallback."""
+    ip = vision_model.processor.image_processor
+    mode = "auto"
+    if change == "bilinear":
+        monkeypatch.setattr(ip, "resample", 2)
+    elif change == "no_normalize":
+        monkeypatch.setattr(ip, "do_normalize", False)
+    elif change == "patched_resize":
+        monkeypatch.setitem(vars(ip), "resize", ip.resize)  # an instance attribute
+    elif change == "device":
+        monkeypatch.setattr(ip, "device", "cpu")
+    elif change == "subclass":
+        monkeypatch.setattr(ip, "__class__", type("Mine", (type(ip),), {}))
+    else:
+        mode = "lmdeploy"
+    fast, cache = _fast(vision_model, monkeypatch, mode)
+    assert fast.maker is None and fast.why, change
+    items = [_item(images["png-895x449"]), _item(images["jpeg-444-1000x700"], max_pixels=QWEN_MAX)]
+    _assert_fallback(fast, cache, vision_model, items, change)
+    assert _stat(cache, "preprocess_fast") == 0
+
+
+def test_a_table_that_differs_from_the_processor_is_caught_by_the_probe(vision_model):
+    spec = qwen2vl.qwen2vl_spec(vision_model)
+    assert isinstance(spec, qwen2vl.PatchSpec)
+    ip = vision_model.processor.image_processor
+    wrong = qwen2vl.PatchSpec(**{**spec.__dict__, "table": np.nextafter(spec.table, np.float32(9))})
+    assert "differ" in str(qwen2vl._probe(ip, wrong))
+    assert qwen2vl._probe(ip, spec) is spec
+    assert "not lmdeploy's Qwen2-VL" in str(qwen2vl.qwen2vl_spec(object()))
