@@ -348,6 +348,26 @@ def test_counts_of_keys_held_age_with_the_sketch():
     assert books.uses(k(0)) == 5
 
 
+def test_the_duel_weighs_a_held_keys_uses_as_aged():
+    """A victim used 9 times, three agings ago (9 >> 3: 1 use now), loses the duel to a new key
+    seen twice lately, while filtering. (Planted: the duel reading the count without its
+    aging; ``uses()`` ages it on its own, so the test above passed.)"""
+    books = AdmissionBooks(20)
+    books.add(k(0), 10, 1.0)
+    for _ in range(8):
+        books.touch(k(0))
+    books.add(k(1), 10, 1.0)
+    start = books.agings
+    while books.agings < start + 3:
+        books.touch(k(1))  # k(0): the least recently used, the victim
+    assert books.uses(k(0)) == 1
+    filtering(books)
+    new = k(9)
+    for _ in range(2):
+        books.sketch.increment(FrequencySketch.hash_of(new))  # seen twice: reuse 2 at its miss
+    assert books.evict_for(10, replacing=new, cost_s=1.0) == [k(0)]
+
+
 def test_an_evicted_keys_count_outlives_it():
     books = AdmissionBooks(20)
     books.add(k(0), 10, 1.0)

@@ -428,3 +428,19 @@ def test_refused_options_are_counted_and_the_next_request_is_served(rig):
     out = rig.cached.prompt(msgs)
     assert out["multimodal"][0]["pixel_values"].numel() > 0 or REF_KEY in out["multimodal"][0]
     assert rig.cache.stats()["lmdeploy"]["options_refused"] == len(bad)
+
+
+def test_the_same_options_in_another_order_are_one_key_and_one_memo_entry(rig):
+    """Decode options are canonical JSON wherever they are read: a client writing the same options
+    in another order gets the same key (a hit) and the data URL memo's entry, not a second one
+    (which a client could otherwise grow with every permutation). (Planted: the request's option
+    text without sorted keys; every test sent options of one key.)"""
+    url = f"data:image/png;base64,{b64(png_of(tiny.noise_image(24, 16, seed=44)))}"
+    msgs = tiny.messages(url_item(url))
+    first = rig.cached.prompt(msgs, media_io_kwargs={"image": {"image_mode": "L", "zz_unused": 1}})
+    store(rig, first)
+    again = rig.cached.prompt(msgs, media_io_kwargs={"image": {"zz_unused": 1, "image_mode": "L"}})
+    ref, ref2 = first["multimodal"][0][REF_KEY], again["multimodal"][0][REF_KEY]
+    assert ref2.key == ref.key
+    assert ref2.hit if not rig.frontend.tags else ref2.source is not None  # (mp: sent without pixels)
+    assert len(rig.frontend.data_urls) == 1

@@ -87,3 +87,45 @@ def test_compact_of_a_good_store_skips_nothing_and_exits_0(tmp_path, capsys):
     rc, out, _ = run(capsys, "compact", str(store), str(tmp_path / "copy"), "--json")
     doc = json.loads(out)
     assert rc == 0 and doc["entries"] == 4 and doc["skipped"] == []
+
+
+def test_compact_leaves_out_every_corrupt_entry_wherever_it_stands(tmp_path, capsys):
+    """Three of six entries damaged (the first, one inside, the last): all three left out and
+    listed, the others copied whole. (Planted: only the first bad entry discarded from the copy;
+    the one-bad-entry tests passed.)"""
+    store, copy = tmp_path / "store", tmp_path / "copy"
+    keys = build(store, n=6)
+    bad = [keys[0], keys[3], keys[5]]
+    for key in bad:
+        flip_payload_byte(store, key)
+    rc, out, _ = run(capsys, "compact", str(store), str(copy))
+    assert rc == 2 and "skipped 3 bad entries (" in out, out
+    assert sorted(line.split()[1] for line in out.splitlines() if line.startswith("bad ")) == sorted(
+        k.hex() for k in bad)
+    rc, out, _ = run(capsys, "verify", str(copy))
+    assert rc == 0 and out.startswith("verified 3 entries"), out
+    with FeatureCache(device="cpu", device_bytes=0, host_bytes=0, disk_path=copy,
+                      disk_bytes="64MiB") as cache:
+        for i, key in enumerate(keys):
+            got = cache.get(key)
+            assert (got is None) if key in bad else torch.equal(got, torch.full((64, 64), float(i)))
+
+
+def test_a_compacted_copy_is_readable_by_its_owner_only(tmp_path, capsys):
+    """The copy's data file is 0600, as the disk tier makes its own (it holds what every image
+    looked like to the model), with or without bad entries to drop. (Planted: the chmod of the
+    copy removed; the copy was then the umask's 0644.)"""
+    import os
+    import stat
+
+    for damaged in (False, True):
+        store, copy = tmp_path / f"store{damaged}", tmp_path / f"copy{damaged}"
+        keys = build(store)
+        if damaged:
+            flip_payload_byte(store, keys[1])
+        old = os.umask(0o022)
+        try:
+            run(capsys, "compact", str(store), str(copy))
+        finally:
+            os.umask(old)
+        assert stat.S_IMODE(os.stat(copy / "data.mdb").st_mode) == 0o600, damaged
