@@ -18,9 +18,10 @@ against featcache's (``fastprep.FastPreprocess``), each image's ``pixel_values``
 batch of ``--batch`` requests at once through each side's executor (lmdeploy's one worker;
 featcache's ``widen``), images/s. ``--size``: the photos' size; ``--max-pixels``: each image's
 ``max_pixels`` (Qwen2-VL's per-image parameter, which lmdeploy passes to its processor).
-``--model tiny-qwen2vl``: tests/lmdeploy_tiny.py's Qwen2-VL checkpoint, built in a temporary
-directory (transformers' PIL processors, no torchvision: runs on a CPU); with ``--max-pixels
-12845056`` its preprocessing is Qwen2-VL-7B-Instruct's.
+``--model tiny-qwen2vl`` (or ``tiny-internvl-hf``): tests/lmdeploy_tiny.py's Qwen2-VL (InternVL-HF)
+checkpoint, built in a temporary directory (transformers' own processors: the PIL ones where
+torchvision does not import, as on this CPU); with ``--max-pixels 12845056`` its preprocessing is
+Qwen2-VL-7B-Instruct's.
 
 ``pipeline`` (the GPU machine): the real engine, one new token per request (so the wall time is
 the time to first token); sequential (``--n`` new images, one at a time) and a batch of
@@ -86,9 +87,12 @@ def _same(got: dict[str, Any], want: dict[str, Any]) -> bool:
                for a, b in zip(got.values(), want.values(), strict=True))
 
 
+TINY = {"tiny-qwen2vl": "QWEN2VL", "tiny-internvl-hf": "INTERNVL"}  # tests/lmdeploy_tiny.py's
+
+
 def _stages_model(name: str, root: str) -> str:
-    """``name``'s checkpoint directory (``tiny-qwen2vl``: built under ``root``)."""
-    if name != "tiny-qwen2vl":
+    """``name``'s checkpoint directory (``TINY``'s names: built under ``root``)."""
+    if name not in TINY:
         return name
     import os
 
@@ -97,7 +101,7 @@ def _stages_model(name: str, root: str) -> str:
     import lmdeploy_tiny as tiny
 
     tiny.register_processors()
-    return tiny.build(root, tiny.QWEN2VL)
+    return tiny.build(root, getattr(tiny, TINY[name]))
 
 
 def _ms(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
