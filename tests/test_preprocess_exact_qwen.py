@@ -289,5 +289,92 @@ def test_a_table_that_differs_from_the_processor_is_caught_by_the_probe(vision_m
     ip = vision_model.processor.image_processor
     wrong = qwen2vl.PatchSpec(**{**spec.__dict__, "table": np.nextafter(spec.table, np.float32(9))})
     assert "differ" in str(qwen2vl._probe(ip, wrong))
-    assert qwen2vl._probe(ip, spec) is spec
+    again = qwen2vl._probe(ip, spec)
+    assert isinstance(again, qwen2vl.PatchSpec) and np.array_equal(again.table, spec.table)
+    assert again.single_limits  # this transformers honours min_pixels or max_pixels alone
     assert "not lmdeploy's Qwen2-VL" in str(qwen2vl.qwen2vl_spec(object()))
+
+
+def test_a_processor_that_ignores_one_limit_alone_keeps_those_images_on_lmdeploys_code(
+        vision_model, images, monkeypatch):
+    """transformers 5.17 (the GPU machine's) honours a call's min_pixels/max_pixels only when both
+    are given; 5.24 each alone. The probe finds out which: with 5.17's behaviour planted in the
+    processor class, an image with one limit alone is lmdeploy's output, counted as a fallback,
+    and one with both (or none) is still featcache's and equal."""
+    from transformers.image_processing_utils import BaseImageProcessor
+
+    ip = vision_model.processor.image_processor
+    base = BaseImageProcessor._standardize_kwargs
+
+    def as_5_17(self, size=None, min_pixels=None, max_pixels=None, **kwargs):
+        if min_pixels is not None and max_pixels is not None:
+            from transformers.image_utils import SizeDict
+
+            size = SizeDict(shortest_edge=min_pixels, longest_edge=max_pixels)
+        return super(type(self), self)._standardize_kwargs(size=size, **kwargs)
+
+    monkeypatch.setattr(type(ip), "_standardize_kwargs", as_5_17)
+    fast, cache = _fast(vision_model, monkeypatch)
+    assert isinstance(fast.maker, qwen2vl.PatchMaker) and not fast.maker.spec.single_limits
+    alone = [_item(images["png-895x449"], max_pixels=28 * 28 * 4)]
+    _assert_fallback(fast, cache, vision_model, alone, "max_pixels alone")
+    both = [_item(images["png-895x449"], min_pixels=28 * 28, max_pixels=28 * 28 * 4),
+            _item(images["jpeg-444-1000x700"])]
+    _check(fast, cache, vision_model, both, "both limits, and none")
+    assert base is BaseImageProcessor._standardize_kwargs
+
+
+def _torchvision_functional():
+    try:
+        from torchvision.transforms.v2 import functional
+    except Exception:  # (none here, or one that does not load beside this torch: the CPU's)
+        return None
+    return functional
+
+
+NEEDS_TORCHVISION = pytest.mark.skipif(
+    _torchvision_functional() is None,
+    reason="torchvision does not load here: on the GPU run list (docs/benchmarks.md, 'The GPU run list')")
+
+
+@NEEDS_TORCHVISION
+def test_torchvisions_uint8_bicubic_resize_with_antialias_is_pillows():
+    """The ground the torchvision-backed processor's fast path stands on, over 120 size pairs
+    (down and up by odd factors, to and from 1 pixel, 1:50): torchvision's resize of a uint8
+    tensor equals Pillow's BICUBIC of the same pixels, every value."""
+    functional = _torchvision_functional()
+    rng = np.random.default_rng(38)
+    pairs = [((1, 1), (28, 28)), ((28, 28), (1, 1)), ((1000, 20), (28, 560)), ((3000, 2000), (2996, 1988)),
+             ((1344, 1008), (1344, 1008)), ((37, 23), (56, 28))]
+    while len(pairs) < 120:
+        w, h = (int(v) for v in rng.integers(1, 1500, 2))
+        pairs.append(((w, h), (int(rng.integers(1, 1500)), int(rng.integers(1, 1500)))))
+    for (w, h), (tw, th) in pairs:
+        a = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        want = np.asarray(Image.fromarray(a, "RGB").resize((tw, th), Image.Resampling.BICUBIC))
+        got = functional.resize(torch.from_numpy(a).permute(2, 0, 1), [th, tw],
+                                interpolation=functional.InterpolationMode.BICUBIC, antialias=True)
+        assert torch.equal(got.permute(1, 2, 0), torch.from_numpy(want)), ((w, h), (tw, th))
+
+
+@NEEDS_TORCHVISION
+def test_the_torchvision_backed_processor_is_reproduced(tmp_path_factory, images, monkeypatch):
+    """transformers' torchvision-backed ``Qwen2VLImageProcessor`` (what a GPU install of lmdeploy
+    has): featcache's maker, every output equal over the corpus, the generated sizes and limits."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+    encoder = _encoder(tiny.checkpoint(tiny.QWEN2VL, tmp_path_factory))
+    try:
+        vm = encoder.model
+        vm.processor.image_processor = Qwen2VLImageProcessor.from_pretrained(
+            tiny.checkpoint(tiny.QWEN2VL, tmp_path_factory))
+        fast, cache = _fast(vm, monkeypatch)
+        assert isinstance(fast.maker, qwen2vl.PatchMaker), fast.why
+        for name, image in images.items():
+            _check(fast, cache, vm, [_item(image)], name)
+        for i, (w, h) in enumerate(SIZES):
+            for params in PIXELS:
+                _check(fast, cache, vm, [_item(_noise(w, h, seed=i), **params)], f"{w}x{h} {params}")
+        _check(fast, cache, vm, [_item(corpus._rgb(3000, 2000, seed=5), max_pixels=QWEN_MAX)], "3000x2000")
+    finally:
+        encoder.executor.shutdown(wait=True)

@@ -188,6 +188,8 @@ def _patch_plan(maker: PatchMaker, items: list[tuple[str, Any, dict[str, Any]]]
         high = _pixels_param(params, "max_pixels", maker.spec.max_pixels)
         if low is None or high is None:
             return None
+        if ("min_pixels" in params) != ("max_pixels" in params) and not maker.spec.single_limits:
+            return None  # (one alone: this transformers' processor ignores it, by its probe)
         try:
             maker.size(image.width, image.height, low, high)
         except (ValueError, ZeroDivisionError):

@@ -1,5 +1,6 @@
 """Qwen2-VL / Qwen2.5-VL preprocessing (lmdeploy 0.18's ``Qwen2VLModel.preprocess`` over
-transformers' ``Qwen2VLImageProcessorPil``), equal to it bit for bit and faster.
+transformers' ``Qwen2VLImageProcessorPil``, or its torchvision-backed ``Qwen2VLImageProcessor``
+where torchvision imports), equal to it bit for bit and faster.
 
 lmdeploy's recipe for one RGB image, one processor call per image: ``smart_resize`` picks a size
 whose sides are multiples of ``patch_size * merge_size`` and whose area lies in ``[min_pixels,
@@ -19,6 +20,11 @@ value alone: a ``[C, 256]`` table made once by the processor's own ``rescale`` a
 value is that table read at its pixel (``np.take``, which releases the GIL), written straight into
 the patchified layout, in row bands on a pool. ``qwen2vl_spec`` says whether a model is one this
 reproduces, and checks it against the processor itself on probe images before saying yes.
+
+The torchvision-backed processor does the same in torch: torchvision's uint8 BICUBIC resize with
+antialias (a port of Pillow's; the probes compare it with this Pillow's), one fused float32
+``(x - mean / r) / (std / r)`` (its own ``rescale_and_normalize`` makes the table) and the same
+patch layout; where a probe differs, lmdeploy's code runs.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ BICUBIC = 3  # PIL.Image.Resampling.BICUBIC
 MIN_BAND_BYTES = 4 << 20  # output bytes below which one image is one task (a thread's start costs more)
 _METHODS = ("__call__", "preprocess", "_preprocess", "_preprocess_image_like_inputs",
             "_prepare_image_like_inputs", "process_image", "convert_to_rgb", "resize", "rescale",
-            "normalize", "patchify", "_standardize_kwargs")
+            "normalize", "rescale_and_normalize", "_fuse_mean_std_and_rescale_factor", "patchify",
+            "_standardize_kwargs")
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,6 +59,9 @@ class PatchSpec:
     min_pixels: int
     max_pixels: int
     table: np.ndarray
+    # whether the processor honours a call's min_pixels or max_pixels given alone (transformers
+    # 5.24 does; 5.17 ignores either unless both are given): ``_probe`` finds out
+    single_limits: bool = False
 
     @property
     def channels(self) -> int:
@@ -59,16 +69,47 @@ class PatchSpec:
 
 
 def value_table(processor: Any) -> np.ndarray:
-    """The processor's own ``rescale`` then ``normalize`` (its arguments, as its ``_preprocess``
-    passes them) over a ``[C, 1, 256]`` image holding every uint8 value: float32 ``[C * 256]``."""
+    """The processor's own rescale and normalize (its arguments, as its ``_preprocess`` passes
+    them) over an image holding every uint8 value of each channel: float32 ``[C * 256]``. The PIL
+    processor: ``rescale`` then ``normalize`` in NumPy over ``[C, 1, 256]``; the
+    torchvision-backed one: its fused ``rescale_and_normalize`` in torch over ``[1, C, 1, 256]``."""
     channels = len(processor.image_mean)
-    probe = np.broadcast_to(np.arange(256, dtype=np.uint8), (channels, 1, 256)).copy()
-    x = processor.rescale(probe, processor.rescale_factor)
-    x = processor.normalize(x, processor.image_mean, processor.image_std)
-    x = np.asarray(x, dtype=np.float32)  # (patchify's own cast: a no-op on float32)
-    if x.shape != probe.shape:
-        raise ValueError(f"rescale and normalize made {x.shape} of {probe.shape}")
+    if _torchvision_backed(processor):
+        pixels = torch.arange(256, dtype=torch.uint8).expand(1, channels, 1, 256).contiguous()
+        y = processor.rescale_and_normalize(
+            pixels, processor.do_rescale, processor.rescale_factor, processor.do_normalize,
+            tuple(processor.image_mean), tuple(processor.image_std))  # (hashable: it is cached)
+        x = np.asarray(y.to(torch.float32).numpy())
+        shape: tuple[int, ...] = tuple(pixels.shape)
+    else:
+        probe = np.broadcast_to(np.arange(256, dtype=np.uint8), (channels, 1, 256)).copy()
+        x = processor.rescale(probe, processor.rescale_factor)
+        x = processor.normalize(x, processor.image_mean, processor.image_std)
+        x = np.asarray(x, dtype=np.float32)  # (patchify's own cast: a no-op on float32)
+        shape = probe.shape
+    if x.shape != shape:
+        raise ValueError(f"rescale and normalize made {x.shape} of {shape}")
     return np.ascontiguousarray(x.reshape(-1))
+
+
+def _processor_classes() -> tuple[type, ...]:
+    """transformers' Qwen2-VL image processors ``PatchMaker`` may reproduce: the PIL one, and the
+    torchvision-backed one where torchvision imports (its uint8 BICUBIC resize with antialias is
+    a port of Pillow's; ``_probe`` checks it against this Pillow before it is trusted)."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    classes: list[type] = [Qwen2VLImageProcessorPil]
+    try:
+        import torchvision  # noqa: F401  (without it, the class below is a placeholder)
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+    except Exception:  # (no torchvision, or one that does not load beside this torch)
+        return tuple(classes)
+    classes.append(Qwen2VLImageProcessor)
+    return tuple(classes)
+
+
+def _torchvision_backed(processor: Any) -> bool:
+    return any(c.__name__ == "TorchvisionBackend" for c in type(processor).__mro__)
 
 
 class PatchMaker:
@@ -133,7 +174,8 @@ def qwen2vl_spec(vision_model: Any) -> PatchSpec | str:
     why not (a sentence)."""
     try:
         from lmdeploy.vl.model.qwen2 import Qwen2VLModel
-        from transformers import Qwen2VLImageProcessorPil
+
+        classes = _processor_classes()
     except ImportError as e:
         return f"lmdeploy's Qwen2-VL model or transformers' PIL processor does not import ({e})"
     if not isinstance(vision_model, Qwen2VLModel):
@@ -141,9 +183,9 @@ def qwen2vl_spec(vision_model: Any) -> PatchSpec | str:
     if type(vision_model).preprocess is not Qwen2VLModel.preprocess:
         return f"{type(vision_model).__name__} has a preprocess of its own"
     ip = getattr(getattr(vision_model, "processor", None), "image_processor", None)
-    if type(ip) is not Qwen2VLImageProcessorPil:
-        return (f"its image processor is {type(ip).__name__}, not transformers' "
-                "Qwen2VLImageProcessorPil (the torchvision-backed one resizes differently)")
+    if ip is None or type(ip) not in classes:
+        return (f"its image processor is {type(ip).__name__}, not one of transformers' "
+                f"{' or '.join(c.__name__ for c in classes)}")
     patched = [name for name in _METHODS if name in vars(ip)]
     if patched:
         return f"its image processor's {', '.join(patched)} are replaced on the instance"
@@ -188,11 +230,32 @@ def _probe(ip: Any, spec: PatchSpec) -> PatchSpec | str:
     f = spec.patch_size * spec.merge_size
     for w, h in ((2 * f, f), (37, 23), (3 * f + 5, 2 * f - 3)):
         image = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
-        try:
-            want = ip(images=[image], return_tensors="pt")
-        except ValueError:
-            continue  # (a probe outside the processor's own limits)
-        got, thw = maker(image, spec.min_pixels, spec.max_pixels)
-        if not (torch.equal(got, want["pixel_values"]) and torch.equal(thw, want["image_grid_thw"])):
+        if _same(ip, maker, image, {}) is False:
             return f"featcache's patches differ from its processor's on a {w}x{h} probe"
-    return spec
+    # a call's own limits (lmdeploy passes an image's min_pixels/max_pixels): both given must be
+    # honoured as featcache does; one alone is where transformers versions differ
+    large = Image.fromarray(rng.integers(0, 256, (7 * f - 5, 10 * f + 3, 3), dtype=np.uint8), "RGB")
+    small = Image.fromarray(rng.integers(0, 256, (23, 37, 3), dtype=np.uint8), "RGB")
+    low = max(spec.min_pixels, 4 * f * f)  # below the large probe's area: it shrinks to it
+    if _same(ip, maker, large, dict(min_pixels=f * f, max_pixels=low)) is not True:
+        return "its processor does not honour a call's min_pixels and max_pixels as featcache does"
+    single = (_same(ip, maker, large, dict(max_pixels=low)) is True  # shrinks only if honoured
+              and _same(ip, maker, small, dict(min_pixels=16 * low)) is True)  # grows more if so
+    return PatchSpec(**{**spec.__dict__, "single_limits": single})
+
+
+def _same(ip: Any, maker: PatchMaker, image: Any, limits: dict[str, int]) -> bool | None:
+    """Whether ``maker`` gives what the processor gives for ``image`` called with ``limits``
+    (the others its defaults, as ``fastprep`` reads an image's parameters); None where the
+    processor refuses the call."""
+    import warnings
+
+    s = maker.spec
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (transformers deprecates min_pixels in a call)
+        try:
+            want = ip(images=[image], return_tensors="pt", **limits)
+        except ValueError:
+            return None  # (a probe outside the processor's own limits)
+    got, thw = maker(image, limits.get("min_pixels", s.min_pixels), limits.get("max_pixels", s.max_pixels))
+    return bool(torch.equal(got, want["pixel_values"]) and torch.equal(thw, want["image_grid_thw"]))
