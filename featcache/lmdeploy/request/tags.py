@@ -1,0 +1,92 @@
+"""What travels with an image when the model runs in another process: its key and metadata only.
+
+In the multi-process mode (lmdeploy's mp engine, tp > 1: docs/design.md "Several processes") the
+per-image dicts are pickled from the process that preprocesses to the process that schedules (the
+mp-engine child) and, inside ``MultiModalData.meta``, to every rank. A ``FeatRef`` cannot go
+there: it holds the cache and a lease. A ``FeatTag`` holds two byte strings, and for an image the
+frontend did not preprocess (it sent this process's model processes that image before: see
+``frontend``) the encoded image, so that a model process that lost its features can rebuild its
+pixels (``rebuild``).
+
+Invariant: unpickling a tag never raises (an exception while unpickling stops lmdeploy's RPC server
+or a rank, and with it every request). A pickled tag whose fields are not what a tag holds comes
+back as a ``FeatTag`` with ``valid`` False, which the model hook treats as an image featcache does
+not know: its features are computed from its pixels and not stored. Unpickling depends only on the
+pickled bytes, so every rank reads the same tag the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from ...chain import MAX_KEY_BYTES
+
+
+class Source(NamedTuple):
+    """What rebuilds an image where the frontend did not preprocess it, and the item's per-image
+    parameters (JSON text). ``raw`` and ``decode`` (JSON text) are either the encoded image as
+    the client sent it with lmdeploy's decode options (``{"io": ImageMediaIO kwargs}``) or the
+    decoded image's pixel bytes with their layout (``{"pil": {"mode": ..., "size": [w, h]}}``,
+    ``PIL.Image.tobytes``; an in-memory image given to a pipeline). ``rebuild.image`` reads it."""
+
+    raw: bytes
+    decode: str
+    params: str
+
+
+class FeatTag:
+    """An image's featcache key and entry metadata (``entry_meta``'s bytes), and for an image sent
+    without its pixels (the frontend skipped its preprocessing) the ``Source`` that rebuilds them;
+    picklable."""
+
+    __slots__ = ("key", "meta", "source", "valid")
+
+    def __init__(self, key: bytes, meta: bytes, source: Source | None = None) -> None:
+        if not isinstance(key, bytes) or not 0 < len(key) <= MAX_KEY_BYTES:
+            raise TypeError(f"a FeatTag key is 1-{MAX_KEY_BYTES} bytes, not {key!r:.40}")
+        if not isinstance(meta, bytes):
+            raise TypeError(f"a FeatTag meta is bytes, not {type(meta).__name__}")
+        if source is not None:
+            if not (isinstance(source, tuple) and len(source) == 3 and isinstance(source[0], bytes)
+                    and isinstance(source[1], str) and isinstance(source[2], str)):
+                raise TypeError("a FeatTag source is (bytes, str, str)")
+            source = Source(*source)
+        self.key = key
+        self.meta = meta
+        self.source = source
+        self.valid = True
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        if self.source is None:
+            return (_restore, (self.key, self.meta))
+        return (_restore, (self.key, self.meta, tuple(self.source)))
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, FeatTag) and self.valid == other.valid
+                and self.key == other.key and self.meta == other.meta
+                and self.source == other.source)
+
+    def __hash__(self) -> int:
+        return hash((self.key, self.meta, self.valid))
+
+    def __repr__(self) -> str:
+        if not self.valid:
+            return "FeatTag(invalid)"
+        return f"FeatTag({self.key.hex()}{', source' if self.source else ''})"
+
+
+def _invalid() -> FeatTag:
+    tag = FeatTag.__new__(FeatTag)
+    tag.key = b""
+    tag.meta = b""
+    tag.source = None
+    tag.valid = False
+    return tag
+
+
+def _restore(key: Any = None, meta: Any = None, source: Any = None, *_: Any) -> FeatTag:
+    """The unpickler's constructor: a tag, or an invalid one; never raises."""
+    try:
+        return FeatTag(key, meta, source)
+    except Exception:
+        return _invalid()
