@@ -141,9 +141,9 @@ def featcache_rows(url: str, raw: bytes, repeats: int, cache_class: Any) -> dict
     lmdeploy for the frontend's imports)."""
     import torch
 
-    from featcache.lmdeploy.entry_meta import encode_item
-    from featcache.lmdeploy.frontend import Frontend
-    from featcache.lmdeploy.sources import CachedImage, encoded_bytes
+    from featcache.lmdeploy.request.entry_meta import encode_item
+    from featcache.lmdeploy.request.frontend import Frontend
+    from featcache.lmdeploy.request.sources import CachedImage, encoded_bytes
 
     ns = "bench:hit-path"
     cache = cache_class(device="cpu", device_bytes="64MiB", host_bytes=0)

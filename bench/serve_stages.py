@@ -376,8 +376,8 @@ def install(sink: Sink, allow_loopback_media: bool = False) -> list[str]:
 
     try:  # featcache's hooks (absent from a plain lmdeploy server's code path, harmless there)
         from featcache.cache import FeatureCache
-        from featcache.lmdeploy import engine as fc_engine
-        from featcache.lmdeploy import frontend
+        from featcache.lmdeploy.pytorch import engine as fc_engine
+        from featcache.lmdeploy.request import frontend
     except ImportError:
         return done
     _patch(frontend.Frontend, "resolve_sources", lambda f: timed(f, "fc_resolve"), done,

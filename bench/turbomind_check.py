@@ -283,8 +283,8 @@ def fake_pass() -> None:
 def dry_run() -> int:
     """What can go wrong before the GPU: imports, requests, configs, compare on fake records."""
     import featcache.lmdeploy  # noqa: F401
-    import featcache.lmdeploy.tm_features  # noqa: F401
     import featcache.lmdeploy.turbomind  # noqa: F401
+    import featcache.lmdeploy.turbomind.features  # noqa: F401
 
     reqs = requests()
     assert len({label for label, _ in reqs}) == len(reqs)

@@ -39,8 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from bench.lib.engines import host_cache  # noqa: E402
 from bench.lib.results import write_report  # noqa: E402
 from bench.lib.timing import median_call_ms  # noqa: E402
-from featcache.lmdeploy.refs import REF_KEY, FeatRef  # noqa: E402
-from featcache.lmdeploy.tm_features import FeatureServer, InternVLTower  # noqa: E402
+from featcache.lmdeploy.request.refs import REF_KEY, FeatRef  # noqa: E402
+from featcache.lmdeploy.turbomind.features import FeatureServer, InternVLTower  # noqa: E402
 
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(vision=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2,

@@ -64,12 +64,12 @@ REMOTE_SCHEMES = ("redis", "rediss", "unix", "redis-cluster", "rediss-cluster", 
 ENGINE_PROCESSES = ("mp", "in")
 
 # What `featcache serve` tells each response of what its request got from the cache
-# (--featcache-report; featcache.serve_report): the X-Featcache header (the default), the header
+# (--featcache-report; featcache.server.report): the X-Featcache header (the default), the header
 # and the usage object's "featcache" member, or nothing.
 REPORTS = ("header", "usage", "off")
 
 # `featcache serve --trust-client-image-ids [verify]`: "on" trusts ids as given, "verify" checks
-# the bytes that come with an id (featcache.lmdeploy.sources).
+# the bytes that come with an id (featcache.lmdeploy.request.sources).
 ID_MODES = ("on", "verify")
 
 # `featcache serve --key-algorithm`: keyed blake3 (the default) or unkeyed xxh3 for one trusted
@@ -78,13 +78,13 @@ KEY_ALGORITHMS = ("blake3", "xxh3_128")
 
 # `eviction` (FeatureCache, `featcache serve --eviction`): what the device and host tiers evict
 # first. "admit" (the default): GreedyDual by what a hit saves (the vision time of its miss) per
-# byte, behind a TinyLFU admission filter that is on only while it pays (featcache.admission);
+# byte, behind a TinyLFU admission filter that is on only while it pays (featcache.eviction.admission);
 # "value": the lowest GreedyDual-Size-Frequency priority, what a hit saves x its uses / its bytes
 # (the default until issue 44: up to 36% below LRU where large images come back too late);
 # "lru": the least recently used entry (featcache.eviction; docs/design.md, "Eviction").
 EVICTIONS = ("lru", "value", "admit")
 
-# What featcache reads of the image a request names (featcache.lmdeploy.media.MediaPolicy;
+# What featcache reads of the image a request names (featcache.lmdeploy.request.media.MediaPolicy;
 # `featcache serve --max-image-bytes`, `--allowed-local-media-path`): at most max_image_bytes of
 # any source (a file, a data URL, an http body): a 4K RGBA PNG stored uncompressed is 32 MiB, a
 # camera JPEG ~10 MiB. Local files only under allowed_local_media_path (None: none; the Python

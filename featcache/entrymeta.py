@@ -3,7 +3,7 @@ count of featcache's JSON entry metadata, from any bytes, without raising and wi
 the ``"cost_s"`` (what a hit saves) that ``FeatureCache.put`` records and value eviction weighs.
 
 The format itself (one JSON object, keys sorted: ``{"fields": {...}, "ns": NAMESPACE, "pixels":
-[...]}``) is written by ``featcache.lmdeploy.entry_meta``, which documents it whole; a
+[...]}``) is written by ``featcache.lmdeploy.request.entry_meta``, which documents it whole; a
 ``FeatureCache`` user's own metadata may be anything, and reads as "not this format". Keys are
 digests, so ``ns`` is the only way to tell which model an entry belongs to (``featcache ls``,
 ``purge --namespace``).
@@ -96,7 +96,7 @@ COST_FIELD = "cost_s"  # what a hit on the entry saves: the seconds its miss's c
 def cost_of(meta: bytes) -> float | None:
     """The cost ``meta`` records (``"cost_s"`` of a JSON object: the seconds of computation a hit
     on the entry saves), or None; never raises. What the memory tiers' value eviction weighs
-    (``featcache.value``); cheap for metadata without one (a byte search)."""
+    (``featcache.eviction.value``); cheap for metadata without one (a byte search)."""
     if b'"cost_s"' not in meta or not meta.startswith(b"{"):
         return None
     try:

@@ -1,5 +1,5 @@
 """One computation per key at a time: the misses of ``FeatureCache.get_or_compute``, and of
-lmdeploy's model hook (``featcache.lmdeploy.models``).
+lmdeploy's model hook (``featcache.lmdeploy.pytorch.models``).
 
 Invariant: while a key's computation runs, every other caller of ``run`` for that key waits for it
 and gets its result, or its exception (nothing of a failed computation is kept: the next call

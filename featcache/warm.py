@@ -12,7 +12,7 @@ queues instead of dropping the entry, as a server's puts do. The store is flushe
 ``warm_images`` returns. The command line is ``featcache.cli.serving``'s.
 
 For a TurboMind server (``backend="turbomind"``), what its path serves is filled without building
-TurboMind's engine (``featcache.lmdeploy.tm_warm``): the native path's engine-ready pixels
+TurboMind's engine (``featcache.lmdeploy.turbomind.warm``): the native path's engine-ready pixels
 (lmdeploy's preprocessing: no GPU needed), the features path's features (the vision tower: on the
 GPU, else slowly on the CPU), or both for the combined configuration; keyed as a TurboMind
 ``featcache.lmdeploy.pipeline(..., turbomind=PATH)`` keys them (``featcache serve --backend
@@ -84,7 +84,7 @@ def model_error(model: str, error: BaseException) -> str:
     errors as a user can act on them, else the error's type and first line."""
     text = str(error).strip()
     archs = _architectures(model)
-    if "featcache does not cache" in text:  # featcache's own refusal (tm_warm): already says it
+    if "featcache does not cache" in text:  # featcache's own refusal (turbomind.warm): already says it
         return f"{model!r}: {' '.join(text.split())}"
     if "Could not find model architecture" in text:
         what = "its config.json names no model architecture (no \"architectures\")"
@@ -253,7 +253,7 @@ def _turbomind(model: str, cache: FeatureCache, path: str, dtype: str,
     all the images of a batch in one request, so the features tower runs over them at once."""
     from lmdeploy.utils import get_logger
 
-    from .lmdeploy.tm_warm import PromptPath
+    from .lmdeploy.turbomind.warm import PromptPath
 
     # lmdeploy logs INFO lines on stdout ("matching vision model: ..."), which carries warm's
     # report (--json: one object): errors only, as the PyTorch path's pipeline(log_level="ERROR")

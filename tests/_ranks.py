@@ -49,8 +49,8 @@ class Side:
         tiny.register_processors()  # the checkpoints' processors, for pixels rebuilt here
         from transformers import AutoConfig
 
-        from featcache.lmdeploy import models, ranks
-        from featcache.lmdeploy.engine import KeyedInputProcessor
+        from featcache.lmdeploy.pytorch import models, ranks
+        from featcache.lmdeploy.pytorch.engine import KeyedInputProcessor
 
         self.eng = eng
         self.config = AutoConfig.from_pretrained(path)
@@ -86,7 +86,7 @@ class Side:
         return embeds[0][mask].detach(), [x.detach() for x in self.model.vision_inputs]
 
     def close(self) -> None:
-        from featcache.lmdeploy import ranks
+        from featcache.lmdeploy.pytorch import ranks
 
         self.cls.prepare_inputs_for_generation = self.original_prepare
         ranks.reset_for_tests()
@@ -99,8 +99,8 @@ def rank_main(rank: int, path: str, init: str, blobs: list[bytes], evict: bytes,
     over ``second``: the same images sent again, without pixels)."""
     import torch.distributed as dist
 
-    from featcache.lmdeploy import ranks
-    from featcache.lmdeploy.frontend import SECTION
+    from featcache.lmdeploy.pytorch import ranks
+    from featcache.lmdeploy.request.frontend import SECTION
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=30))

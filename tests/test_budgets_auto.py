@@ -235,7 +235,7 @@ def test_doctor_says_what_auto_chooses_here_and_why(machine, monkeypatch, tmp_pa
 @pytest.fixture
 def lmdeploy_budgets():
     _lmdeploy_stack.need("featcache.lmdeploy")
-    from featcache.lmdeploy import budgets
+    from featcache.lmdeploy.pytorch import budgets
 
     return budgets
 
@@ -326,7 +326,7 @@ def test_pipeline_refuses_budgets_it_cannot_apply(lmdeploy_budgets):
 
 def test_a_model_process_sizes_its_cache_at_first_use_and_prints_why(machine, lmdeploy_budgets,
                                                                       tmp_path, capsys):
-    from featcache.lmdeploy import processes, ranks
+    from featcache.lmdeploy.pytorch import processes, ranks
 
     settings = processes.rank_settings(
         processes.FeatcacheEngineConfig(cache_max_entry_count=0.6,

@@ -237,7 +237,7 @@ def test_meta_summary():
 
 # -- verify -------------------------------------------------------------------------------------
 def test_entry_metadata_of_any_shape_is_read_without_raising():
-    from featcache.lmdeploy.entry_meta import namespace_of, read
+    from featcache.lmdeploy.request.entry_meta import namespace_of, read
 
     assert namespace_of(LMDEPLOY_META) == NS and read(LMDEPLOY_META).namespace == NS
     assert read(LMDEPLOY_META).image_tokens == 256

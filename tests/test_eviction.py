@@ -15,11 +15,11 @@ import torch
 from featcache import FeatureCache
 from featcache.entrymeta import cost_of, with_cost
 from featcache.eviction import POLICIES, books_for
-from featcache.lmdeploy.visioncost import VisionClock
+from featcache.eviction.value import DEFAULT_S_PER_BYTE, ValueBooks
+from featcache.lmdeploy.pytorch.visioncost import VisionClock
 from featcache.tiers.base import Entry
 from featcache.tiers.device import DeviceTier
 from featcache.tiers.host import HostTier
-from featcache.value import DEFAULT_S_PER_BYTE, ValueBooks
 
 
 def k(i: int) -> bytes:

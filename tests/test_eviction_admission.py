@@ -1,4 +1,4 @@
-"""The admission books (``eviction="admit"``, featcache/admission.py; issue 44) on hand-made cases:
+"""The admission books (``eviction="admit"``, featcache/eviction/admission.py; issue 44) on hand-made cases:
 the order (GreedyDual-Size by cost class), the admission duel (reuse x worth, ties keep the
 victim), the per-class filter and its ledger (on only while it pays), aging, the sketch, leases,
 and the books' invariants under random calls. The tiers with these books:
@@ -12,10 +12,9 @@ import zlib
 
 import pytest
 
-from featcache import admission
-from featcache.admission import AdmissionBooks, FrequencySketch
 from featcache.config import EVICTIONS
-from featcache.eviction import POLICIES, WEIGHS_COST, books_for
+from featcache.eviction import POLICIES, WEIGHS_COST, admission, books_for
+from featcache.eviction.admission import AdmissionBooks, FrequencySketch
 
 
 def k(i: int) -> bytes:

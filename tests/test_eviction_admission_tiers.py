@@ -1,4 +1,4 @@
-"""The tiers with ``eviction="admit"`` (featcache/admission.py; issue 44), tier by tier: the device
+"""The tiers with ``eviction="admit"`` (featcache/eviction/admission.py; issue 44), tier by tier: the device
 tier judges each put (an entry not admitted is not stored there; leases hold), the host tier keeps
 the same order and stores everything it is handed, the disk tier keeps its own LRU order (its
 books are LMDB's, not these), and FeatureCache puts with costs, through every tier. Plus the
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from featcache import FeatureCache
-from featcache.admission import AdmissionBooks
 from featcache.config import DEFAULTS, CacheConfig
 from featcache.entrymeta import with_cost
+from featcache.eviction.admission import AdmissionBooks
 from featcache.tiers.base import Entry
 from featcache.tiers.device import DeviceTier
 from featcache.tiers.host import HostTier

@@ -38,10 +38,10 @@ from test_lmdeploy_processes import path as path  # noqa: E402,F401
 from test_lmdeploy_processes import side as side  # noqa: E402,F401
 from test_lmdeploy_processes import sourced as sourced  # noqa: E402,F401
 
-from featcache.lmdeploy import models, ranks  # noqa: E402
-from featcache.lmdeploy.frontend import SECTION  # noqa: E402
-from featcache.lmdeploy.refs import REF_KEY  # noqa: E402
-from featcache.lmdeploy.report import report_of  # noqa: E402
+from featcache.lmdeploy.pytorch import models, ranks  # noqa: E402
+from featcache.lmdeploy.request.frontend import SECTION  # noqa: E402
+from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
+from featcache.lmdeploy.request.report import report_of  # noqa: E402
 
 _ranks.stub_xgrammar()  # (lmdeploy's engine modules import it)
 

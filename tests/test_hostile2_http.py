@@ -43,9 +43,9 @@ from test_media_sources import prompt_path as prompt_path  # noqa: E402,F401  (r
 from test_media_sources import rig as rig  # noqa: E402,F401
 from test_media_sources import serve as serve  # noqa: E402,F401
 
-from featcache.lmdeploy.frontend import Frontend  # noqa: E402
-from featcache.lmdeploy.media import MediaError, MediaPolicy  # noqa: E402
-from featcache.lmdeploy.sources import fetched_bytes  # noqa: E402
+from featcache.lmdeploy.request.frontend import Frontend  # noqa: E402
+from featcache.lmdeploy.request.media import MediaError, MediaPolicy  # noqa: E402
+from featcache.lmdeploy.request.sources import fetched_bytes  # noqa: E402
 
 DRIP_S = 0.3  # a byte every DRIP_S seconds
 DRIP_FOR_S = 6.0  # how long a drip lasts at most (then the server hangs up)

@@ -37,10 +37,10 @@ from test_lmdeploy_hostile import Rig, url_item  # noqa: E402
 from test_media_sources import StandInEngine  # noqa: E402
 from test_media_sources import model as model  # noqa: E402,F401  (the servers fixture's)
 
-from featcache.lmdeploy.media import LOCAL_FILES, MAX_IMAGE_OPTIONS_BYTES  # noqa: E402
-from featcache.lmdeploy.refs import REF_KEY  # noqa: E402
-from featcache.lmdeploy.sources import read_source  # noqa: E402
-from featcache.lmdeploy.urlkeys import DataUrlKeys  # noqa: E402
+from featcache.lmdeploy.request.media import LOCAL_FILES, MAX_IMAGE_OPTIONS_BYTES  # noqa: E402
+from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
+from featcache.lmdeploy.request.sources import read_source  # noqa: E402
+from featcache.lmdeploy.request.urlkeys import DataUrlKeys  # noqa: E402
 
 
 def png_of(image: Image.Image) -> bytes:
@@ -213,7 +213,7 @@ def servers(monkeypatch, model, tmp_path):
 
     import featcache.cli.serving as serving
     from featcache.cli import main as cli
-    from featcache.serve import lmdeploy_parser
+    from featcache.server.serve import lmdeploy_parser
 
     core = importlib.import_module("lmdeploy.serve.core")
     StandInEngine.built.clear()

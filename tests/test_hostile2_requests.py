@@ -37,10 +37,10 @@ from test_media_sources import model as model  # noqa: E402,F401  (the serve fix
 from test_media_sources import serve as serve  # noqa: E402,F401
 
 from featcache.lmdeploy import counters_cache  # noqa: E402
-from featcache.lmdeploy.frontend import SECTION, install_frontend  # noqa: E402
-from featcache.lmdeploy.refs import REF_KEY  # noqa: E402
-from featcache.lmdeploy.sources import BadImageError, ImageIdError, trust_image_ids  # noqa: E402
-from featcache.lmdeploy.tags import FeatTag  # noqa: E402
+from featcache.lmdeploy.request.frontend import SECTION, install_frontend  # noqa: E402
+from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
+from featcache.lmdeploy.request.sources import BadImageError, ImageIdError, trust_image_ids  # noqa: E402
+from featcache.lmdeploy.request.tags import FeatTag  # noqa: E402
 
 _ranks.stub_xgrammar()  # (lmdeploy's engine modules import it)
 
@@ -270,7 +270,7 @@ def stand_in_engine(scheduled: list, responses: list):
     """What lmdeploy's ``Engine._on_add_message`` reads of its engine, featcache's input
     processor (lmdeploy's own, wrapped) in place: the scheduled requests and the error
     responses are recorded."""
-    from featcache.lmdeploy.engine import KeyedInputProcessor
+    from featcache.lmdeploy.pytorch.engine import KeyedInputProcessor
 
     class Inner:
         def preprocess_input(self, input_ids, input_multimodals, **kwargs):
@@ -303,7 +303,7 @@ def test_a_tag_with_damaged_metadata_fails_its_own_request_the_one_beside_it_com
     from lmdeploy.messages import ResponseType
     from lmdeploy.pytorch.engine.engine import Engine
 
-    import featcache.lmdeploy.processes  # noqa: F401  (what installs the engine hooks)
+    import featcache.lmdeploy.pytorch.processes  # noqa: F401  (what installs the engine hooks)
 
     first, second, beside = images(50, 51, 52)
     if pixels == "without pixels":  # sent before: it travels as its bytes (a model process
@@ -337,7 +337,7 @@ def test_a_tag_with_damaged_metadata_fails_its_own_request_the_one_beside_it_com
 def test_tags_the_frontend_sends_pass_the_check(tag_frontend):
     """The check refuses only what the model could not store: every tag the frontend makes, with
     or without pixels, of every image of a request, passes it."""
-    from featcache.lmdeploy.engine import unservable
+    from featcache.lmdeploy.pytorch.engine import unservable
 
     a, b = images(53, 54)
     first = tag_frontend.prompt(tiny.messages(url_item(data_url(a)), url_item(data_url(b))))

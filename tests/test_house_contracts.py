@@ -31,11 +31,15 @@ def test_every_contract_of_the_house_is_kept():
 
 
 @pytest.mark.parametrize("module, line, contract", [
-    ("lru.py", "import featcache.lmdeploy.frontend", "The store's core never imports lmdeploy"),
+    ("eviction/lru.py", "import featcache.lmdeploy.request.frontend",
+     "The store's core never imports lmdeploy"),
+    ("eviction/lrumap.py", "import featcache.server.shutdown", "The store's core never imports lmdeploy"),
     ("tiers/disk.py", "import lmdeploy", "The store's core never imports lmdeploy"),
-    ("lmdeploy/prefix.py", "from . import tm_native", "The PyTorch engine's hooks never import TurboMind"),
-    ("lmdeploy/tm_route.py", "from . import ranks", "TurboMind's paths never import the PyTorch engine"),
-    ("serve.py", "import featcache.cli.render", "The CLI sits on top"),
+    ("lmdeploy/pytorch/prefix.py", "from ..turbomind import native",
+     "The PyTorch engine's hooks never import TurboMind"),
+    ("lmdeploy/turbomind/route.py", "from ..pytorch import ranks",
+     "TurboMind's paths never import the PyTorch engine"),
+    ("server/serve.py", "import featcache.cli.render", "The CLI sits on top"),
 ])
 def test_a_broken_layer_fails_with_its_contracts_name(tmp_path, module, line, contract):
     copy = tmp_path / "featcache"

@@ -10,7 +10,7 @@ import shutil
 
 import torch
 
-from featcache.lmdeploy.identity import model_identity
+from featcache.lmdeploy.request.identity import model_identity
 
 ARCH = "InternVLChatModel"
 

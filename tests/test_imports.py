@@ -13,7 +13,9 @@ the edges of a graph between the package's modules. What counts:
 
 The layers are data (``LAYERS``, bottom first), each a list of module names; a name covers the
 module and everything under it (``featcache.tiers`` covers ``featcache.tiers.disk``), but the
-root package ``featcache`` covers only its own ``__init__``. A module may import from its own
+root package ``featcache`` covers only its own ``__init__``, and so does a name ending in
+``.__init__`` (``featcache.server.__init__``: the package's ``__init__`` alone, where its modules
+sit in different layers). A module may import from its own
 layer and the layers below it. docs/design.md ("Layers") shows the same table; a test keeps the
 two equal.
 
@@ -38,11 +40,10 @@ PACKAGE = "featcache"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("featcache._version", "featcache.errors", "featcache.sizes", "featcache.keys",
                     "featcache.entrymeta",
-                    "featcache.codec", "featcache.config", "featcache.breaker", "featcache.lru",
-                    "featcache.value", "featcache.eviction", "featcache.lrumap", "featcache.hostpool",
-                    "featcache.copier",
+                    "featcache.codec", "featcache.config", "featcache.breaker", "featcache.eviction",
+                    "featcache.hostpool", "featcache.copier",
                     "featcache.singleflight", "featcache.autosize", "featcache.threads",
-                    "featcache.shutdown", "featcache.preprocess")),
+                    "featcache.server.shutdown", "featcache.preprocess")),
     ("LMDB store", ("featcache.store",)),
     ("tiers", ("featcache.tiers",)),
     ("cache", ("featcache.cache", "featcache.chain", "featcache.lookup", "featcache.writer",
@@ -51,8 +52,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("public API", ("featcache",)),
     ("store tools", ("featcache.storetools",)),
     ("lmdeploy integration", ("featcache.lmdeploy",)),
-    ("applications", ("featcache.serve", "featcache.serve_report", "featcache.warm",
-                      "featcache.demo")),
+    ("applications", ("featcache.server.__init__", "featcache.server.serve", "featcache.server.report",
+                      "featcache.warm", "featcache.demo")),
     ("command line", ("featcache.cli", "featcache.__main__")),
 )
 
@@ -133,7 +134,10 @@ def layer_of(module: str, layers: tuple[tuple[str, tuple[str, ...]], ...], packa
     found = set()
     for index, (_, names) in enumerate(layers):
         for covered in names:
-            if module == covered or (covered != package and module.startswith(covered + ".")):
+            if covered.endswith(".__init__"):
+                if module == covered.removesuffix(".__init__"):
+                    found.add(index)
+            elif module == covered or (covered != package and module.startswith(covered + ".")):
                 found.add(index)
     return found
 
@@ -301,3 +305,7 @@ def test_the_checks_find_circles_upward_imports_and_unplaced_modules(tmp_path):
              ("c", ("pkg",)))
     [leaf] = unplaced(modules, twice, "pkg")
     assert leaf.startswith("pkg.sub.leaf") and "is in 'a', 'b': place it" in leaf
+    split = (("a", ("pkg.sub.leaf", "pkg.low", "pkg.mid", "pkg.stray")), ("b", ("pkg",)),
+             ("c", ("pkg.sub.__init__", "pkg.high")))  # a package's __init__ alone
+    assert unplaced(modules, split, "pkg") == []
+    assert layer_of("pkg.sub", split, "pkg") == {2} and layer_of("pkg.sub.leaf", split, "pkg") == {0}

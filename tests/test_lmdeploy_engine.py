@@ -10,7 +10,7 @@ InternVL-HF and Qwen2-VL checkpoints built in the session). From there:
   class, called on a stand-in model object (its vision tower, embeddings and language model are
   fakes: the real ones need CUDA kernels and weights) and a stand-in ``StepContext`` holding the
   real ``MultiModalData`` (as the engine's ``StepContext.new`` would);
-- ``featcache.lmdeploy.models._serve`` directly.
+- ``featcache.lmdeploy.pytorch.models._serve`` directly.
 
 The fake vision tower computes each image's features from its own pixels, so which rows it was
 given, and where its output lands in the token embeddings, can be checked exactly.
@@ -36,10 +36,10 @@ from lmdeploy.pytorch.multimodal import data_type  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
 from featcache import FeatureCache  # noqa: E402
-from featcache.lmdeploy import models  # noqa: E402
-from featcache.lmdeploy.engine import KeyedInputProcessor  # noqa: E402
-from featcache.lmdeploy.frontend import SECTION, install_frontend  # noqa: E402
-from featcache.lmdeploy.refs import REF_KEY  # noqa: E402
+from featcache.lmdeploy.pytorch import models  # noqa: E402
+from featcache.lmdeploy.pytorch.engine import KeyedInputProcessor  # noqa: E402
+from featcache.lmdeploy.request.frontend import SECTION, install_frontend  # noqa: E402
+from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
 
 HIDDEN = 256  # the tiny LLMs' hidden size
 PATCH_ROW = 3 * 2 * 14 * 14  # one Qwen2-VL patch row: channels * temporal * patch * patch

@@ -1,10 +1,10 @@
 """featcache's lmdeploy frontend on lmdeploy's real CPU prompt path (ImageEncoder + MultimodalProcessor).
 
 Each test runs the same requests through plain lmdeploy and through lmdeploy with
-``featcache.lmdeploy.frontend`` installed, on tiny InternVL-HF and Qwen2-VL checkpoints built in
+``featcache.lmdeploy.request.frontend`` installed, on tiny InternVL-HF and Qwen2-VL checkpoints built in
 the session, and checks what reaches the engine: prompt, input_ids, image offsets and the per-image
 dicts; and whether lmdeploy's own preprocessing ran. The engine side (storing features) is
-simulated with ``cache.put(key, features, meta=ref.meta)``, as ``featcache.lmdeploy.models`` does.
+simulated with ``cache.put(key, features, meta=ref.meta)``, as ``featcache.lmdeploy.pytorch.models`` does.
 
 Needs lmdeploy 0.18 and its light dependencies (requirements/lmdeploy-cpu.txt); skipped without.
 """
@@ -25,9 +25,9 @@ import lmdeploy_tiny as tiny  # noqa: E402
 
 from featcache import FeatureCache  # noqa: E402
 from featcache.errors import FeatCacheError  # noqa: E402
-from featcache.lmdeploy import frontend as frontend_module  # noqa: E402
-from featcache.lmdeploy.frontend import SECTION, install_frontend  # noqa: E402
-from featcache.lmdeploy.refs import REF_KEY, FeatRef  # noqa: E402
+from featcache.lmdeploy.request import frontend as frontend_module  # noqa: E402
+from featcache.lmdeploy.request.frontend import SECTION, install_frontend  # noqa: E402
+from featcache.lmdeploy.request.refs import REF_KEY, FeatRef  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(  # lmdeploy passes min_pixels to transformers' processor
     "ignore:Passing `min_pixels` and `max_pixels`:FutureWarning")
@@ -288,7 +288,7 @@ def test_unreadable_metadata_is_a_miss_and_leaks_no_lease(rig):
 def test_entries_record_their_namespace_for_ls_and_purge(rig):
     import json
 
-    from featcache.lmdeploy.entry_meta import decode_item, namespace_of
+    from featcache.lmdeploy.request.entry_meta import decode_item, namespace_of
 
     out = rig.cached.prompt(tiny.messages(tiny.image_item(tiny.noise_image(90, 70, seed=11))))
     ref = out["multimodal"][0][REF_KEY]

@@ -23,9 +23,9 @@ from test_lmdeploy_sources import Rig as SourcesRig  # noqa: E402
 
 from featcache import FeatureCache  # noqa: E402
 from featcache.lmdeploy import counters_cache  # noqa: E402
-from featcache.lmdeploy.frontend import MediaOptionError, install_frontend  # noqa: E402
-from featcache.lmdeploy.refs import REF_KEY  # noqa: E402
-from featcache.lmdeploy.sources import ImageIdError, trust_image_ids  # noqa: E402
+from featcache.lmdeploy.request.frontend import MediaOptionError, install_frontend  # noqa: E402
+from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
+from featcache.lmdeploy.request.sources import ImageIdError, trust_image_ids  # noqa: E402
 
 GREY = {"image": {"image_mode": "L"}}
 
@@ -177,7 +177,7 @@ def test_the_frontend_keys_with_its_caches_secret(path, tmp_path):
 
 
 def test_the_tag_mode_keys_with_the_model_processes_store_secret(tmp_path):
-    from featcache.lmdeploy.processes import settings_hasher
+    from featcache.lmdeploy.pytorch.processes import settings_hasher
 
     with FeatureCache(device="cpu", host_bytes=0, disk_path=tmp_path / "s", disk_bytes="16MiB") as c:
         want = c.image_key(b"image bytes")
@@ -194,8 +194,8 @@ def test_the_tag_mode_keys_with_the_fleets_secret_when_serve_names_a_remote(path
     store path and a ``remote_url``, serving.py's ``sizes``), on a replica whose store made a
     secret of its own before it joined the fleet: the frontend, keying at start before any model
     process opened the store, keys as the model processes' caches do, with the fleet's secret."""
-    from featcache.lmdeploy import ranks
-    from featcache.lmdeploy.processes import settings_hasher
+    from featcache.lmdeploy.pytorch import ranks
+    from featcache.lmdeploy.pytorch.processes import settings_hasher
 
     server = _redis.RedisServer(_redis.redis_binary(), tmp_path)
     raw = png(tiny.noise_image(64, 48, seed=31))
@@ -334,7 +334,7 @@ def test_an_image_that_is_none_is_the_clients_error_one_warning_counted(rig, cap
     no traceback, not featcache's ERROR."""
     import logging
 
-    from featcache.lmdeploy.sources import BadImageError
+    from featcache.lmdeploy.request.sources import BadImageError
 
     caplog.set_level(logging.WARNING, logger="featcache")
     for _ in range(3):
@@ -362,7 +362,7 @@ def test_trust_modes_are_checked(rig):
 def test_the_guard_of_a_model_featcache_does_not_cache_checks_options_too(options, why):
     """Where featcache does not cache the model it still reads the sources (``SourceGuard``), so
     a client's malformed decode options are its 400 there too, not an error inside decoding."""
-    from featcache.lmdeploy.sources import SourceGuard
+    from featcache.lmdeploy.request.sources import SourceGuard
 
     guard = SourceGuard()
     msgs = tiny.messages(url_item(data_url(png(tiny.noise_image(32, 32, seed=24)))))

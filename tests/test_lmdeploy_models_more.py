@@ -46,10 +46,11 @@ from lmdeploy.pytorch.models import internvl, qwen2_5_vl  # noqa: E402
 from test_lmdeploy_engine import HIDDEN, MERGE, PATCH_ROW, Rig, step_context  # noqa: E402
 
 from featcache import FeatureCache  # noqa: E402
-from featcache.lmdeploy import models, wrap  # noqa: E402
-from featcache.lmdeploy.engine import KeyedInputProcessor  # noqa: E402
-from featcache.lmdeploy.frontend import install_frontend  # noqa: E402
-from featcache.lmdeploy.refs import REF_KEY  # noqa: E402
+from featcache.lmdeploy import wrap  # noqa: E402
+from featcache.lmdeploy.pytorch import models  # noqa: E402
+from featcache.lmdeploy.pytorch.engine import KeyedInputProcessor  # noqa: E402
+from featcache.lmdeploy.request.frontend import install_frontend  # noqa: E402
+from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
 
 QWEN25 = "Qwen2_5_VLForConditionalGeneration"
 INTERNVL_CHAT = "InternVLChatModel"
@@ -469,7 +470,7 @@ def test_a_prefix_match_inside_a_held_image_serves_its_tail_rows(rig, patched, m
     import test_lmdeploy_prefix as tp
     from lmdeploy.pytorch.messages import SchedulerSequence
 
-    from featcache.lmdeploy import prefix
+    from featcache.lmdeploy.pytorch import prefix
 
     for name, method in (prefix._installed[0] if prefix._installed else {}).items():
         monkeypatch.setattr(SchedulerSequence, name, method)

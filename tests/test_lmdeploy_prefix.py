@@ -1,4 +1,4 @@
-"""featcache's prefix-cache hook (``featcache.lmdeploy.prefix``) on lmdeploy's real CPU code.
+"""featcache's prefix-cache hook (``featcache.lmdeploy.pytorch.prefix``) on lmdeploy's real CPU code.
 
 Requests go through lmdeploy's real prompt path with featcache's frontend and the model's real
 input processor inside ``KeyedInputProcessor`` (the rigs of ``test_lmdeploy_engine``: tiny
@@ -39,9 +39,9 @@ from lmdeploy.pytorch.paging.scheduler import Scheduler  # noqa: E402
 from lmdeploy.pytorch.strategies.ar.sequence import ARSequenceStrategy  # noqa: E402
 from test_lmdeploy_engine import CLASSES  # noqa: E402
 
-from featcache.lmdeploy import prefix  # noqa: E402
-from featcache.lmdeploy.refs import REF_KEY, FeatRef  # noqa: E402
-from featcache.lmdeploy.tags import FeatTag  # noqa: E402
+from featcache.lmdeploy.pytorch import prefix  # noqa: E402
+from featcache.lmdeploy.request.refs import REF_KEY, FeatRef  # noqa: E402
+from featcache.lmdeploy.request.tags import FeatTag  # noqa: E402
 
 MROPE = (tiny.QWEN2VL, "Qwen2_5_VLForConditionalGeneration")  # the architectures with M-RoPE
 TAIL = [11, 12]  # text after the prompt's template (stands in for the next turn's first words)

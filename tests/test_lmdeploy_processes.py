@@ -38,10 +38,11 @@ import _ranks  # noqa: E402
 import lmdeploy_tiny as tiny  # noqa: E402
 import test_lmdeploy_engine as eng  # noqa: E402
 
-from featcache.lmdeploy import counters_cache, models, prefix, ranks  # noqa: E402
-from featcache.lmdeploy.frontend import SECTION, install_frontend  # noqa: E402
-from featcache.lmdeploy.refs import REF_KEY, FeatRef  # noqa: E402
-from featcache.lmdeploy.tags import FeatTag, Source, _restore  # noqa: E402
+from featcache.lmdeploy import counters_cache  # noqa: E402
+from featcache.lmdeploy.pytorch import models, prefix, ranks  # noqa: E402
+from featcache.lmdeploy.request.frontend import SECTION, install_frontend  # noqa: E402
+from featcache.lmdeploy.request.refs import REF_KEY, FeatRef  # noqa: E402
+from featcache.lmdeploy.request.tags import FeatTag, Source, _restore  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -118,7 +119,7 @@ def test_a_one_process_ref_refuses_to_cross_a_process_boundary():
     import copy
 
     from featcache import FeatureCache
-    from featcache.lmdeploy.refs import FeatRef
+    from featcache.lmdeploy.request.refs import FeatRef
 
     with FeatureCache(device="cpu", device_bytes="1MiB", host_bytes=0) as cache:
         ref = FeatRef(cache, b"k" * 16, b"{}", None)
@@ -435,7 +436,7 @@ def _fresh_python(code: str) -> subprocess.CompletedProcess:
 def test_engine_config_unpickled_in_a_fresh_process_installs_the_engine_hooks():
     from lmdeploy import PytorchEngineConfig
 
-    from featcache.lmdeploy.processes import FeatcacheEngineConfig
+    from featcache.lmdeploy.pytorch.processes import FeatcacheEngineConfig
 
     config = FeatcacheEngineConfig.of(PytorchEngineConfig(enable_mp_engine=True, tp=1,
                                                           enable_prefix_caching=True),
@@ -443,7 +444,7 @@ def test_engine_config_unpickled_in_a_fresh_process_installs_the_engine_hooks():
     blob = pickle.dumps(config)
     code = f"""
 import pickle, sys
-assert "featcache.lmdeploy.processes" not in sys.modules
+assert "featcache.lmdeploy.pytorch.processes" not in sys.modules
 config = pickle.loads({blob!r})
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.engine.mp_engine.base_worker import EngineWorkerBase
@@ -457,7 +458,7 @@ print(type(config).__name__, config.enable_mp_engine, config.enable_prefix_cachi
 
 
 def test_module_map_file_installs_the_model_hooks_through_lmdeploy(tmp_path):
-    from featcache.lmdeploy.processes import rank_hook_file
+    from featcache.lmdeploy.pytorch.processes import rank_hook_file
 
     settings = {"feature_cache": {"device": "cpu", "device_bytes": 1 << 20, "host_bytes": 0,
                                   "disk_path": str(tmp_path / "store")}}
@@ -468,7 +469,7 @@ import os, _ranks
 _ranks.stub_xgrammar()
 from lmdeploy.pytorch.models.patch import update_custom_module_map
 update_custom_module_map({hook!r})  # what lmdeploy's model agent runs in each rank
-from featcache.lmdeploy import rankstats, ranks, models
+from featcache.lmdeploy.pytorch import rankstats, ranks, models
 from lmdeploy.pytorch.models.internvl3_hf import InternVLForConditionalGeneration as C
 assert ranks.installed() and C.prepare_inputs_for_generation._featcache
 cache = ranks.local_cache()
@@ -485,7 +486,7 @@ print(cache.config.disk_path, answers[0]["rank"], answers[0]["stats"]["lmdeploy"
 def test_module_map_is_set_on_the_target_model_config_only_while_building(path):
     from lmdeploy.pytorch.config import ModelConfig
 
-    from featcache.lmdeploy import processes
+    from featcache.lmdeploy.pytorch import processes
 
     with processes._module_map("/x/featcache_rank_hook.py"):
         config = ModelConfig.from_pretrained(path, device_type="cpu")
@@ -497,7 +498,7 @@ def test_module_map_is_set_on_the_target_model_config_only_while_building(path):
 
 def test_settings_of_a_cache_rebuild_its_tiers(tmp_path):
     from featcache import FeatureCache
-    from featcache.lmdeploy.processes import cache_settings
+    from featcache.lmdeploy.pytorch.processes import cache_settings
 
     with FeatureCache(device="cpu", device_bytes="8MiB", host_bytes=0,
                       disk_path=str(tmp_path), disk_bytes="64MiB") as cache:
@@ -517,7 +518,7 @@ def test_engine_stats_read_the_ranks_sockets_never_lmdeploys_executor(tmp_path):
     read by the running engine (a second reader could take a forward's outputs)."""
     import types
 
-    from featcache.lmdeploy import processes, rankstats
+    from featcache.lmdeploy.pytorch import processes, rankstats
 
     class Executor:
         def collective_rpc(self, *args, **kwargs):
@@ -580,13 +581,13 @@ def _png_bytes(seed: int = 40) -> bytes:
     (Source(b"\0" * 12, '{"pil": {"mode": "P", "size": [2, 2]}}', "{}"), "do not match"),
 ])
 def test_a_source_that_cannot_rebuild_is_found_without_decoding(source, why):
-    from featcache.lmdeploy.rebuild import problem
+    from featcache.lmdeploy.pytorch.rebuild import problem
 
     assert why in problem(source)
 
 
 def test_a_source_the_frontend_sends_can_rebuild():
-    from featcache.lmdeploy.rebuild import problem
+    from featcache.lmdeploy.pytorch.rebuild import problem
 
     assert problem(Source(_png_bytes(), '{"io": {}}', "{}")) is None
     assert problem(Source(b"\0" * 12, '{"pil": {"mode": "RGB", "size": [2, 2]}}',
@@ -602,8 +603,8 @@ def test_the_engine_answers_a_request_with_an_unservable_image_alone():
     from lmdeploy.messages import ResponseType
     from lmdeploy.pytorch.engine.engine import Engine
 
-    import featcache.lmdeploy.processes  # noqa: F401  (what installs the engine hooks)
-    from featcache.lmdeploy.engine import KeyedInputProcessor
+    import featcache.lmdeploy.pytorch.processes  # noqa: F401  (what installs the engine hooks)
+    from featcache.lmdeploy.pytorch.engine import KeyedInputProcessor
 
     processed, responses, scheduled = [], [], []
 

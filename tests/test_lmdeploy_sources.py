@@ -22,9 +22,9 @@ import lmdeploy_tiny as tiny  # noqa: E402
 from lmdeploy.vl.media.image import ImageMediaIO  # noqa: E402
 
 from featcache import FeatureCache, image_key  # noqa: E402
-from featcache.lmdeploy.frontend import SECTION, Frontend, install_frontend  # noqa: E402
-from featcache.lmdeploy.refs import REF_KEY  # noqa: E402
-from featcache.lmdeploy.sources import encoded_bytes, source_of  # noqa: E402
+from featcache.lmdeploy.request.frontend import SECTION, Frontend, install_frontend  # noqa: E402
+from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
+from featcache.lmdeploy.request.sources import encoded_bytes, source_of  # noqa: E402
 
 HIDDEN = 256
 
@@ -244,7 +244,7 @@ def test_a_data_url_is_read_in_one_strict_pass(monkeypatch):
     well-formed data URL, and what a lenient client sends still gives lmdeploy's bytes."""
     import pybase64
 
-    from featcache.lmdeploy import sources
+    from featcache.lmdeploy.request import sources
 
     calls: list[str] = []
     parse, decode = sources.urlparse, pybase64.b64decode
@@ -309,7 +309,7 @@ def test_a_remembered_data_url_whose_features_are_gone_costs_what_any_miss_costs
 
 def test_remembered_data_urls_are_bounded():
     from featcache.keys import image_key as key_of
-    from featcache.lmdeploy.urlkeys import DataUrlKeys
+    from featcache.lmdeploy.request.urlkeys import DataUrlKeys
 
     urls = DataUrlKeys(capacity=2)
     idents = [urls.ident(f"data:image/png;base64,{i}", {}, {}) for i in range(3)]
@@ -335,7 +335,7 @@ def id_item(image_id: str, url: str | None = None, **params) -> dict:
 
 @pytest.fixture
 def trusted(rig):
-    from featcache.lmdeploy.sources import trust_image_ids
+    from featcache.lmdeploy.request.sources import trust_image_ids
 
     trust_image_ids(rig.cached.processor, True)
     return rig
@@ -364,7 +364,7 @@ def test_a_trusted_id_is_sent_once_with_its_image_then_alone(trusted, decodes):
 
 
 def test_an_id_the_cache_does_not_hold_asks_for_the_image_again(trusted):
-    from featcache.lmdeploy.sources import ImageIdError
+    from featcache.lmdeploy.request.sources import ImageIdError
 
     with pytest.raises(ImageIdError, match="not in the cache .* send the image again with this uuid"):
         trusted.cached.prompt(tiny.messages(id_item("never-sent")))
@@ -372,7 +372,7 @@ def test_an_id_the_cache_does_not_hold_asks_for_the_image_again(trusted):
 
 
 def test_ids_are_refused_where_they_cannot_be_honoured(trusted):
-    from featcache.lmdeploy.sources import ImageIdError
+    from featcache.lmdeploy.request.sources import ImageIdError
 
     rig = trusted
     with pytest.raises(ImageIdError, match="could not be read"):  # lmdeploy's fetcher refuses it
@@ -384,7 +384,7 @@ def test_ids_are_refused_where_they_cannot_be_honoured(trusted):
 
 
 def test_without_trust_an_id_alone_is_refused_and_an_id_beside_the_image_is_ignored(rig):
-    from featcache.lmdeploy.sources import ImageIdError
+    from featcache.lmdeploy.request.sources import ImageIdError
 
     raw = png(tiny.noise_image(64, 48, seed=12))
     out = rig.cached.prompt(tiny.messages(id_item("sku-1", data_url(raw))))
@@ -407,7 +407,7 @@ def test_ids_of_different_models_and_contents_never_meet():
 def test_an_id_only_hit_that_cannot_be_served_fails_with_a_message_not_a_crash(trusted, monkeypatch):
     """The frontend failing after an id-only hit cannot fall back to decoding (no bytes were
     sent): the request gets the message, and the entry is unpinned at once."""
-    from featcache.lmdeploy.sources import ImageIdError
+    from featcache.lmdeploy.request.sources import ImageIdError
 
     rig = trusted
     raw = png(tiny.noise_image(90, 70, seed=13))

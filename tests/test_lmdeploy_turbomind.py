@@ -32,10 +32,10 @@ import turbomind_binding  # noqa: E402
 
 from featcache import FeatureCache  # noqa: E402
 from featcache.lmdeploy import wrap  # noqa: E402
-from featcache.lmdeploy.frontend import SECTION  # noqa: E402
-from featcache.lmdeploy.refs import REF_KEY  # noqa: E402
-from featcache.lmdeploy.tm_common import check_host_cache  # noqa: E402
-from featcache.lmdeploy.tm_native import fingerprint, install_native  # noqa: E402
+from featcache.lmdeploy.request.frontend import SECTION  # noqa: E402
+from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
+from featcache.lmdeploy.turbomind.common import check_host_cache  # noqa: E402
+from featcache.lmdeploy.turbomind.native import fingerprint, install_native  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Passing `min_pixels` and `max_pixels`:FutureWarning")
@@ -221,7 +221,7 @@ sys.path.insert(0, sys.argv[1])
 torch.cuda.mem_get_info = lambda *a: (0, 0)
 import lmdeploy_tiny as tiny
 from featcache import FeatureCache
-from featcache.lmdeploy.tm_native import install_native
+from featcache.lmdeploy.turbomind.native import install_native
 tiny.register_processors()
 cache = FeatureCache(device="cpu", device_bytes="64MiB", host_bytes=0, disk_path=sys.argv[3],
                      disk_bytes="64MiB")
@@ -387,7 +387,7 @@ def test_tower_runs_in_turbomind_vision_dtype(tmp_path_factory, binding):
     namespace; with equal dtypes the namespace is unchanged."""
     from lmdeploy.messages import TurbomindEngineConfig
 
-    from featcache.lmdeploy.tm_features import InternVLTower
+    from featcache.lmdeploy.turbomind.features import InternVLTower
 
     path = weighted_checkpoint(tmp_path_factory)
     namespaces = {}
@@ -421,7 +421,7 @@ def test_turbomind_vit_differences_in_kind():
     other rounding) than the checkpoint's own code; none for the InternVL3 defaults."""
     from transformers import InternVLConfig
 
-    from featcache.lmdeploy.tm_features import turbomind_vit_differences
+    from featcache.lmdeploy.turbomind.features import turbomind_vit_differences
 
     assert turbomind_vit_differences(InternVLConfig()) == []
     cfg = InternVLConfig(vision_feature_layer=-2, vision_feature_select_strategy="full",

@@ -33,11 +33,11 @@ from test_lmdeploy_turbomind import (  # noqa: E402
 
 from featcache import FeatureCache  # noqa: E402
 from featcache.lmdeploy import wrap  # noqa: E402
-from featcache.lmdeploy.frontend import SECTION  # noqa: E402
-from featcache.lmdeploy.refs import REF_KEY  # noqa: E402
-from featcache.lmdeploy.tm_combined import features_key  # noqa: E402
-from featcache.lmdeploy.tm_native import fingerprint  # noqa: E402
-from featcache.lmdeploy.tm_route import (  # noqa: E402
+from featcache.lmdeploy.request.frontend import SECTION  # noqa: E402
+from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
+from featcache.lmdeploy.turbomind.combined import features_key  # noqa: E402
+from featcache.lmdeploy.turbomind.native import fingerprint  # noqa: E402
+from featcache.lmdeploy.turbomind.route import (  # noqa: E402
     FEATURES,
     NATIVE,
     RouteBook,

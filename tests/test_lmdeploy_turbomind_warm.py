@@ -2,7 +2,7 @@
 looks up and serves.
 
 Warm runs lmdeploy's real TurboMind prompt path (``ImageEncoder`` + ``MultimodalProcessor``) with
-featcache's path installed, no engine (``featcache.lmdeploy.tm_warm``). The "server" here is the same
+featcache's path installed, no engine (``featcache.lmdeploy.turbomind.warm``). The "server" here is the same
 prompt path built as the other TurboMind tests build it, with lmdeploy's real TurboMind source model
 bound in the engine dtype (tests/test_lmdeploy_turbomind.py, ``source_model``): its namespaces come
 from the engine, warm's from ``resolved_dtypes``; a hit proves they agree.
@@ -28,10 +28,10 @@ from test_lmdeploy_turbomind import ENGINE_DTYPE, source_model, weighted_checkpo
 from featcache import FeatureCache  # noqa: E402
 from featcache.cli import main as cli  # noqa: E402
 from featcache.lmdeploy import wrap  # noqa: E402
-from featcache.lmdeploy.frontend import SECTION  # noqa: E402
-from featcache.lmdeploy.refs import REF_KEY  # noqa: E402
-from featcache.lmdeploy.tm_native import fingerprint  # noqa: E402
-from featcache.lmdeploy.tm_warm import resolve_dtype, resolved_dtypes  # noqa: E402
+from featcache.lmdeploy.request.frontend import SECTION  # noqa: E402
+from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
+from featcache.lmdeploy.turbomind.native import fingerprint  # noqa: E402
+from featcache.lmdeploy.turbomind.warm import resolve_dtype, resolved_dtypes  # noqa: E402
 from featcache.warm import TURBOMIND_PATHS, warm_images  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(

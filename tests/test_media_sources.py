@@ -2,7 +2,7 @@
 FIFOs, devices, huge files, data URLs and http bodies; none reaches the answer, blocks the server or
 takes its memory, and lmdeploy never reads a source itself.
 
-Three levels: ``featcache.lmdeploy.media`` alone (the policy and its readers); lmdeploy's real
+Three levels: ``featcache.lmdeploy.request.media`` alone (the policy and its readers); lmdeploy's real
 prompt path (``MultimodalProcessor`` + ``ImageEncoder`` on a tiny checkpoint) with featcache's
 frontend, lmdeploy's own reader replaced by one that fails the test if it is ever asked for an
 image; and `featcache serve` end to end: lmdeploy's real CLI, api_server, FastAPI app, chat
@@ -33,10 +33,10 @@ from lmdeploy.vl.media import connection  # noqa: E402
 from lmdeploy.vl.media.image import ImageMediaIO  # noqa: E402
 
 from featcache import FeatureCache  # noqa: E402
-from featcache.lmdeploy import media  # noqa: E402
-from featcache.lmdeploy.frontend import SECTION, Frontend, install_frontend  # noqa: E402
-from featcache.lmdeploy.media import LOCAL_FILES, MediaError, MediaPolicy, read_local  # noqa: E402
-from featcache.lmdeploy.sources import encoded_bytes, fetched_bytes, set_media_policy  # noqa: E402
+from featcache.lmdeploy.request import media  # noqa: E402
+from featcache.lmdeploy.request.frontend import SECTION, Frontend, install_frontend  # noqa: E402
+from featcache.lmdeploy.request.media import LOCAL_FILES, MediaError, MediaPolicy, read_local  # noqa: E402
+from featcache.lmdeploy.request.sources import encoded_bytes, fetched_bytes, set_media_policy  # noqa: E402
 
 GiB = 1 << 30
 

@@ -288,7 +288,7 @@ def test_a_model_processes_rebuild_preprocesses_with_featcache(vision_model, ima
     """A model process rebuilding the pixels of an image it lost (``rebuild.pixels``) runs
     featcache's preprocessing over the model its settings name: lmdeploy's output, counted as
     fast on the process's cache; lmdeploy's own where no cache is open there."""
-    from featcache.lmdeploy import rebuild
+    from featcache.lmdeploy.pytorch import rebuild
 
     monkeypatch.setenv(fastprep.ENV, "cpu")
     settings = {"model_path": vision_model.model_path, "dtype": "float16", "device_type": "cpu",

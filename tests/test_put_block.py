@@ -222,7 +222,7 @@ def test_warm_blocks_its_puts_so_no_image_is_lost(tmp_path, monkeypatch):
                 for r in requests:
                     i = int(os.path.basename(r[0]["content"][1]["image_url"]["url"]).split(".")[0])
                     cache.count(SECTION, "misses")
-                    cache.put(key(i), feats(i))  # what featcache/lmdeploy/models.py does
+                    cache.put(key(i), feats(i))  # what featcache/lmdeploy/pytorch/models.py does
             thread = threading.Thread(target=engine, name="engine", daemon=True)
             thread.start()
             thread.join(1.0)

@@ -1,4 +1,4 @@
-"""featcache.lmdeploy.rankstats: the model processes' counters read from outside them."""
+"""featcache.lmdeploy.pytorch.rankstats: the model processes' counters read from outside them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from featcache.lmdeploy import rankstats
+from featcache.lmdeploy.pytorch import rankstats
 
 if not hasattr(socket, "AF_UNIX"):
     pytest.skip("Unix sockets only", allow_module_level=True)

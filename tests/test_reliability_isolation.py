@@ -151,7 +151,7 @@ def test_image_files_cannot_plant_the_frontends_key_hint():
     comments and EXIF must never arrive there as bytes after decoding."""
     name = "featcache_key"
     try:
-        from featcache.lmdeploy.sources import KEY_INFO
+        from featcache.lmdeploy.request.sources import KEY_INFO
     except ImportError:
         KEY_INFO = name
     assert KEY_INFO == name, "the hint's name changed: update this test"

@@ -36,11 +36,11 @@ from lmdeploy.serve.core.async_engine import GenOut  # noqa: E402
 
 from featcache import FeatureCache  # noqa: E402
 from featcache.entrymeta import cost_of  # noqa: E402
-from featcache.lmdeploy import models  # noqa: E402
-from featcache.lmdeploy.refs import REF_KEY, FeatRef  # noqa: E402
-from featcache.lmdeploy.report import RequestReport, merged, report_of  # noqa: E402
-from featcache.lmdeploy.tags import FeatTag, Source  # noqa: E402
-from featcache.lmdeploy.visioncost import VisionClock  # noqa: E402
+from featcache.lmdeploy.pytorch import models  # noqa: E402
+from featcache.lmdeploy.pytorch.visioncost import VisionClock  # noqa: E402
+from featcache.lmdeploy.request.refs import REF_KEY, FeatRef  # noqa: E402
+from featcache.lmdeploy.request.report import RequestReport, merged, report_of  # noqa: E402
+from featcache.lmdeploy.request.tags import FeatTag, Source  # noqa: E402
 
 VISION_S = 0.02  # the stand-in vision call's time
 

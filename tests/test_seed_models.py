@@ -46,8 +46,8 @@ sys.path.insert(0, os.path.join(_ROOT, "bench", "device"))
 import make_seed_models as seed  # noqa: E402
 
 from featcache import FeatureCache  # noqa: E402
-from featcache.lmdeploy.frontend import SECTION, install_frontend  # noqa: E402
-from featcache.lmdeploy.refs import REF_KEY  # noqa: E402
+from featcache.lmdeploy.request.frontend import SECTION, install_frontend  # noqa: E402
+from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers: rope_scaling
 TINY = ["tiny2b", "tiny26b"]
@@ -271,7 +271,7 @@ def test_turbomind_native_path(models, key, torchvision, monkeypatch):
         from lmdeploy.turbomind.turbomind import TurboMind
         from transformers import AutoConfig
 
-        from featcache.lmdeploy.tm_native import install_native
+        from featcache.lmdeploy.turbomind.native import install_native
 
         model = INPUT_MODELS.get("internvl")(AutoConfig.from_pretrained(path, trust_remote_code=True),
                                              resolver=None, vision_resolver=None,
@@ -376,7 +376,7 @@ def test_legacy_tower_computes_the_published_internvit(models, key, monkeypatch)
     run list (docs/benchmarks.md), and skips elsewhere."""
     import importlib.util
 
-    from featcache.lmdeploy.tm_features import LegacyInternVLTower, check_features_arch
+    from featcache.lmdeploy.turbomind.features import LegacyInternVLTower, check_features_arch
 
     check_features_arch("InternVLChatModel")  # served by the features path now
     device = "cpu"
@@ -403,7 +403,7 @@ def test_turbomind_features_path_serves_the_legacy_models_features(models, torch
     from lmdeploy.messages import TurbomindEngineConfig
 
     from featcache.lmdeploy import wrap
-    from featcache.lmdeploy.tm_features import LegacyInternVLTower
+    from featcache.lmdeploy.turbomind.features import LegacyInternVLTower
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (0, 0))
     path = models["tiny2b"]["path"]

@@ -46,7 +46,7 @@ def test_serve_in_process_builds_its_cache_with_the_policy(served):  # noqa: F81
 
 
 def test_serve_multi_process_hands_the_policy_to_each_model_process(served, tmp_path):  # noqa: F811
-    from featcache.lmdeploy import processes, ranks
+    from featcache.lmdeploy.pytorch import processes, ranks
 
     seen = served("--eviction", "value")  # lmdeploy's engine process, the default
     assert seen["rc"] == 0
@@ -80,7 +80,7 @@ def test_pipeline_takes_the_policy_for_the_cache_it_builds(monkeypatch):
     from lmdeploy import PytorchEngineConfig
 
     import featcache.lmdeploy as fc
-    from featcache.lmdeploy.processes import FeatcacheEngineConfig
+    from featcache.lmdeploy.pytorch.processes import FeatcacheEngineConfig
 
     with pytest.raises(ValueError, match="eviction must be one of lru, value"):
         fc.pipeline("some/model", eviction="lfu")

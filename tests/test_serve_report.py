@@ -1,4 +1,4 @@
-"""``featcache.serve_report``'s middleware over a toy ASGI app: the ``X-Featcache`` header on each
+"""``featcache.server.report``'s middleware over a toy ASGI app: the ``X-Featcache`` header on each
 response of a prepared request, ``usage.featcache`` in a chat completion's JSON body or a stream's
 final usage chunk (``--featcache-report usage``), bodies untouched otherwise, and each of several
 concurrent requests with its own report. `featcache serve` end to end: tests/test_request_report.py.
@@ -13,8 +13,8 @@ import _lmdeploy_stack
 
 _lmdeploy_stack.require()  # featcache.lmdeploy's report; CI fails instead of skipping
 
-from featcache.lmdeploy.report import REQUEST, RequestReport  # noqa: E402
-from featcache.serve_report import ReportMiddleware  # noqa: E402
+from featcache.lmdeploy.request.report import REQUEST, RequestReport  # noqa: E402
+from featcache.server.report import ReportMiddleware  # noqa: E402
 
 
 # -- the middleware ----------------------------------------------------------------------------------

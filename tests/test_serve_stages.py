@@ -115,8 +115,8 @@ def test_timers_charge_executor_work_to_its_request(tmp_path_factory):
     from PIL import Image
 
     from featcache import FeatureCache
-    from featcache.lmdeploy.frontend import install_frontend
-    from featcache.lmdeploy.refs import REF_KEY
+    from featcache.lmdeploy.request.frontend import install_frontend
+    from featcache.lmdeploy.request.refs import REF_KEY
 
     st = load("serve_stages")
     st.install(st.Sink(str(tmp_path_factory.mktemp("s") / "x.jsonl")))

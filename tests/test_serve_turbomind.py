@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import featcache.cli.serving as serving
-import featcache.serve as serve
+import featcache.server.serve as serve
 from featcache.cli import main
 
 INTERNVL = {"architectures": ["InternVLForConditionalGeneration"], "model_type": "internvl"}

@@ -122,7 +122,7 @@ def served(monkeypatch, model, tmp_path):
 
 
 def test_serve_builds_lmdeploys_server_with_featcache_in_process(served, tmp_path):
-    from featcache.lmdeploy.engine import KeyedInputProcessor
+    from featcache.lmdeploy.pytorch.engine import KeyedInputProcessor
 
     seen = served("--enable-prefix-caching", "--engine-process", "in")
 
@@ -199,8 +199,8 @@ def test_serve_turbomind_hits_through_the_prompt_path(model, tmp_path, monkeypat
 
     from featcache import FeatureCache
     from featcache.lmdeploy import wrap
-    from featcache.lmdeploy.frontend import SECTION
-    from featcache.lmdeploy.refs import REF_KEY
+    from featcache.lmdeploy.request.frontend import SECTION
+    from featcache.lmdeploy.request.refs import REF_KEY
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (0, 0))
     engine = StandInEngine(model, TurbomindEngineConfig(dtype="float16", enable_prefix_caching=True),
@@ -239,7 +239,7 @@ def test_serve_metrics_off_and_refusals(served, capsys):
 def test_serve_runs_lmdeploys_process_model_unless_clients_name_images(served):
     """The default is lmdeploy's own (the engine in a second process); with client image ids it
     is the server's process (an id alone carries no bytes for an engine process to rebuild)."""
-    from featcache.lmdeploy.processes import FeatcacheEngineConfig
+    from featcache.lmdeploy.pytorch.processes import FeatcacheEngineConfig
 
     assert served()["rc"] == 0
     [engine] = StandInEngine.built
@@ -262,10 +262,10 @@ def test_serve_multi_process_mode_tags_images_for_the_model_processes(served, tm
     executor, at tp=1 too) puts the model in rank processes: the engine config carries the model
     processes' cache settings, and the server's frontend tags every image (no cache of its
     own): preprocessed the first time, sent as its bytes after."""
-    from featcache.lmdeploy.frontend import SECTION
-    from featcache.lmdeploy.processes import FeatcacheEngineConfig
-    from featcache.lmdeploy.refs import REF_KEY
-    from featcache.lmdeploy.tags import FeatTag
+    from featcache.lmdeploy.pytorch.processes import FeatcacheEngineConfig
+    from featcache.lmdeploy.request.frontend import SECTION
+    from featcache.lmdeploy.request.refs import REF_KEY
+    from featcache.lmdeploy.request.tags import FeatTag
 
     seen = served("--enable-prefix-caching", *flags)
 
@@ -294,7 +294,7 @@ def test_serve_multi_process_mode_tags_images_for_the_model_processes(served, tm
 
 def test_lmdeploys_flags_are_not_taken_for_prefixes_of_featcaches():
     from featcache.cli import build_parser
-    from featcache.serve import lmdeploy_parser
+    from featcache.server.serve import lmdeploy_parser
 
     ours, rest = build_parser().parse_known_args(
         ["serve", "m", "--device", "cuda", "--disk-bytes", "1GiB"])  # as `featcache` parses it
@@ -420,8 +420,8 @@ def test_warm_keys_files_as_a_server_keys_the_same_bytes(model, tmp_path):
     import torch
 
     from featcache import FeatureCache
-    from featcache.lmdeploy.frontend import SECTION, install_frontend
-    from featcache.lmdeploy.refs import REF_KEY
+    from featcache.lmdeploy.request.frontend import SECTION, install_frontend
+    from featcache.lmdeploy.request.refs import REF_KEY
     from featcache.warm import request
 
     path = tmp_path / "pic.png"

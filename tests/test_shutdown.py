@@ -16,12 +16,12 @@ import time
 
 import pytest
 
-from featcache.shutdown import Watchdog, bounded_shutdown, queued_writes
+from featcache.server.shutdown import Watchdog, bounded_shutdown, queued_writes
 
 HANG = textwrap.dedent("""
     import logging, subprocess, sys, time
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    from featcache.shutdown import Watchdog
+    from featcache.server.shutdown import Watchdog
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     print(child.pid, flush=True)
     Watchdog(deadline_s=1.0, pending=lambda: "lost: 0 queued demotion(s), 3 queued disk write(s)").arm(
@@ -94,7 +94,7 @@ def test_the_gpu_scripts_commands_parse_with_featcaches_and_lmdeploys_parsers():
     import shutdown_serve
 
     from featcache.cli.serving import featcache_parser
-    from featcache.serve import lmdeploy_parser
+    from featcache.server.serve import lmdeploy_parser
 
     commands = [shutdown_serve.command(c, "/m/x", "/tmp/s", shutdown_serve.PORT + i)
                 for i, c in enumerate(shutdown_serve.PYTORCH + shutdown_serve.TURBOMIND)]
@@ -114,7 +114,7 @@ def test_the_gpu_scripts_commands_parse_with_featcaches_and_lmdeploys_parsers():
 
 def test_the_last_line_says_what_the_close_flushed(tmp_path):
     from featcache import FeatureCache
-    from featcache.shutdown import close_reporting
+    from featcache.server.shutdown import close_reporting
 
     cache = FeatureCache(device="cpu", device_bytes=1 << 20, host_bytes=1 << 20,
                          disk_path=str(tmp_path / "store"), disk_bytes=1 << 24)

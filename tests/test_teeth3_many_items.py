@@ -17,9 +17,9 @@ _lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
 
 import lmdeploy_tiny as tiny  # noqa: E402
 
-from featcache.lmdeploy.engine import unservable  # noqa: E402
-from featcache.lmdeploy.refs import REF_KEY  # noqa: E402
-from featcache.lmdeploy.tags import FeatTag, Source  # noqa: E402
+from featcache.lmdeploy.pytorch.engine import unservable  # noqa: E402
+from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
+from featcache.lmdeploy.request.tags import FeatTag, Source  # noqa: E402
 
 
 def _png_bytes(seed: int = 40) -> bytes:
@@ -75,7 +75,7 @@ def test_the_report_of_a_request_to_model_processes_counts_every_image_sent_with
     pixels (a source to rebuild them: the model process holds their features) are the hits,
     wherever they stand. (Planted: the count as ``int(any(...))``; a request of one image
     passed.)"""
-    from featcache.lmdeploy.report import report_of
+    from featcache.lmdeploy.request.report import report_of
 
     items = [_rebuildable(1), _with_pixels(2), _rebuildable(3), _with_pixels(4), _rebuildable(5)]
     report = report_of({"multimodal": items}, "mp")

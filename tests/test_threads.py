@@ -59,7 +59,7 @@ def test_the_server_narrows_the_teams_for_an_engine_in_its_own_process(monkeypat
     from lmdeploy import PytorchEngineConfig
     from lmdeploy.serve.openai import api_server
 
-    import featcache.serve as serve
+    import featcache.server.serve as serve
 
     calls = []
     monkeypatch.setattr(threads, "share_cores", lambda *a: calls.append(a) or (1, "test"))

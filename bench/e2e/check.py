@@ -22,7 +22,7 @@ LONG_SUFFIX = ("then answer in one word, please, and nothing else at all; thank 
 LONG_TEXT = " ".join([LONG_PREFIX] * 10) + " " + LONG_SUFFIX
 # Texts of 225-245 characters before the image and a short question after it: with the tiny
 # models' ~30-token images the prompt's last whole 64-token block ends at 256, inside the image, so
-# the repeat's prefix match ends inside an image featcache holds (featcache.lmdeploy.prefix);
+# the repeat's prefix match ends inside an image featcache holds (featcache.lmdeploy.pytorch.prefix);
 # lmdeploy alone rewinds it to 192. (A long text after the image lets the match run past the
 # image's end: measured on the H200, 2026-11-30, both engines then reuse 320 or 384.)
 STRADDLE = [(LONG_PREFIX + " and a few more words of it, before the picture.")[:n] for n in (225, 235, 245)]
@@ -182,7 +182,7 @@ def check(model: str, tier_bytes: int = 12 << 10, configs: tuple[str, ...] = CHE
                              prompt_logits=logits_verdict(results["plain"]["rows"], results[name]["rows"]))
         if name != "featcache":  # against lmdeploy with the same prefix caching
             # like for like where both engines reused the same prefix; where featcache reused
-            # more (a match ending inside an image it holds, featcache.lmdeploy.prefix) there is no
+            # more (a match ending inside an image it holds, featcache.lmdeploy.pytorch.prefix) there is no
             # plain-prefix equivalent: those rows are held to plain lmdeploy without prefix caching
             ref = {r["label"]: r for r in results["plain_prefix"]["rows"]}
             more = [r["label"] for r in results[name]["rows"]

@@ -64,7 +64,7 @@ class PromptLogits:
         import hashlib
         import importlib
 
-        import featcache.lmdeploy.models as fcm
+        import featcache.lmdeploy.pytorch.models as fcm
 
         self.rows: list[dict[str, Any]] = []
         self.last: list[torch.Tensor] = []  # the last prefill's last-position logits, per sequence
@@ -170,7 +170,7 @@ def install_stage_timers(models: list[tuple[Any, str | None, Any]] | None = None
     its vision call (``vision``), and featcache's ``_serve`` (``fc_serve``: the vision call of a step
     with featcache, hits' leases, puts and the concatenation). ``models``: (class, vision method or
     None, vision submodule class or None); default: the four architectures featcache supports."""
-    import featcache.lmdeploy.models as fcm
+    import featcache.lmdeploy.pytorch.models as fcm
 
     if models is None:
         import importlib
@@ -214,7 +214,7 @@ def install_stage_timers(models: list[tuple[Any, str | None, Any]] | None = None
             return SPANS.span("fc_serve", orig, *a, **k)
         return _serve
     PATCHES.patch(fcm, "_serve", serve)  # looked up by name in featcache's vision wrapper, per call
-    done.append("featcache.lmdeploy.models._serve")
+    done.append("featcache.lmdeploy.pytorch.models._serve")
     return done
 
 

@@ -31,9 +31,9 @@ def standin() -> tuple[Any, list[tuple[Any, str | None, Any]], Any]:
     is seen to catch a feature-sized copy."""
     from lmdeploy.messages import Response
 
-    import featcache.lmdeploy.models as fcm
-    from featcache.lmdeploy.frontend import install_frontend
-    from featcache.lmdeploy.refs import REF_KEY
+    import featcache.lmdeploy.pytorch.models as fcm
+    from featcache.lmdeploy.request.frontend import install_frontend
+    from featcache.lmdeploy.request.refs import REF_KEY
 
     tiles, per_tile, hidden, token_id = 2, 4, 64, 7
 

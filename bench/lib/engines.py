@@ -38,8 +38,8 @@ def build(kind: str, model: str, prefix: bool, cache: Any = None, eager: bool = 
     if kind == "plain":
         return plain_pipeline(model, **kw)
     if kind == "plain_prefix":
-        from featcache.lmdeploy.engine import keep_prefix_caching
-        from featcache.lmdeploy.models import SPECS
+        from featcache.lmdeploy.pytorch.engine import keep_prefix_caching
+        from featcache.lmdeploy.pytorch.models import SPECS
 
         with keep_prefix_caching(True, supported=set(SPECS)):
             return plain_pipeline(model, **kw)
@@ -48,7 +48,7 @@ def build(kind: str, model: str, prefix: bool, cache: Any = None, eager: bool = 
     from featcache.lmdeploy import pipeline
 
     if cache_settings is not None:
-        from featcache.lmdeploy.processes import FeatcacheEngineConfig
+        from featcache.lmdeploy.pytorch.processes import FeatcacheEngineConfig
 
         kw["backend_config"] = FeatcacheEngineConfig.of(cfg, cache_settings)
     return pipeline(model, cache=cache, **kw)

@@ -51,7 +51,7 @@ def parse_command(cmd: list[str]) -> tuple[argparse.Namespace | None, argparse.N
     """A command line of ``lmdeploy_command`` or ``featcache_command`` parsed by featcache's and
     lmdeploy's own parsers (needs lmdeploy): (featcache's options or None, lmdeploy's)."""
     from featcache.cli.serving import featcache_parser
-    from featcache.serve import lmdeploy_parser
+    from featcache.server.serve import lmdeploy_parser
 
     if cmd[2] == "lmdeploy":
         return None, lmdeploy_parser().parse_args(cmd[5:])

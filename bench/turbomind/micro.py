@@ -22,7 +22,7 @@ def micro(pipe: Any, size: tuple[int, int], k: int = 5) -> dict[str, Any]:
     import torch
 
     from featcache.keys import image_key
-    from featcache.lmdeploy.entry_meta import encode_item
+    from featcache.lmdeploy.request.entry_meta import encode_item
 
     resolve, fingerprint = unprobed()
     hook = pipe.async_engine.vl_encoder.model.preprocess  # lmdeploy's own, under any featcache hook

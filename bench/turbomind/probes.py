@@ -55,7 +55,7 @@ def install_global_probes() -> None:
     import lmdeploy.turbomind.models.internvl as ivl
     import lmdeploy.turbomind.turbomind as tmt
 
-    import featcache.lmdeploy.tm_native as fct
+    import featcache.lmdeploy.turbomind.native as fct
 
     def resolve(original: Callable[..., bytes]) -> Callable[..., bytes]:
         def counted(input_mm: dict[str, Any], *a: Any) -> bytes:
@@ -74,14 +74,14 @@ def unprobed() -> tuple[Callable[..., bytes], Callable[..., bytes]]:
     before ``install_global_probes`` (for timing them alone)."""
     import lmdeploy.turbomind.models.internvl as ivl
 
-    import featcache.lmdeploy.tm_native as fct
+    import featcache.lmdeploy.turbomind.native as fct
 
     return PATCHES.original(ivl, "_resolve_fingerprint"), PATCHES.original(fct, "fingerprint")
 
 
 def instrument(pipe: Any, path: str) -> dict[str, Any]:
     """Wrap the live pipeline's steps (instance attributes); returns what was found."""
-    from featcache.lmdeploy.tm_native import NativePixels
+    from featcache.lmdeploy.turbomind.native import NativePixels
 
     engine = pipe.async_engine
     engine.preprocess = PROBE.timed("request_preprocess", engine.preprocess)

@@ -22,10 +22,10 @@ def standin_builder() -> Callable[[str, Any], Any]:
     from lmdeploy.messages import Response, TurbomindEngineConfig
     from lmdeploy.turbomind.turbomind import TurboMind
 
-    from featcache.lmdeploy.frontend import install_frontend
-    from featcache.lmdeploy.tm_combined import CombinedServer
-    from featcache.lmdeploy.tm_features import FeatureServer
-    from featcache.lmdeploy.tm_native import install_native
+    from featcache.lmdeploy.request.frontend import install_frontend
+    from featcache.lmdeploy.turbomind.combined import CombinedServer
+    from featcache.lmdeploy.turbomind.features import FeatureServer
+    from featcache.lmdeploy.turbomind.native import install_native
 
     tiles, per_tile = 2, 4
 

@@ -1,7 +1,7 @@
 """What the store commands print: tables and JSON documents built from what the store tools
 return. Pure functions (no I/O, no argument parsing): the commands print what these return.
 
-Entry metadata is read through its format's owner (``featcache.lmdeploy.entry_meta``), never
+Entry metadata is read through its format's owner (``featcache.lmdeploy.request.entry_meta``), never
 decoded here.
 """
 

@@ -1,6 +1,6 @@
 """The commands that run a model: ``serve`` (lmdeploy's api_server with featcache) and ``warm``
 (features of image files computed into the disk tier ahead of serving). Both need lmdeploy; the
-work is ``featcache.serve``'s and ``featcache.warm``'s, the parsing and printing are here.
+work is ``featcache.server.serve``'s and ``featcache.warm``'s, the parsing and printing are here.
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def _serve(args: argparse.Namespace) -> int:
     if "-h" in rest or "--help" in rest:
         logging.disable(logging.WARNING)  # lmdeploy logs warnings as it imports (optional modules)
         try:
-            from ..serve import lmdeploy_parser
+            from ..server.serve import lmdeploy_parser
 
             parser = lmdeploy_parser()  # (first: without lmdeploy, the error alone)
         finally:
@@ -235,7 +235,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"featcache serve: error: {why}", file=sys.stderr)
         return EXIT_ERROR
     from ..lmdeploy import counters_cache, default_cache  # lmdeploy: only when serving
-    from ..serve import (
+    from ..server.serve import (
         backend_of,
         caveat,
         engine_process_for,
@@ -251,7 +251,7 @@ def _serve(args: argparse.Namespace) -> int:
     if why:
         print(f"featcache serve: error: {why}", file=sys.stderr)
         return EXIT_BAD
-    from ..lmdeploy.media import MediaPolicy
+    from ..lmdeploy.request.media import MediaPolicy
 
     try:
         media = MediaPolicy.create(args.allowed_local_media_path, args.max_image_bytes)
@@ -304,7 +304,7 @@ def _serve(args: argparse.Namespace) -> int:
         run_server(lmdeploy_args, cache, args.namespace, trust_ids, engine_process, model_cache,
                    media, args.featcache_report, turbomind=args.turbomind)
     finally:
-        from ..shutdown import close_reporting
+        from ..server.shutdown import close_reporting
 
         print(close_reporting(cache), file=sys.stderr, flush=True)  # the last line: flushed
     return EXIT_OK

@@ -32,19 +32,19 @@ from typing import Any
 
 from ..cache import FeatureCache
 from ..config import DEFAULT_DIR, DEFAULTS, EVICTIONS
-from .budgets import EngineSizedCache, check_budgets, chosen_budgets, default_cache
-from .engine import KeyedInputProcessor, keep_prefix_caching
 from .fastprep import widen
-from .frontend import SECTION, install_frontend
-from .identity import model_identity
-from .media import LOCAL_FILES, MediaPolicy
-from .models import SPECS, patch_model_class
-from .prefix import install_prefix_hook
-from .refs import FeatRef
-from .report import RequestReport, install_reports
-from .sources import read_sources_under
-from .sources import trust_image_ids as trust_image_ids_on
-from .tags import FeatTag
+from .pytorch.budgets import EngineSizedCache, check_budgets, chosen_budgets, default_cache
+from .pytorch.engine import KeyedInputProcessor, keep_prefix_caching
+from .pytorch.models import SPECS, patch_model_class
+from .pytorch.prefix import install_prefix_hook
+from .request.frontend import SECTION, install_frontend
+from .request.identity import model_identity
+from .request.media import LOCAL_FILES, MediaPolicy
+from .request.refs import FeatRef
+from .request.report import RequestReport, install_reports
+from .request.sources import read_sources_under
+from .request.sources import trust_image_ids as trust_image_ids_on
+from .request.tags import FeatTag
 from .turbomind import wrap_turbomind
 
 __all__ = ["DEFAULT_DIR", "SECTION", "SPECS", "FeatRef", "FeatTag", "MediaPolicy", "RequestReport",
@@ -90,7 +90,7 @@ def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: s
                          f"{DEFAULTS['eviction']}), not {eviction!r}")
     backend_config = pipeline_kwargs.get("backend_config")
     if multi_process(backend_config):
-        from .processes import FeatcacheEngineConfig, cache_settings
+        from .pytorch.processes import FeatcacheEngineConfig, cache_settings
 
         settings = (cache_settings(cache) if cache is not None  # else the config's own, if any
                     else getattr(backend_config, "featcache_cache", None))
@@ -168,7 +168,7 @@ def model_stats(pipe: Any) -> list[dict[str, Any]]:
         return stats
     if isinstance(engine.input_processor, KeyedInputProcessor) and multi_process(
             engine.engine_config):  # tp > 1 or an mp/ray executor, the driver here
-        from .processes import engine_stats
+        from .pytorch.processes import engine_stats
 
         return engine_stats(engine)
     return [{"rank": 0, "pid": os.getpid(), "stats": pipe.featcache.stats()}]
@@ -185,9 +185,9 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
     (InternVL) vision features, ``"combined"`` both, routed per request: see
     ``featcache.lmdeploy.turbomind``.
     ``trust_image_ids``: honour the ids clients give their images (``"uuid"``, see
-    ``featcache.lmdeploy.sources``); only where every client may read every image.
+    ``featcache.lmdeploy.request.sources``); only where every client may read every image.
     ``media_policy``: where local image files may lie and how many bytes any image source may
-    have (``featcache.lmdeploy.media.MediaPolicy``); default ``media.LOCAL_FILES``, any file of
+    have (``featcache.lmdeploy.request.media.MediaPolicy``); default ``media.LOCAL_FILES``, any file of
     the caller's, at most ``MEDIA_DEFAULTS["max_image_bytes"]``. featcache reads every image
     source under it, for an architecture it does not cache too (lmdeploy reads none). Each
     request of a model it caches is reported (``report.install_reports``: each ``Response``'s
@@ -223,7 +223,7 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
                          "each in its own process group); run one pipeline per GPU instead")
     inner = getattr(engine.engine, "input_processor", None)
     if inner is None or multi_process(engine.backend_config):  # the model in other processes
-        from .processes import FeatcacheEngineConfig
+        from .pytorch.processes import FeatcacheEngineConfig
 
         if not isinstance(engine.backend_config, FeatcacheEngineConfig):
             raise ValueError(
@@ -231,8 +231,8 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
                 "an mp or ray executor), "
                 "which featcache reaches only through the engine config it was built with: "
                 "build it with featcache.lmdeploy.pipeline(), or pass backend_config="
-                "featcache.lmdeploy.processes.FeatcacheEngineConfig.of(config, settings)")
-        from .processes import settings_hasher
+                "featcache.lmdeploy.pytorch.processes.FeatcacheEngineConfig.of(config, settings)")
+        from .pytorch.processes import settings_hasher
 
         install_frontend(encoder.model, cache, namespace, engine.prompt_processor, tags=True,
                          hasher=settings_hasher(engine.backend_config.featcache_cache))

@@ -28,11 +28,11 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .. import autosize
-from ..autosize import Budgets, Choice, EngineMemory
-from ..cache import FeatureCache
-from ..config import BUDGETS, SERVING_BUDGETS, SERVING_BUDGETS_DEFAULT, CacheConfig, default_store_dir
-from ..sizes import format_bytes
+from ... import autosize
+from ...autosize import Budgets, Choice, EngineMemory
+from ...cache import FeatureCache
+from ...config import BUDGETS, SERVING_BUDGETS, SERVING_BUDGETS_DEFAULT, CacheConfig, default_store_dir
+from ...sizes import format_bytes
 
 log = logging.getLogger("featcache")
 

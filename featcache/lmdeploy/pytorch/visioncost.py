@@ -1,5 +1,5 @@
 """What a hit saves: the vision model's time on the misses of a step, per image, for
-``FeatureCache.put(..., cost_s=...)`` (value eviction weighs it: ``featcache.value``).
+``FeatureCache.put(..., cost_s=...)`` (value eviction weighs it: ``featcache.eviction.value``).
 
 One ``VisionClock`` per model instance (the model hook's vision wrapper holds it), so each model's
 rate is its own. A vision call runs over every miss of a step at once; each image's share is its

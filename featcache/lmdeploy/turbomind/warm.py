@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
-from ..cache import FeatureCache
-from .tm_combined import CombinedServer
-from .tm_route import FEATURES
-from .turbomind import PATHS
+from ...cache import FeatureCache
+from . import PATHS
+from .combined import CombinedServer
+from .route import FEATURES
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -117,7 +117,7 @@ class PromptPath:
         from lmdeploy.tokenizer import Tokenizer
         from lmdeploy.vl.engine import ImageEncoder
 
-        from .turbomind import wrap_turbomind
+        from . import wrap_turbomind
 
         if path not in PATHS:
             raise ValueError(f"turbomind path must be one of {PATHS}, not {path!r}")

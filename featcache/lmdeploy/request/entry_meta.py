@@ -14,7 +14,7 @@ or ``{"tensor": [DTYPE, SHAPE, FLAT VALUES]}`` for a tensor of at most 64 elemen
 grids). Keys are digests, so ``ns`` is the only way to tell which model an entry belongs to
 (``featcache ls``, ``purge --namespace``). ``cost_s`` is added by ``FeatureCache.put(...,
 cost_s=...)`` (the model hook's measure, ``visioncost``) and read by ``featcache.entrymeta.cost_of``
-for value eviction (``featcache.value``).
+for value eviction (``featcache.eviction.value``).
 
 Writers: the frontend (``encode_item``) and the TurboMind native path; readers: the frontend
 (``decode_item``) and the store commands (``featcache ls``, ``inspect``, ``purge --namespace``),
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..entrymeta import EntryMeta, namespace_of, read
+from ...entrymeta import EntryMeta, namespace_of, read
 from .refs import REF_KEY
 
 __all__ = ["EntryMeta", "decode_item", "encode_item", "namespace_of", "read"]

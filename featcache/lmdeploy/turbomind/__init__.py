@@ -2,12 +2,12 @@
 
 TurboMind runs the vision model of every VLM it accepts in C++, and takes host tensors. Two paths:
 
-- ``"native"`` (the default, ``tm_native``): the cache holds each image's engine-ready pixels and
+- ``"native"`` (the default, ``native``): the cache holds each image's engine-ready pixels and
   hands TurboMind a fingerprint derived from the key; TurboMind's own vision model still runs on
   a miss and its prefix cache covers repeated images;
-- ``"features"`` (opt-in, InternVL, ``tm_features``): the cache holds vision features, served
+- ``"features"`` (opt-in, InternVL, ``features``): the cache holds vision features, served
   to TurboMind's LLM as ``input_embeddings``; the vision tower runs in Python on misses only;
-- ``"combined"`` (opt-in, InternVL, ``tm_combined``): both, routed per request (``tm_route``): a
+- ``"combined"`` (opt-in, InternVL, ``combined``): both, routed per request (``route``): a
   chat turn continuing a context TurboMind indexed goes native (its prefix cache skips the ViT
   and the history's prefill), a fresh context whose images featcache holds goes features.
 
@@ -19,13 +19,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..cache import FeatureCache
-from .fastprep import widen
-from .media import LOCAL_FILES, MediaPolicy
-from .sources import read_sources_under, trust_image_ids
-from .tm_combined import install_combined
-from .tm_features import install_features
-from .tm_native import install_native_path
+from ...cache import FeatureCache
+from ..fastprep import widen
+from ..request.media import LOCAL_FILES, MediaPolicy
+from ..request.sources import read_sources_under, trust_image_ids
+from .combined import install_combined
+from .features import install_features
+from .native import install_native_path
 
 PATHS: dict[str, Callable[[Any, FeatureCache, str, str | None], None]] = {
     "native": install_native_path,
@@ -46,7 +46,7 @@ def install_turbomind(pipe: Any, cache: FeatureCache, arch: str, namespace: str 
 
 def wrap_turbomind(pipe: Any, cache: FeatureCache, arch: str, namespace: str | None, path: str,
                    trust_ids: bool | str = False, media: MediaPolicy = LOCAL_FILES) -> Any:
-    """``featcache.lmdeploy.wrap`` on a TurboMind pipeline (and ``tm_warm``'s): the ``path``
+    """``featcache.lmdeploy.wrap`` on a TurboMind pipeline (and ``warm``'s): the ``path``
     installed, the encoder's preprocessing widened (``fastprep``), client image ids honoured as
     asked, image sources read under ``media``; returns ``pipe``."""
     engine = pipe.async_engine

@@ -1,6 +1,6 @@
 """What each request got from the cache (``RequestReport``): its images, how many were served from
 the cache, from which tier, and the vision time that saved; for ``featcache serve``'s responses
-(``featcache.serve_report``: the ``X-Featcache`` header, the ``usage`` object) and the pipeline's
+(``featcache.server.report``: the ``X-Featcache`` header, the ``usage`` object) and the pipeline's
 (``Response.featcache``).
 
 Decided where lmdeploy 0.18 prepares a request, ``AsyncEngine.preprocess`` (the server's chat,
@@ -39,8 +39,8 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from ..entrymeta import cost_of
-from ..lrumap import LruMap
+from ...entrymeta import cost_of
+from ...eviction.lrumap import LruMap
 from .refs import REF_KEY, FeatRef
 from .tags import FeatTag
 

@@ -1,12 +1,12 @@
 """The eviction policies of the in-memory tiers, as a table: the config's ``eviction`` names one,
 and the device and host tiers keep their books with it.
 
-    "admit"  featcache.admission.AdmissionBooks  GreedyDual by cost class (lowest L + sqrt(cost /
+    "admit"  featcache.eviction.admission.AdmissionBooks  GreedyDual by cost class (lowest L + sqrt(cost /
                                                  bytes)) behind a TinyLFU admission filter that is
                                                  on only while it pays; the default
-    "value"  featcache.value.ValueBooks          GreedyDual-Size-Frequency: lowest
+    "value"  featcache.eviction.value.ValueBooks          GreedyDual-Size-Frequency: lowest
                                                  L + hits * cost / bytes (a burst of repeats one hit)
-    "lru"    featcache.lru.LruBooks              least recently used first
+    "lru"    featcache.eviction.lru.LruBooks              least recently used first
 
 "admit" is the default because it is the one within 2% of LRU on every trace of bench/eviction.py
 (the worst cell -0.8%, development and held-out traces alike; "value" lost up to 36% where large
@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+from ..config import EVICTIONS
 from .admission import AdmissionBooks
-from .config import EVICTIONS
 from .lru import LruBooks
 from .value import ValueBooks
 

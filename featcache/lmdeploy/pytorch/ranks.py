@@ -47,11 +47,11 @@ from typing import Any
 
 import torch
 
-from ..cache import FeatureCache
+from ...cache import FeatureCache
+from ..request.frontend import SECTION
+from ..request.refs import FeatRef
+from ..request.tags import FeatTag
 from .budgets import default_cache
-from .frontend import SECTION
-from .refs import FeatRef
-from .tags import FeatTag
 
 log = logging.getLogger("featcache")
 
@@ -105,7 +105,7 @@ def _close_at_exit() -> None:
     """This model process's last line on its cache's disk writes (``shutdown.close_reporting``)."""
     cache = _state["cache"]
     if cache is not None:
-        from ..shutdown import close_reporting
+        from ...server.shutdown import close_reporting
 
         try:
             who = f"featcache (model process, rank {rank()})"

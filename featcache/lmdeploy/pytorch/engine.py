@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from ..codec import MAX_META_BYTES
-from ..entrymeta import with_cost
-from .refs import REF_KEY
-from .tags import FeatTag
+from ...codec import MAX_META_BYTES
+from ...entrymeta import with_cost
+from ..request.refs import REF_KEY
+from ..request.tags import FeatTag
 
 log = logging.getLogger("featcache")
 

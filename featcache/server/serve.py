@@ -5,19 +5,19 @@ featcache installed on the engine the server builds. Differences, logged at star
 
 - where the PyTorch engine runs (``engine_process``): ``"mp"`` (the default) keeps lmdeploy's
   own process model (``enable_mp_engine``: the engine in a second process), where the engine
-  process serves the features (featcache's multi-process mode, ``featcache.lmdeploy.processes``;
+  process serves the features (featcache's multi-process mode, ``featcache.lmdeploy.pytorch.processes``;
   an image sent before travels without pixels); ``"in"`` runs it in the server's process, so the
   frontend that looks images up sits next to the model (the default with client image ids,
   ``engine_process_for``). ``--tp`` > 1 always runs in the multi-process mode (the ranks are
   processes of their own), in either engine process;
 - ``--enable-prefix-caching`` stays on for the supported VLMs (lmdeploy alone turns it off);
 - featcache reads every image source a request names, under a ``MediaPolicy``
-  (``featcache.lmdeploy.media``): local files only under ``--allowed-local-media-path`` (none
+  (``featcache.lmdeploy.request.media``): local files only under ``--allowed-local-media-path`` (none
   without it), regular files only, at most ``--max-image-bytes`` of any source; lmdeploy reads
   none itself;
 - each response says what its request got from the cache: the ``X-Featcache`` header, and with
   ``--featcache-report usage`` the ``featcache`` member of its ``usage`` object
-  (``featcache.serve_report``).
+  (``featcache.server.report``).
 
 featcache's counters are exported on the server's ``/metrics`` (``featcache_*``, beside lmdeploy's)
 unless ``--disable-metrics`` is given; in the multi-process mode those are the frontend's, and
@@ -39,12 +39,12 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .cache import FeatureCache
-from .config import ENGINE_PROCESSES, REPORTS
-from .lmdeploy import SPECS, keep_prefix_caching, multi_process, wrap
-from .lmdeploy.media import MediaPolicy
-from .lmdeploy.turbomind import PATHS
-from .warm import loading
+from ..cache import FeatureCache
+from ..config import ENGINE_PROCESSES, REPORTS
+from ..lmdeploy import SPECS, keep_prefix_caching, multi_process, wrap
+from ..lmdeploy.request.media import MediaPolicy
+from ..lmdeploy.turbomind import PATHS
+from ..warm import loading
 
 TURBOMIND_PATHS = tuple(PATHS)  # "native" (the default), "features", "combined"
 
@@ -85,7 +85,7 @@ def turbomind_refusal(path: str, backend: str, args: argparse.Namespace) -> str 
     """Why ``--turbomind path`` cannot serve lmdeploy's parsed ``args`` on ``backend``, or None:
     a path other than "native" on the PyTorch engine (the paths are TurboMind's), or features and
     combined for an architecture the features path cannot serve (``wrap``'s own message,
-    ``tm_features.check_features_arch``, said before the engine is built rather than when it is).
+    ``turbomind.features.check_features_arch``, said before the engine is built rather than when it is).
     """
     if path == "native":
         return None
@@ -97,7 +97,7 @@ def turbomind_refusal(path: str, backend: str, args: argparse.Namespace) -> str 
                 "cannot run it here); give --backend turbomind, or leave --turbomind out")
     from lmdeploy.archs import get_model_arch
 
-    from .lmdeploy.tm_features import check_features_arch
+    from ..lmdeploy.turbomind.features import check_features_arch
 
     try:
         arch, _ = get_model_arch(args.model_path, trust_remote_code=args.trust_remote_code)
@@ -156,7 +156,7 @@ def run_server(args: argparse.Namespace, cache: FeatureCache, namespace: str | N
     close of ``cache`` included (``shutdown.bounded_shutdown``)."""
     from lmdeploy.cli.serve import SubCliServe
 
-    from .serve_report import reporting_app
+    from .report import reporting_app
     from .shutdown import Watchdog, bounded_shutdown, queued_writes
 
     engines: list[Any] = []  # the engine, once built, where the model runs in other processes
@@ -180,7 +180,7 @@ def model_processes(engines: list[Any]) -> list[dict[str, Any]]:
     it is built, or where it runs in this process): ``featcache.lmdeploy.model_stats``."""
     if not engines:
         return []
-    from .lmdeploy import model_stats
+    from ..lmdeploy import model_stats
 
     return model_stats(types.SimpleNamespace(async_engine=engines[-1]))
 
@@ -190,7 +190,7 @@ def export_metrics(cache: FeatureCache,
     """featcache's families on prometheus_client's registry (what lmdeploy serves on /metrics),
     with the hit-latency histogram recorded, and ``processes``' (the model processes' counters,
     ``featcache_model_*{rank}``); the collector, or None without prometheus_client."""
-    from .metrics import instrument, register
+    from ..metrics import instrument, register
 
     try:
         collector = register(cache, processes=processes)
@@ -229,7 +229,7 @@ def featcache_engine(cache: FeatureCache, namespace: str | None,
     from lmdeploy import PytorchEngineConfig
     from lmdeploy.serve.openai import api_server
 
-    from .threads import share_cores
+    from ..threads import share_cores
 
     original = api_server.get_task
     media = MediaPolicy() if media_policy is None else media_policy
@@ -252,7 +252,7 @@ def featcache_engine(cache: FeatureCache, namespace: str | None,
                 wanted = bool(config.enable_prefix_caching)
                 elsewhere = multi_process(config)
                 if elsewhere:
-                    from .lmdeploy.processes import FeatcacheEngineConfig
+                    from ..lmdeploy.pytorch.processes import FeatcacheEngineConfig
 
                     kwargs["backend_config"] = FeatcacheEngineConfig.of(config, model_cache)
             with keep_prefix_caching(wanted, supported=set(SPECS)), \

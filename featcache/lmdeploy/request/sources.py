@@ -411,7 +411,7 @@ def set_media_policy(prompt_processor: Any, media: MediaPolicy) -> None:
     if frontend is None:
         raise ValueError("featcache is not installed on this prompt processor")
     if not isinstance(media, MediaPolicy):
-        raise TypeError(f"media_policy must be a featcache.lmdeploy.media.MediaPolicy, not "
+        raise TypeError(f"media_policy must be a featcache.lmdeploy.request.media.MediaPolicy, not "
                         f"{type(media).__name__}")
     frontend.media = media
 

@@ -58,13 +58,13 @@ from typing import Any
 
 import torch
 
-from ..cache import FeatureCache
-from ..singleflight import Flight, SingleFlight
+from ...cache import FeatureCache
+from ...singleflight import Flight, SingleFlight
+from ..request.frontend import SECTION
+from ..request.refs import REF_KEY, FeatRef
+from ..request.tags import FeatTag
 from . import ranks
-from .frontend import SECTION
 from .prefix import SKIP_KEY
-from .refs import REF_KEY, FeatRef
-from .tags import FeatTag
 from .visioncost import VisionClock
 
 log = logging.getLogger("featcache")

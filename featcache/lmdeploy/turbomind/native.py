@@ -23,7 +23,7 @@ lmdeploy's preprocessing for hits), each keyed image's per-image dict gets:
   same image carries the same fingerprint in every process and after restarts, and lmdeploy's
   sha256 over the pixels never runs for keyed images.
 
-The features path (opt-in, InternVL-HF) lives in ``tm_features``; ``turbomind`` picks the path.
+The features path (opt-in, InternVL-HF) lives in ``features``; ``turbomind`` picks the path.
 
 Invariants: TurboMind tensors come from a cache whose device tier is the host (``cpu``); a hit's
 lease is held by its per-image dict (a ``FeatRef``) until lmdeploy drops the request's
@@ -40,12 +40,12 @@ from typing import Any
 
 import torch
 
-from ..cache import FeatureCache
-from .entry_meta import encode_item
-from .frontend import SECTION, Frontend, _decoded, _preprocessed, install_frontend
-from .identity import model_identity
-from .refs import REF_KEY, FeatRef
-from .tm_common import check_host_cache, engine_vision_dtype
+from ...cache import FeatureCache
+from ..request.entry_meta import encode_item
+from ..request.frontend import SECTION, Frontend, _decoded, _preprocessed, install_frontend
+from ..request.identity import model_identity
+from ..request.refs import REF_KEY, FeatRef
+from .common import check_host_cache, engine_vision_dtype
 
 log = logging.getLogger("featcache")
 

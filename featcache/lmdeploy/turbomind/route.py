@@ -47,7 +47,7 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from ..lrumap import LruMap
+from ...eviction.lrumap import LruMap
 
 NATIVE = "native"
 FEATURES = "features"

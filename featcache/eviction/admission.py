@@ -50,7 +50,7 @@ LRU at 1 GiB: ledgers near a tie flipped the filter on where it did not pay; the
 -3.2%, with the margin +4.0%, the development traces' gains kept within a few points.)
 docs/design.md, "Eviction", says why this design and what else was tried.
 
-Invariants (the ``Books`` contract, as ``featcache.lru.LruBooks``):
+Invariants (the ``Books`` contract, as ``featcache.eviction.lru.LruBooks``):
 - ``used_bytes`` is the sum of the sizes of the keys held and never exceeds ``capacity_bytes``;
 - a key with a positive pin count (lent to an in-flight user) is never chosen as a victim;
 - ``evict_for`` removes its victims only when it returns them (else nothing is removed: a refusal

@@ -26,8 +26,8 @@ from typing import Any
 
 import blake3
 
-from ..keys import ImageKey
-from ..lrumap import LruMap
+from ...eviction.lrumap import LruMap
+from ...keys import ImageKey
 from .media import ImageOptions
 
 CAPACITY = 4096  # entries

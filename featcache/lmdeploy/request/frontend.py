@@ -37,11 +37,11 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from ..cache import FeatureCache
-from ..keys import ImageKey, KeyHasher, KeyPrefix
-from ..lrumap import LruMap
+from ...cache import FeatureCache
+from ...eviction.lrumap import LruMap
+from ...keys import ImageKey, KeyHasher, KeyPrefix
+from ..fastprep import FastPreprocess
 from .entry_meta import decode_item, encode_item
-from .fastprep import FastPreprocess
 from .httpfetch import FetchError
 from .media import LOCAL_FILES, ImageOptions, MediaError, MediaPolicy, image_io_options
 from .media import MediaOptionError as MediaOptionError  # (its home: media; named here too)

@@ -3,16 +3,16 @@ on chat turns *and* featcache's vision-model skip on fresh contexts, chosen per 
 
 No single TurboMind request can have both (lmdeploy 0.18 keeps requests with ``input_embeddings``
 out of its prefix cache, in C++: docs/turbomind.md), so each request is routed to the native path
-or to the features path by ``tm_route.decide``, from what featcache sent TurboMind before. What
+or to the features path by ``route.decide``, from what featcache sent TurboMind before. What
 ``install_combined`` puts on lmdeploy's vision model:
 
-- ``preprocess``: the native path's stages (``tm_native.install_native``, its namespace, so a
+- ``preprocess``: the native path's stages (``native.install_native``, its namespace, so a
   store the native path filled serves here too): the frontend keys each image and skips
   lmdeploy's preprocessing on a hit; ``NativePixels`` serves the cached engine-ready pixels or
   stores lmdeploy's, and gives every keyed image its fingerprint. Every request leaves it with
   every image's full pixels, whichever route it takes next;
 - ``forward`` (``CombinedServer.forward``, on the encoder's worker thread, where lmdeploy runs a
-  features-path vision model): routes the request, books it (``tm_route.RouteBook``); on the
+  features-path vision model): routes the request, books it (``route.RouteBook``); on the
   features route, serves each image's features from the cache (under ``features_key``, derived
   from its pixel key) or runs the vision tower over its pixels and stores them (``FeatureServer``);
 - ``to_turbomind``: packs the request as the native path does (lmdeploy's ``to_pytorch``:
@@ -37,15 +37,15 @@ import logging
 import traceback
 from typing import Any
 
-from ..cache import FeatureCache
-from ..keys import ImageKey
-from .entry_meta import encode_item
-from .frontend import SECTION, _preprocessed
-from .refs import REF_KEY, FeatRef
-from .tm_common import check_host_cache, engine_vision_dtype
-from .tm_features import FeatureServer, check_features_arch, features_tower, install_server
-from .tm_native import install_native, pixels_namespace
-from .tm_route import FEATURES, NATIVE, Route, RouteBook, context_digests, decide
+from ...cache import FeatureCache
+from ...keys import ImageKey
+from ..request.entry_meta import encode_item
+from ..request.frontend import SECTION, _preprocessed
+from ..request.refs import REF_KEY, FeatRef
+from .common import check_host_cache, engine_vision_dtype
+from .features import FeatureServer, check_features_arch, features_tower, install_server
+from .native import install_native, pixels_namespace
+from .route import FEATURES, NATIVE, Route, RouteBook, context_digests, decide
 
 log = logging.getLogger("featcache")
 

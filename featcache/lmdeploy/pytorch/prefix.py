@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from .refs import REF_KEY, FeatRef
-from .tags import FeatTag
+from ..request.refs import REF_KEY, FeatRef
+from ..request.tags import FeatTag
 
 SKIP_KEY = "featcache_skip"  # MultiModalData.meta: rows of the image already in the KV cache
 

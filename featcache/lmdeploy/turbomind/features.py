@@ -36,11 +36,11 @@ from typing import Any
 
 import torch
 
-from ..cache import FeatureCache
-from .frontend import SECTION, _preprocessed, install_frontend
-from .identity import model_identity
-from .refs import REF_KEY, FeatRef
-from .tm_common import check_host_cache, engine_vision_dtype
+from ...cache import FeatureCache
+from ..request.frontend import SECTION, _preprocessed, install_frontend
+from ..request.identity import model_identity
+from ..request.refs import REF_KEY, FeatRef
+from .common import check_host_cache, engine_vision_dtype
 
 log = logging.getLogger("featcache")
 

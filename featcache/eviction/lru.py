@@ -1,7 +1,7 @@
 """Eviction bookkeeping for an in-memory tier by recency: LRU order, byte accounting and leases.
 
 The books hold keys and sizes only; the tier holds the values (``featcache.eviction`` picks these
-books or ``featcache.value``'s by the config's ``eviction``). Invariants:
+books or ``featcache.eviction.value``'s by the config's ``eviction``). Invariants:
 - ``used_bytes`` is the sum of the sizes of the keys held and never exceeds ``capacity_bytes``;
 - a key with a positive pin count (lent to an in-flight user) is never chosen as a victim;
 - a victim is the least recently added or touched unpinned key;

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from ..cache import FeatureCache
-from .tags import FeatTag, Source
+from ...cache import FeatureCache
+from ..request.tags import FeatTag, Source
 
 _lock = threading.Lock()
 _models: dict[str, Any] = {}  # settings JSON -> lmdeploy VisionModel (its preprocessor)
@@ -68,7 +68,7 @@ def preprocessor(settings: dict[str, Any], cache: FeatureCache | None) -> Any:
     model = vision_model(settings)
     if cache is None:
         return model.preprocess
-    from .fastprep import FastPreprocess
+    from ..fastprep import FastPreprocess
 
     text = json.dumps(settings, sort_keys=True)
     with _lock:
@@ -136,7 +136,7 @@ def pixels(tag: FeatTag, model: Any, settings: dict[str, Any], device: torch.dev
     """The image's ``MultiModalData.data`` as lmdeploy's engine would have received it, on
     ``device``; raises where it cannot be rebuilt (no source; a decode or preprocessing error).
     ``cache``: the process's, where its preprocessing is counted (``preprocessor``)."""
-    from .frontend import _preprocessed
+    from ..request.frontend import _preprocessed
 
     if tag.source is None:
         raise RuntimeError(f"featcache: image {tag.key.hex()} reached the model without pixels "

@@ -1,4 +1,4 @@
-"""What both TurboMind paths (``tm_native``, ``tm_features``) need: TurboMind takes host tensors,
+"""What both TurboMind paths (``native``, ``features``) need: TurboMind takes host tensors,
 and its C++ vision model runs in a dtype of its own."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..cache import FeatureCache
+from ...cache import FeatureCache
 
 
 def check_host_cache(cache: FeatureCache) -> None:

@@ -3,7 +3,7 @@ with ``--featcache-report usage`` the ``featcache`` member of a chat completion'
 
 ``ReportMiddleware`` is an ASGI middleware around lmdeploy's whole app (``reporting_app`` hands
 uvicorn the wrapped app). For each HTTP request it sets a new ``ReportSlot`` in the context
-variable ``featcache.lmdeploy.report.REQUEST``; the engine's ``preprocess`` (run in the request's
+variable ``featcache.lmdeploy.request.report.REQUEST``; the engine's ``preprocess`` (run in the request's
 own task, before lmdeploy answers) puts the request's ``RequestReport`` in it. Then:
 
 - the response's start (status and headers) gets ``X-Featcache: <report>`` whenever the request
@@ -30,8 +30,8 @@ import re
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from typing import Any
 
-from .config import REPORTS
-from .lmdeploy.report import HEADER, REQUEST, ReportSlot, RequestReport
+from ..config import REPORTS
+from ..lmdeploy.request.report import HEADER, REQUEST, ReportSlot, RequestReport
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
