@@ -96,7 +96,7 @@ class Rig:
         self.plain = tiny.PromptPath(path, ENGINE_DTYPE, backend="turbomind")
         self.cached = tiny.PromptPath(path, ENGINE_DTYPE, backend="turbomind")
         install_native(self.cached.model, self.cache, f"test-tm:{arch}", vision_dtype=torch.float16)
-        self.cached.record_featcache()  # calls: featcache's preprocessing too (Qwen2-VL's)
+        self.cached.record_featcache()  # calls: featcache's preprocessing too (Qwen2-VL's, InternVL-HF's)
         self.tm = source_model(arch, path)
 
     def items(self, out: dict) -> list:
@@ -227,6 +227,7 @@ cache = FeatureCache(device="cpu", device_bytes="64MiB", host_bytes=0, disk_path
                      disk_bytes="64MiB")
 path = tiny.PromptPath(sys.argv[2], "float16", backend="turbomind")
 install_native(path.model, cache, "test-tm:restart")
+path.record_featcache()  # calls: featcache's preprocessing too (InternVL-HF's)
 out = [path.prompt(tiny.messages(tiny.image_item(tiny.noise_image(120, 90, seed=s))))
        for s in (1, 2)]
 print(json.dumps({"fingerprints": [o["multimodal"][0]["fingerprint"].hex() for o in out],
@@ -303,6 +304,7 @@ def features_rig(tmp_path_factory, binding):
                                    backend_config=TurbomindEngineConfig(dtype=ENGINE_DTYPE))
     cache = FeatureCache(device="cpu", device_bytes="64MiB", host_bytes=0)
     wrap(types.SimpleNamespace(async_engine=engine), cache, turbomind="features")
+    prompt.record_featcache()  # calls: featcache's preprocessing too (InternVL-HF's)
     yield types.SimpleNamespace(path=path, prompt=prompt, plain=plain, cache=cache)
     prompt.close()
     plain.close()

@@ -10,8 +10,11 @@ misses, the PyTorch engine in one process or several, TurboMind native, features
   (``internvl_spec``: lmdeploy's InternVL-Chat-V1-5 recipe, RGB images, a grid of at most
   ``MAX_FAST_TILES``) with ``preprocess.internvl.TileMaker`` (on the GPU where there is one, else
   PIL in threads); Qwen2-VL / Qwen2.5-VL (``preprocess.qwen2vl.qwen2vl_spec``: transformers' PIL
-  image processor, RGB images) with ``preprocess.qwen2vl.PatchMaker`` on the CPU. For anything
-  else, lmdeploy's own code runs, counted as ``preprocess_fallback``. A failure of the fast path
+  image processor, RGB images) with ``preprocess.qwen2vl.PatchMaker`` on the CPU; InternVL-HF
+  (``preprocess.internvl_hf.internvl_hf_spec``: lmdeploy's ``InternVL3VisionModel`` over
+  transformers' GotOcr2 image processor, every image of the request RGB without transparency)
+  with ``preprocess.internvl_hf.HFTileMaker`` on the CPU. For anything else, lmdeploy's own code
+  runs, counted as ``preprocess_fallback``. A failure of the fast path
   is a fallback too (``preprocess_errors``), never a failed request.
 - ``widen`` runs the encoder's preprocessing on a bounded pool (``THREADS``) in place of its
   single worker, so the preprocessing of different requests overlaps (the vision model's
@@ -36,6 +39,7 @@ import torch
 
 from ..cache import FeatureCache
 from ..preprocess.internvl import TileMaker, TileSpec
+from ..preprocess.internvl_hf import HFTileMaker, canvas_of, internvl_hf_spec
 from ..preprocess.qwen2vl import PatchMaker, qwen2vl_spec
 from ..preprocess.resample import Resampler, matches_pillow
 from ..threads import usable_cores
@@ -150,6 +154,40 @@ def _is_qwen2vl(vision_model: Any) -> bool:
     return isinstance(vision_model, Qwen2VLModel)
 
 
+def _is_internvl_hf(vision_model: Any) -> bool:
+    try:
+        from lmdeploy.vl.model.internvl3_hf import InternVL3VisionModel
+    except ImportError:
+        return False
+    return isinstance(vision_model, InternVL3VisionModel)
+
+
+def _hf_tile_maker(vision_model: Any) -> tuple[HFTileMaker | None, str]:
+    """InternVL-HF's maker (on the CPU: PIL's resizes, the thumbnail's on a second thread), or
+    None and why not."""
+    try:
+        spec = internvl_hf_spec(vision_model)
+    except Exception as e:  # (a processor that cannot even be probed: lmdeploy's own code)
+        spec = f"its processor could not be probed ({type(e).__name__}: {e})"
+    if isinstance(spec, str):
+        return None, spec
+    canvas = canvas_of(vision_model.processor.image_processor)
+    return HFTileMaker(spec, canvas, pool()), "on cpu (PIL's resizes, one table pass per channel)"
+
+
+def _hf_tile_plan(items: list[tuple[str, Any, dict[str, Any]]]) -> list[Any] | None:
+    """The images of a request, or None where any item is not one ``HFTileMaker`` reproduces
+    (not an RGB image, or one with a transparency key: the processor composites it onto white).
+    lmdeploy's call ignores a request's per-image parameters, and so does this."""
+    plan = []
+    for modality, image, _ in items:
+        if getattr(modality, "value", modality) != "image" or getattr(image, "mode", None) != "RGB" \
+                or image.info.get("transparency") is not None:
+            return None
+        plan.append(image)
+    return plan
+
+
 def _patch_maker(vision_model: Any) -> tuple[PatchMaker | None, str]:
     """Qwen2-VL's maker (on the CPU: its output is float32 twice the image's size, which a GPU
     would only send back), or None and why not."""
@@ -199,15 +237,16 @@ def _patch_plan(maker: PatchMaker, items: list[tuple[str, Any, dict[str, Any]]]
 
 
 class FastPreprocess:
-    """``preprocess(messages)`` as lmdeploy's vision model does it, by ``TileMaker`` where it is
-    exact, else by ``original`` (lmdeploy's). Counts on ``cache``: ``preprocess_fast``,
-    ``preprocess_fallback`` and ``preprocess_errors`` (images)."""
+    """``preprocess(messages)`` as lmdeploy's vision model does it, by ``TileMaker``,
+    ``PatchMaker`` or ``HFTileMaker`` where it is exact, else by ``original`` (lmdeploy's).
+    Counts on ``cache``: ``preprocess_fast``, ``preprocess_fallback`` and ``preprocess_errors``
+    (images)."""
 
     def __init__(self, vision_model: Any, original: Any, cache: FeatureCache) -> None:
         self.vision_model = vision_model
         self.original = original
         self.cache = cache
-        self.maker: TileMaker | PatchMaker | None = None
+        self.maker: TileMaker | PatchMaker | HFTileMaker | None = None
         self._logged = False
         wanted = mode()
         spec = internvl_spec(vision_model) if wanted != "lmdeploy" else f"{ENV}=lmdeploy"
@@ -219,6 +258,8 @@ class FastPreprocess:
             self.why = f"on {device} ({why})"
         elif wanted != "lmdeploy" and _is_qwen2vl(vision_model):
             self.maker, self.why = _patch_maker(vision_model)
+        elif wanted != "lmdeploy" and _is_internvl_hf(vision_model):
+            self.maker, self.why = _hf_tile_maker(vision_model)
         else:
             self.why = spec
         log.info("featcache: preprocessing of new images: %s", "featcache's, " + self.why
@@ -230,17 +271,18 @@ class FastPreprocess:
         # lmdeploy's own walk of the items (a static method: a stand-in model need not have it),
         # whose order the per-image dicts keep
         items = VisionModel.collect_multimodal_items(messages)
-        patches = isinstance(self.maker, PatchMaker)
         plan: list[Any] | None = None
         if isinstance(self.maker, PatchMaker):
             plan = _patch_plan(self.maker, items)
+        elif isinstance(self.maker, HFTileMaker):
+            plan = _hf_tile_plan(items)
         elif self.maker is not None:
             plan = self._plan(items)
         if plan is None:
             self.cache.count(SECTION, "preprocess_fallback", len(items))
             return self.original(messages)
         try:
-            outputs = self._patches(plan) if patches else self._tiles(plan)
+            outputs = self._outputs(plan)
         except Exception:
             if not self._logged:  # (once: counted every time)
                 self._logged = True
@@ -252,6 +294,25 @@ class FastPreprocess:
         self.cache.count(SECTION, "preprocess_fast", len(items))
         messages.append(dict(role="preprocess", content=outputs))
         return messages
+
+    def _outputs(self, plan: list[Any]) -> list[Any]:
+        if isinstance(self.maker, PatchMaker):
+            return self._patches(plan)
+        if isinstance(self.maker, HFTileMaker):
+            return self._hf_tiles(plan)
+        return self._tiles(plan)
+
+    def _hf_tiles(self, plan: list[Any]) -> list[dict[str, Any]]:
+        """InternVL-HF's per-image dicts, as ``InternVL3VisionModel.preprocess`` makes them (its
+        keys in its order; no image_size)."""
+        vm, maker = self.vision_model, self.maker
+        assert isinstance(maker, HFTileMaker)
+        outputs = []
+        for image in plan:
+            pv = maker(image)
+            outputs.append(dict(pixel_values=pv, image_tokens=vm.image_tokens_per_patch * pv.shape[0],
+                                image_token_id=vm.image_token_id))
+        return outputs
 
     def _tiles(self, plan: list[tuple[Any, int]]) -> list[dict[str, Any]]:
         """InternVL's per-image dicts, as ``_preprocess_v1_5`` makes them."""

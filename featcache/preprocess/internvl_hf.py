@@ -1,0 +1,261 @@
+"""InternVL-HF preprocessing (lmdeploy 0.18's ``InternVL3VisionModel.preprocess``: HF-format
+InternVL3 checkpoints over transformers' ``GotOcr2ImageProcessorPil``, or its torchvision-backed
+``GotOcr2ImageProcessor`` where torchvision imports), equal to it bit for bit and faster.
+
+lmdeploy's recipe: one processor call for all the images of a request, with the images kwargs of
+the processor's own config (``_merge_kwargs(InternVLProcessorKwargs, ...)``: ``crop_to_patches``
+true by lmdeploy's default, the processor's ``min_patches``/``max_patches``/``size``; a request's
+per-image parameters are ignored), ``pixel_values`` split per image by ``num_patches``, each cast
+to the model's ``mm_feature_dtype``. Per image, with ``crop_to_patches`` and ``max_patches > 1``:
+a grid of ``cols x rows`` tiles of side ``S`` by transformers' ``get_optimal_tiled_canvas``, the
+whole image resized to ``cols*S x rows*S`` (PIL's BICUBIC), the tiles cropped row by row, and a
+thumbnail (the whole image resized to ``S x S``) when there is more than one tile; else one resize
+to ``S x S``. Then per tile, in NumPy: ``float32(float64(x) * rescale_factor)`` and ``(x - mean) /
+std``; the PIL processor converts the decoded image (a copy), makes an array, a PIL image of it
+again, and the float64 and float32 copies of every tile.
+
+Here (``HFTileMaker``): the same PIL resizes of the decoded image (the thumbnail's on a second
+thread while the grid's runs; PIL releases the GIL while it resamples), then one table pass per
+channel: rescale and normalize are elementwise, so each value is a function of its channel and
+uint8 value alone, read from ``qwen2vl.value_table`` (made by the processor's own ``rescale`` and
+``normalize``, or the torchvision-backed one's fused ``rescale_and_normalize``: exact by
+construction) with ``np.take`` (which releases the GIL) straight into ``[N, C, S, S]``; then the
+elementwise cast to the model's dtype. ``internvl_hf_spec`` says whether a model is one this
+reproduces, and checks it against the processor itself on probe images (a 1x1 grid, wide, tall,
+with and without a thumbnail, in one call as lmdeploy calls it) before saying yes.
+
+The torchvision-backed processor resizes uint8 tensors with torchvision's BICUBIC and antialias
+(a port of Pillow's) and crops on every call (``crop_to_patches`` alone: a 1x1 grid where
+``max_patches`` is 1, the same as one resize); the probe decides whether it matches this Pillow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .qwen2vl import value_table
+
+# get_optimal_tiled_canvas((height, width), (tile_h, tile_w), min_tiles, max_tiles) -> (cols, rows)
+Canvas = Callable[..., tuple[int, int]]
+BICUBIC = 3  # PIL.Image.Resampling.BICUBIC
+# the images kwargs of lmdeploy's call that featcache reads (any other: lmdeploy's code)
+KWARGS = ("crop_to_patches", "min_patches", "max_patches", "return_tensors")
+_METHODS = ("__call__", "preprocess", "_preprocess", "_preprocess_image_like_inputs",
+            "_prepare_image_like_inputs", "process_image", "convert_to_rgb", "resize", "rescale",
+            "normalize", "rescale_and_normalize", "_fuse_mean_std_and_rescale_factor",
+            "crop_image_to_patches", "_standardize_kwargs", "_further_process_kwargs",
+            "_validate_preprocess_kwargs")
+
+
+@dataclass(frozen=True, eq=False)
+class HFTileSpec:
+    """The recipe's constants as lmdeploy's call makes them: tile side ``size``, whether it crops
+    (``crop_to_patches`` and ``max_patches > 1``), ``min_patches``/``max_patches``, ``table``
+    (float32 ``[C * 256]``: each uint8 value of each channel rescaled and normalized), the output
+    ``dtype`` and ``kwargs``, the images kwargs lmdeploy passes (the probe's call)."""
+
+    size: int
+    crop: bool
+    min_patches: int
+    max_patches: int
+    table: np.ndarray
+    dtype: torch.dtype
+    kwargs: dict[str, Any]
+
+    @property
+    def channels(self) -> int:
+        return self.table.shape[0] // 256
+
+
+def _processor_classes() -> tuple[type, ...]:
+    """transformers' GotOcr2 image processors ``HFTileMaker`` may reproduce: the PIL one, and the
+    torchvision-backed one where torchvision imports (the probe checks it before it is trusted)."""
+    from transformers import GotOcr2ImageProcessorPil
+
+    classes: list[type] = [GotOcr2ImageProcessorPil]
+    try:
+        import torchvision  # noqa: F401  (without it, the class below is a placeholder)
+        from transformers.models.got_ocr2.image_processing_got_ocr2 import GotOcr2ImageProcessor
+    except Exception:  # (no torchvision, or one that does not load beside this torch)
+        return tuple(classes)
+    classes.append(GotOcr2ImageProcessor)
+    return tuple(classes)
+
+
+def canvas_of(ip: Any) -> Canvas:
+    """transformers' ``get_optimal_tiled_canvas``, from the module of the processor's class."""
+    import sys
+
+    return sys.modules[type(ip).__module__].get_optimal_tiled_canvas  # type: ignore[no-any-return]
+
+
+class HFTileMaker:
+    """One RGB PIL image's ``pixel_values`` as lmdeploy's InternVL-HF recipe makes them (cast to
+    the model's dtype). ``pool``: a thread for the thumbnail (none: inline). Thread-safe."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, spec: HFTileSpec, canvas: Canvas, pool: Executor | None = None) -> None:
+        self.spec = spec
+        self.canvas = canvas
+        self.pool = pool
+
+    def grid(self, width: int, height: int) -> tuple[int, int]:
+        """(cols, rows) of the tiles; (1, 1) where the processor makes one resize."""
+        s = self.spec
+        if not s.crop:
+            return 1, 1
+        cols, rows = self.canvas((height, width), (s.size, s.size), s.min_patches, s.max_patches)
+        return int(cols), int(rows)
+
+    def __call__(self, image: Any) -> torch.Tensor:
+        return torch.from_numpy(self.values(image)).to(self.spec.dtype)
+
+    def values(self, image: Any) -> np.ndarray:
+        """float32 ``[N, C, S, S]``: the processor's own output for this image."""
+        if image.mode != "RGB":
+            raise ValueError(f"HFTileMaker takes RGB images, not {image.mode}")
+        s, c = self.spec.size, self.spec.channels
+        cols, rows = self.grid(image.width, image.height)
+        n = cols * rows
+        thumbnail = n != 1
+        out = np.empty((n + thumbnail, c, s, s), dtype=np.float32)
+        job = None
+        if thumbnail:
+            if self.pool is not None:
+                job = self.pool.submit(self._thumbnail, image, out)
+        resized = _resized(image, (cols * s, rows * s))
+        src = np.asarray(resized).reshape(rows, s, cols, s, c).transpose(0, 2, 4, 1, 3)
+        self._fill(src, out[:n].reshape(rows, cols, c, s, s))
+        if thumbnail:
+            if job is not None:
+                job.result()
+            else:
+                self._thumbnail(image, out)
+        return out
+
+    def _thumbnail(self, image: Any, out: np.ndarray) -> None:
+        s, c = self.spec.size, self.spec.channels
+        small = np.asarray(_resized(image, (s, s)))
+        self._fill(small.transpose(2, 0, 1)[None, None], out[-1:].reshape(1, 1, c, s, s))
+
+    def _fill(self, src: np.ndarray, out: np.ndarray) -> None:
+        """``out[..., ch, :, :] = table[ch * 256 + src[..., ch, :, :]]``, one pass per channel
+        (``src`` uint8 and ``out`` float32, both ``[rows, cols, C, S, S]``)."""
+        table = self.spec.table
+        for ch in range(self.spec.channels):
+            np.take(table[ch * 256:(ch + 1) * 256], src[:, :, ch], out=out[:, :, ch], mode="clip")
+
+
+def _resized(image: Any, size: tuple[int, int]) -> Any:
+    """PIL's BICUBIC resize (at the same size Pillow's resize is a copy: skipped)."""
+    return image if image.size == size else image.resize(size, BICUBIC)
+
+
+def lmdeploy_images_kwargs(vision_model: Any) -> dict[str, Any]:
+    """The images kwargs of lmdeploy's processor call, made as its ``preprocess`` makes them."""
+    from lmdeploy.vl.model.internvl3_hf import InternVLProcessorKwargs
+
+    output_kwargs = vision_model.processor._merge_kwargs(
+        InternVLProcessorKwargs, tokenizer_init_kwargs=vision_model.tokenizer_init_kwargs,
+        **{"return_tensors": "pt", "add_special_tokens": False})
+    return dict(output_kwargs["images_kwargs"])
+
+
+def internvl_hf_spec(vision_model: Any) -> HFTileSpec | str:
+    """The ``HFTileSpec`` of a vision model whose preprocessing is lmdeploy's InternVL-HF recipe
+    over transformers' GotOcr2 image processor exactly as ``HFTileMaker`` reproduces it, else why
+    not (a sentence)."""
+    try:
+        from lmdeploy.vl.model.internvl3_hf import InternVL3VisionModel
+
+        classes = _processor_classes()
+    except ImportError as e:
+        return f"lmdeploy's InternVL-HF model or transformers' GotOcr2 processor does not import ({e})"
+    if not isinstance(vision_model, InternVL3VisionModel):
+        return f"{type(vision_model).__name__} is not lmdeploy's InternVL-HF model"
+    if type(vision_model).preprocess is not InternVL3VisionModel.preprocess:
+        return f"{type(vision_model).__name__} has a preprocess of its own"
+    ip = getattr(getattr(vision_model, "processor", None), "image_processor", None)
+    if ip is None or type(ip) not in classes:
+        return (f"its image processor is {type(ip).__name__}, not one of transformers' "
+                f"{' or '.join(c.__name__ for c in classes)}")
+    patched = [name for name in _METHODS if name in vars(ip)]
+    if patched:
+        return f"its image processor's {', '.join(patched)} are replaced on the instance"
+    dtype = getattr(vision_model, "mm_feature_dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        return f"its feature dtype is {dtype!r}"
+    kwargs = lmdeploy_images_kwargs(vision_model)
+    other = sorted(set(kwargs) - set(KWARGS))
+    if other or kwargs.get("return_tensors", "pt") != "pt":
+        return f"lmdeploy's call passes images kwargs featcache does not read ({other or kwargs})"
+    why = _settings(ip, kwargs)
+    if why is not None:
+        return why
+    crop = kwargs.get("crop_to_patches", ip.crop_to_patches)
+    low = kwargs.get("min_patches", ip.min_patches)
+    high = kwargs.get("max_patches", ip.max_patches)
+    spec = HFTileSpec(size=int(ip.size.height), crop=bool(crop) and high > 1, min_patches=low,
+                      max_patches=high, table=value_table(ip), dtype=dtype, kwargs=kwargs)
+    return _probe(ip, spec)
+
+
+def _settings(ip: Any, kwargs: dict[str, Any]) -> str | None:
+    """Why the processor's settings (those lmdeploy's call overrides, as it passes them) are not
+    the ones ``HFTileMaker`` reproduces, or None."""
+    if ip.do_resize is not True or ip.resample not in (BICUBIC,):
+        return f"its resize is do_resize={ip.do_resize} resample={ip.resample}, not BICUBIC"
+    if ip.do_rescale is not True or ip.do_normalize is not True:
+        return "it does not both rescale and normalize"
+    if ip.do_convert_rgb is not True:
+        return "it does not convert images to RGB"
+    for name in ("device", "input_data_format", "data_format"):
+        if getattr(ip, name, None) is not None:
+            return f"its {name} is set ({getattr(ip, name)!r})"
+    size: Any = ip.size
+    others = [k for k in ("longest_edge", "shortest_edge", "max_height", "max_width", "min_pixels",
+                          "max_pixels") if getattr(size, k, None) is not None]
+    if type(size.height) is not int or size.height < 1 or size.width != size.height or others:
+        return f"its size is {size}, not a square"
+    crop = kwargs.get("crop_to_patches", ip.crop_to_patches)
+    low = kwargs.get("min_patches", ip.min_patches)
+    high = kwargs.get("max_patches", ip.max_patches)
+    if type(crop) is not bool or type(low) is not int or type(high) is not int:
+        return f"its crop_to_patches={crop!r} min_patches={low!r} max_patches={high!r}"
+    if len(ip.image_mean) != 3 or len(ip.image_std) != 3:
+        return "its mean and std are not per RGB channel"
+    return None
+
+
+def _probe(ip: Any, spec: HFTileSpec) -> HFTileSpec | str:
+    """``spec`` where ``HFTileMaker`` equals the processor itself on probe images (square, wide,
+    tall, tiny, large: a 1x1 grid, others with a thumbnail where it crops), called once for all
+    of them with lmdeploy's images kwargs, else why not."""
+    from PIL import Image
+
+    maker = HFTileMaker(spec, canvas_of(ip))
+    rng = np.random.default_rng(20261203)
+    s = spec.size
+    sizes = ((s, s), (3 * s + 5, s - 3), (s - 3, 2 * s + 7), (37, 23), (5 * s + 11, 4 * s - 7))
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
+              for w, h in sizes]
+    want = ip(images, **spec.kwargs)
+    got = [maker.values(image) for image in images]
+    counts = torch.tensor([len(g) for g in got], dtype=torch.int64)
+    if not torch.equal(counts, torch.as_tensor(want["num_patches"])):
+        return (f"featcache's tile counts {counts.tolist()} differ from its processor's "
+                f"{list(want['num_patches'])} on probes {sizes}")
+    values = torch.from_numpy(np.concatenate(got))
+    if not torch.equal(values, want["pixel_values"]):
+        return f"featcache's tiles differ from its processor's on probes {sizes}"
+    return spec
+
+
+__all__ = ["HFTileMaker", "HFTileSpec", "canvas_of", "internvl_hf_spec"]
