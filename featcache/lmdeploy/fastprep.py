@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..cache import FeatureCache
+from ..core.cache import FeatureCache
 from ..preprocess.internvl import TileMaker, TileSpec
 from ..preprocess.qwen2vl import PatchMaker, qwen2vl_spec
 from ..preprocess.resample import Resampler, matches_pillow
