@@ -75,8 +75,8 @@ from bench.eviction_traces import (  # noqa: E402,F401 - re-exported: the traces
 )
 from bench.lib.results import write_report  # noqa: E402
 from featcache import FeatureCache  # noqa: E402
+from featcache.core.lease import Lease  # noqa: E402
 from featcache.eviction import books_for  # noqa: E402
-from featcache.lease import Lease  # noqa: E402
 from featcache.sizes import parse_bytes  # noqa: E402
 
 SCALE = 4096  # bytes of the replay per byte of features (sizes and budgets alike)

@@ -375,7 +375,7 @@ def install(sink: Sink, allow_loopback_media: bool = False) -> list[str]:
         _patch(BaseModelAgent, "_async_step", async_step, done, "BaseModelAgent._async_step")
 
     try:  # featcache's hooks (absent from a plain lmdeploy server's code path, harmless there)
-        from featcache.cache import FeatureCache
+        from featcache.core.cache import FeatureCache
         from featcache.lmdeploy.pytorch import engine as fc_engine
         from featcache.lmdeploy.request import frontend
     except ImportError:

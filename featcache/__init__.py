@@ -15,11 +15,11 @@ from .errors import CorruptEntryError, FeatCacheError, StoreFormatError, StoreOp
 from .sizes import parse_bytes
 
 if TYPE_CHECKING:
-    from .cache import FeatureCache, Lease
     from .config import CacheConfig
+    from .core.cache import FeatureCache, Lease
     from .keys import ImageKey, KeyHasher, image_key
 
-_LAZY = {"FeatureCache": ".cache", "Lease": ".cache", "CacheConfig": ".config",
+_LAZY = {"FeatureCache": ".core.cache", "Lease": ".core.cache", "CacheConfig": ".config",
          "ImageKey": ".keys", "KeyHasher": ".keys", "image_key": ".keys"}
 
 __all__ = [

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .cache import FeatureCache
 from .config import DEMO_MAX_TURNS, DEMO_TURNS, DEMO_WINDOW
+from .core.cache import FeatureCache
 from .sizes import format_bytes
 
 TILE = 448

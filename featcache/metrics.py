@@ -7,7 +7,7 @@ histogram of lookups once the cache is ``instrument``-ed.
     metrics.register(cache)          # or: a collector in prometheus_client's registry
 
 What is exported (all per process, since the cache was built), for each tier of the chain
-(``featcache.chain.KINDS``) as its kind's ``Report`` says:
+(``featcache.core.chain.KINDS``) as its kind's ``Report`` says:
 
 - a labelled tier (device, host, disk): ``featcache_tier_{hits,misses,evictions,drops,corrupt,
   errors}_total{tier}`` counters and ``featcache_tier_{entries,bytes,capacity_bytes}{tier}``
@@ -55,11 +55,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from .chain import KINDS, Report
+from .core.chain import KINDS, Report
 from .tiers.base import STAT_FIELDS
 
 if TYPE_CHECKING:
-    from .cache import FeatureCache
+    from .core.cache import FeatureCache
 
 log = logging.getLogger("featcache")
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import FeatCacheError
 
 if TYPE_CHECKING:
-    from .cache import FeatureCache
+    from .core.cache import FeatureCache
 
 BACKENDS = ("pytorch", "turbomind")
 TURBOMIND_PATHS = ("native", "features", "combined")  # featcache.lmdeploy.turbomind.PATHS' names

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import featcache.cache as cache_module
+import featcache.core.cache as cache_module
 from featcache.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent

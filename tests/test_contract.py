@@ -1,4 +1,4 @@
-"""One contract, run against every tier of the chain (``featcache.chain.KINDS``), the remote tier
+"""One contract, run against every tier of the chain (``featcache.core.chain.KINDS``), the remote tier
 included (a real redis-server on loopback: tests/_redis.py).
 
 ``TestCacheContract``: a cache configured so that every read comes from the tier under test.
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from featcache import FeatureCache
-from featcache.chain import BELOW, KINDS, STAGING, TOP, build_chain
 from featcache.codec import frame_offsets
 from featcache.config import CacheConfig
-from featcache.copier import make_copier
+from featcache.core.chain import BELOW, KINDS, STAGING, TOP, build_chain
+from featcache.core.copier import make_copier
 from featcache.tiers.base import Entry, Op
 
 try:

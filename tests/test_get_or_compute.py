@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-import featcache.singleflight as singleflight
+import featcache.core.singleflight as singleflight
 from featcache import FeatureCache, image_key
 
 KEY = image_key(b"photo", namespace="m")

@@ -351,7 +351,7 @@ def test_a_forgotten_flight_ending_late_leaves_the_next_one_claimed():
     """``SingleFlight.lead``/``forget``/``finish``: after a waiter gave up on a hung flight, a new
     step claims the key; the hung one ending later wakes its own waiters and releases nothing of
     the new one's."""
-    from featcache.singleflight import SingleFlight
+    from featcache.core.singleflight import SingleFlight
 
     flights: SingleFlight[None] = SingleFlight()
     hung = flights.lead(b"k")

@@ -1,6 +1,6 @@
 import random
 
-from featcache.hostpool import ALIGN, HostPool
+from featcache.core.hostpool import ALIGN, HostPool
 
 
 class FakeFence:

@@ -41,13 +41,14 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("featcache._version", "featcache.errors", "featcache.sizes", "featcache.keys",
                     "featcache.entrymeta",
                     "featcache.codec", "featcache.config", "featcache.breaker", "featcache.eviction",
-                    "featcache.hostpool", "featcache.copier",
-                    "featcache.singleflight", "featcache.autosize", "featcache.threads",
+                    "featcache.core.hostpool", "featcache.core.copier",
+                    "featcache.core.singleflight", "featcache.autosize", "featcache.threads",
                     "featcache.server.shutdown", "featcache.preprocess")),
     ("LMDB store", ("featcache.store",)),
     ("tiers", ("featcache.tiers",)),
-    ("cache", ("featcache.cache", "featcache.chain", "featcache.lookup", "featcache.writer",
-               "featcache.demoter", "featcache.metrics", "featcache.lease", "featcache.forks",
+    ("cache", ("featcache.core.__init__", "featcache.core.cache", "featcache.core.chain",
+               "featcache.core.lookup", "featcache.core.writer", "featcache.core.demoter",
+               "featcache.metrics", "featcache.core.lease", "featcache.core.forks",
                "featcache.keysecret")),
     ("public API", ("featcache",)),
     ("store tools", ("featcache.storetools",)),
@@ -241,7 +242,7 @@ def all_imports(modules: dict[str, Path], package: str) -> list[Import]:
 @pytest.fixture(scope="module")
 def featcache_modules() -> dict[str, Path]:
     modules = package_modules(ROOT, PACKAGE)
-    assert len(modules) > 30 and "featcache.cache" in modules
+    assert len(modules) > 30 and "featcache.core.cache" in modules
     return modules
 
 

@@ -168,7 +168,7 @@ def test_a_blocking_put_from_the_writer_thread_does_not_wait_for_itself(tmp_path
 
 
 def test_a_closed_room_ends_every_wait():
-    from featcache.writer import Room
+    from featcache.core.writer import Room
 
     room = Room(1)
     assert room.take() and not room.take()
@@ -183,7 +183,7 @@ def test_a_closed_room_ends_every_wait():
 
 
 def test_a_stopped_writer_refuses_to_reserve_instead_of_waiting(tmp_path):
-    from featcache.writer import TierWriter
+    from featcache.core.writer import TierWriter
 
     with small_queues(tmp_path / "s") as c:
         (writer,) = [s.writer for s in c._chain.below if isinstance(s.writer, TierWriter)]

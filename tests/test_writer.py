@@ -10,9 +10,9 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from featcache.copier import make_copier
+from featcache.core.copier import make_copier
+from featcache.core.writer import TierWriter
 from featcache.tiers.base import Entry, Op
-from featcache.writer import TierWriter
 
 
 class FakeTier:

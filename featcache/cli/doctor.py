@@ -110,7 +110,7 @@ def _core() -> Check:
     try:
         import torch
 
-        from ..cache import FeatureCache
+        from ..core.cache import FeatureCache
 
         with tempfile.TemporaryDirectory(prefix="featcache-doctor-") as where:
             value = torch.arange(16, dtype=torch.float32)

@@ -30,8 +30,8 @@ import logging
 import os
 from typing import Any
 
-from ..cache import FeatureCache
 from ..config import DEFAULT_DIR, DEFAULTS, EVICTIONS
+from ..core.cache import FeatureCache
 from .fastprep import widen
 from .pytorch.budgets import EngineSizedCache, check_budgets, chosen_budgets, default_cache
 from .pytorch.engine import KeyedInputProcessor, keep_prefix_caching

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ..cache import FeatureCache
+from ..core.cache import FeatureCache
 from ..preprocess.internvl import TileMaker, TileSpec
 from ..preprocess.internvl_hf import HFTileMaker, canvas_of, internvl_hf_spec
 from ..preprocess.qwen2vl import PatchMaker, qwen2vl_spec

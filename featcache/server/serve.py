@@ -39,8 +39,8 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..cache import FeatureCache
 from ..config import ENGINE_PROCESSES, REPORTS
+from ..core.cache import FeatureCache
 from ..lmdeploy import SPECS, keep_prefix_caching, multi_process, wrap
 from ..lmdeploy.request.media import MediaPolicy
 from ..lmdeploy.turbomind import PATHS

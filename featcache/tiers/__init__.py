@@ -1,7 +1,7 @@
 """The storage tiers, one module each: device (GPU), host (pinned RAM), disk (LMDB), remote
 (Redis/Valkey); ``base`` holds the protocol they share and the entry they hold.
 
-Each tier is synchronous and knows nothing of the others; ``featcache.chain`` builds and orders
+Each tier is synchronous and knows nothing of the others; ``featcache.core.chain`` builds and orders
 them (the only module that names the concrete tiers), the cache loops over that chain, and the
 demoter and the tier writers move data between them in the background.
 """

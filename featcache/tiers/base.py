@@ -1,6 +1,6 @@
 """What every tier offers (``Tier``), the entry they hold, and the writes handed to lower tiers.
 
-The protocols, by role in the chain (``featcache.chain``):
+The protocols, by role in the chain (``featcache.core.chain``):
 - ``Tier``: every tier. Synchronous; ``get`` counts hits and misses; ``fits`` says whether
   an entry could be stored at all (its budget, its format's limits);
 - ``LeasingTier``: the top tier, which lends entries to requests (``pin``/``unpin``: a pinned
@@ -22,8 +22,8 @@ from typing import Any, Literal, Protocol
 import torch
 
 from .. import codec
-from ..copier import as_bytes
-from ..hostpool import Block, HostPool
+from ..core.copier import as_bytes
+from ..core.hostpool import Block, HostPool
 from ..store.report import VerifyReport
 
 STAT_FIELDS = ("hits", "misses", "evictions", "drops", "corrupt", "errors")

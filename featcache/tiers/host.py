@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import threading
 
+from ..core.hostpool import Block, HostPool
 from ..entrymeta import cost_of
 from ..eviction import WEIGHS_COST, books_for
-from ..hostpool import Block, HostPool
 from .base import Alloc, Counters, Entry
 
 

@@ -51,7 +51,7 @@ import torch
 from .. import codec
 from ..breaker import Breaker
 from ..config import CacheConfig
-from ..copier import as_bytes
+from ..core.copier import as_bytes
 from ..errors import CorruptEntryError
 from ..sizes import parse_bytes
 from .base import Alloc, Entry, Op

@@ -1,7 +1,7 @@
 """Remote tier: features shared by a fleet of replicas through Redis or Valkey (one server or a
 Redis Cluster), with the redis-py client. Synchronous like every tier: the cache reads it on a
 local miss (the request path's only network call, bounded by ``remote_timeout_ms``) and the
-publisher thread (its ``featcache.writer.TierWriter``) writes it, through ``write``.
+publisher thread (its ``featcache.core.writer.TierWriter``) writes it, through ``write``.
 
 The layout on the server (key names, the head, chunks) is ``featcache.tiers.remote_layout``'s;
 a value is the disk tier's value (``featcache.codec``: header, metadata, payload, xxh3-128
@@ -66,7 +66,7 @@ import torch
 from .. import codec
 from ..breaker import Breaker
 from ..config import CacheConfig
-from ..copier import as_bytes
+from ..core.copier import as_bytes
 from ..errors import CorruptEntryError
 from .base import Alloc, Entry, Op
 from .remote_layout import (

@@ -30,8 +30,8 @@ from typing import Any
 
 from ... import autosize
 from ...autosize import Budgets, Choice, EngineMemory
-from ...cache import FeatureCache
 from ...config import BUDGETS, SERVING_BUDGETS, SERVING_BUDGETS_DEFAULT, CacheConfig, default_store_dir
+from ...core.cache import FeatureCache
 from ...sizes import format_bytes
 
 log = logging.getLogger("featcache")

@@ -58,8 +58,8 @@ from typing import Any
 
 import torch
 
-from ...cache import FeatureCache
-from ...singleflight import Flight, SingleFlight
+from ...core.cache import FeatureCache
+from ...core.singleflight import Flight, SingleFlight
 from ..request.frontend import SECTION
 from ..request.refs import REF_KEY, FeatRef
 from ..request.tags import FeatTag

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from ...cache import FeatureCache
+from ...core.cache import FeatureCache
 from ..request.frontend import SECTION
 from ..request.refs import FeatRef
 from ..request.tags import FeatTag

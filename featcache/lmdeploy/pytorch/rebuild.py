@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ...cache import FeatureCache
+from ...core.cache import FeatureCache
 from ..request.tags import FeatTag, Source
 
 _lock = threading.Lock()

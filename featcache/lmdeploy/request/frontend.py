@@ -37,7 +37,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from ...cache import FeatureCache
+from ...core.cache import FeatureCache
 from ...eviction.lrumap import LruMap
 from ...keys import ImageKey, KeyHasher, KeyPrefix
 from ..fastprep import FastPreprocess

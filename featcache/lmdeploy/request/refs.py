@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import weakref
 
-from ...cache import FeatureCache, Lease
+from ...core.cache import FeatureCache, Lease
 
 REF_KEY = "featcache"  # the per-image dict / MultiModalData.meta key holding the FeatRef
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from ...chain import MAX_KEY_BYTES
+from ...core.chain import MAX_KEY_BYTES
 
 
 class Source(NamedTuple):

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ...cache import FeatureCache
+from ...core.cache import FeatureCache
 from ..fastprep import widen
 from ..request.media import LOCAL_FILES, MediaPolicy
 from ..request.sources import read_sources_under, trust_image_ids

@@ -37,7 +37,7 @@ import logging
 import traceback
 from typing import Any
 
-from ...cache import FeatureCache
+from ...core.cache import FeatureCache
 from ...keys import ImageKey
 from ..request.entry_meta import encode_item
 from ..request.frontend import SECTION, _preprocessed

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ...cache import FeatureCache
+from ...core.cache import FeatureCache
 
 
 def check_host_cache(cache: FeatureCache) -> None:

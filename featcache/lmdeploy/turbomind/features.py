@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ...cache import FeatureCache
+from ...core.cache import FeatureCache
 from ..request.frontend import SECTION, _preprocessed, install_frontend
 from ..request.identity import model_identity
 from ..request.refs import REF_KEY, FeatRef

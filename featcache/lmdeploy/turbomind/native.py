@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ...cache import FeatureCache
+from ...core.cache import FeatureCache
 from ..request.entry_meta import encode_item
 from ..request.frontend import SECTION, Frontend, _decoded, _preprocessed, install_frontend
 from ..request.identity import model_identity

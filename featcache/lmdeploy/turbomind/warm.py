@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ...cache import FeatureCache
+from ...core.cache import FeatureCache
 from . import PATHS
 from .combined import CombinedServer
 from .route import FEATURES

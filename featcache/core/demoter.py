@@ -1,5 +1,5 @@
 """All of featcache's asynchrony: the demotion thread, and the writer thread of each tier below
-the host (``featcache.writer.TierWriter``), which the demoter feeds and flushes.
+the host (``featcache.core.writer.TierWriter``), which the demoter feeds and flushes.
 
 Every entry put in the cache is copied down (write-through) in the background:
 
@@ -50,11 +50,11 @@ from typing import Any
 
 import torch
 
-from . import codec
+from .. import codec
+from ..tiers.base import Entry, StagingTier
 from .chain import Slot
 from .copier import Copier, owned_empty
 from .hostpool import Block
-from .tiers.base import Entry, StagingTier
 from .writer import Room, TierWriter, Worker
 
 

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .tiers.base import Entry
+from ..tiers.base import Entry
 
 if TYPE_CHECKING:
     from .cache import FeatureCache

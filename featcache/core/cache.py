@@ -3,7 +3,7 @@
     device (GPU; the CPU without CUDA) -> host (pinned RAM, pooled) -> disk (LMDB, persistent)
         -> remote (Redis/Valkey, shared; ``remote_url``)
 
-The tiers are an ordered tuple of slots (``featcache.chain``: tier, writer, rules); the cache
+The tiers are an ordered tuple of slots (``featcache.core.chain``: tier, writer, rules); the cache
 loops over them and names none.
 
 Data flow:
@@ -36,7 +36,7 @@ Invariants:
 - puts and discards of the cache are applied to its tiers one at a time (``Lookup.order``), so
   every tier sees them in the same order: after ``flush()`` all local tiers agree on each key;
 - a value read from a lower tier is installed in the tiers above only if no put or discard of its
-  key started after the read began (a per-key generation, ``featcache.lookup``): a promotion
+  key started after the read began (a per-key generation, ``featcache.core.lookup``): a promotion
   never undoes a newer put or a discard (a stale one is counted, ``stale_promotions``);
 - an unclosed cache is closed when collected or at interpreter exit (``weakref.finalize``: its
   threads must not be killed mid-copy),
@@ -56,21 +56,22 @@ from typing import Any
 
 import torch
 
-from . import autosize, forks
+from .. import autosize
+from ..codec import check_meta, check_storable
+from ..config import CacheConfig
+from ..entrymeta import recorded, with_cost
+from ..errors import FeatCacheError
+from ..keys import ImageKey, KeyHasher
+from ..keysecret import hasher_for, remote_secret_name
+from ..store.report import VerifyReport
+from ..tiers.base import Entry
+from . import forks
 from .chain import KINDS, MAX_KEY_BYTES, build_chain
-from .codec import check_meta, check_storable
-from .config import CacheConfig
 from .copier import dense_copy, make_copier
 from .demoter import Demoter
-from .entrymeta import recorded, with_cost
-from .errors import FeatCacheError
-from .keys import ImageKey, KeyHasher
-from .keysecret import hasher_for, remote_secret_name
 from .lease import Lease, NoLease
 from .lookup import Lookup
 from .singleflight import SingleFlight
-from .store.report import VerifyReport
-from .tiers.base import Entry
 
 _COUNTERS = ("hits", "misses", "puts", "not_stored", "inflight_hits", "promotions", "stale_promotions")
 

@@ -19,15 +19,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
-from .config import CacheConfig
+from ..config import CacheConfig
+from ..store.layout import MAX_KEY_BYTES as _DISK_MAX_KEY_BYTES
+from ..tiers.base import LeasingTier, PersistentTier, StagingTier, Tier, WrittenTier, empty_stats
+from ..tiers.device import DeviceTier
+from ..tiers.disk import DiskTier
+from ..tiers.host import HostTier
+from ..tiers.mooncake import MooncakeTier
+from ..tiers.remote import RemoteTier
 from .copier import Copier
-from .store.layout import MAX_KEY_BYTES as _DISK_MAX_KEY_BYTES
-from .tiers.base import LeasingTier, PersistentTier, StagingTier, Tier, WrittenTier, empty_stats
-from .tiers.device import DeviceTier
-from .tiers.disk import DiskTier
-from .tiers.host import HostTier
-from .tiers.mooncake import MooncakeTier
-from .tiers.remote import RemoteTier
 from .writer import TierWriter
 
 # The longest key the cache takes: every tier can store it (the disk tier's LMDB limit is the

@@ -27,9 +27,9 @@ import queue
 import threading
 from typing import Any
 
+from ..tiers.base import Entry, Op, WrittenTier
 from .copier import Copier
 from .hostpool import HostPool
-from .tiers.base import Entry, Op, WrittenTier
 
 log = logging.getLogger("featcache")
 

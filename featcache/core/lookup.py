@@ -29,11 +29,11 @@ from typing import NamedTuple
 
 import torch
 
+from ..tiers.base import Entry
 from .chain import Chain, Slot
 from .copier import Copier, as_bytes, owned_empty
 from .demoter import Demoter
 from .hostpool import Block
-from .tiers.base import Entry
 
 
 class Found(NamedTuple):
