@@ -20,39 +20,50 @@ import shutil
 import _lmdeploy_stack
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 _lmdeploy_stack.require()
 
+import _exact_prep  # noqa: E402
 import image_corpus as corpus  # noqa: E402  (puts the checkout on sys.path)
 import lmdeploy_tiny as tiny  # noqa: E402
+from _exact_prep import NEEDS_TORCHVISION, encoder, with_pil  # noqa: E402
 
 from featcache import FeatureCache  # noqa: E402
 from featcache.lmdeploy import fastprep  # noqa: E402
 from featcache.preprocess import qwen2vl  # noqa: E402
 
+# the shared helpers (tests/_exact_prep.py), under the names these tests use
+_messages = _exact_prep.messages
+_item = _exact_prep.item
+_fast = _exact_prep.fast_preprocess
+_outputs = _exact_prep.outputs
+_assert_same = _exact_prep.assert_same
+_stat = _exact_prep.stat
+_check = _exact_prep.check
+_noise = _exact_prep.noise
+_assert_fallback = _exact_prep.assert_fallback
+_torchvision_functional = _exact_prep.torchvision_functional
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 QWEN_MAX = 12845056  # Qwen2-VL-7B-Instruct's max_pixels (its preprocessor_config.json)
 
 
-def _encoder(path):
-    """lmdeploy's encoder of the checkpoint at ``path``, over transformers' PIL processor (where
-    torchvision imports, transformers picks its torchvision-backed one instead: see the last
-    tests)."""
-    from lmdeploy.messages import PytorchEngineConfig
-    from lmdeploy.vl.engine import ImageEncoder
+@pytest.fixture(scope="module")
+def images():
+    return _exact_prep.corpus_images()
 
-    encoder = ImageEncoder(path, "pytorch", backend_config=PytorchEngineConfig(dtype="float16"))
-    _with_pil(encoder.model, path)
-    return encoder
+
+def _encoder(path):
+    from transformers import Qwen2VLImageProcessorPil
+
+    return encoder(path, Qwen2VLImageProcessorPil)
 
 
 def _with_pil(vision_model, path):
     from transformers import Qwen2VLImageProcessorPil
 
-    if type(vision_model.processor.image_processor) is not Qwen2VLImageProcessorPil:
-        vision_model.processor.image_processor = Qwen2VLImageProcessorPil.from_pretrained(path)
+    with_pil(vision_model, path, Qwen2VLImageProcessorPil)
+
 
 
 @pytest.fixture(scope="module")
@@ -60,63 +71,6 @@ def vision_model(tmp_path_factory):
     encoder = _encoder(tiny.checkpoint(tiny.QWEN2VL, tmp_path_factory))
     yield encoder.model
     encoder.executor.shutdown(wait=True)
-
-
-@pytest.fixture(scope="module")
-def images():
-    from lmdeploy.vl.media.image import ImageMediaIO
-
-    return {name: ImageMediaIO().load_bytes(make()) for name, make in corpus.CASES.items()}
-
-
-def _messages(*items):
-    return [dict(role="user", content=[dict(type="text", text="describe"), *items])]
-
-
-def _item(image, **params):
-    return dict(type="image", data=image, **params)
-
-
-def _fast(vision_model, monkeypatch, mode="auto"):
-    monkeypatch.setenv(fastprep.ENV, mode)
-    cache = FeatureCache(device="cpu", device_bytes=0, host_bytes=0)
-    fast = fastprep.FastPreprocess(vision_model, vision_model.preprocess, cache)
-    return fast, cache
-
-
-def _outputs(messages):
-    return messages[-1]["content"]
-
-
-def _assert_same(got, want, what):
-    assert len(got) == len(want), what
-    for g, w in zip(got, want, strict=True):
-        assert type(g) is type(w), what
-        assert list(g.keys()) == list(w.keys()), what
-        for key, value in w.items():
-            mine = g[key]
-            assert type(mine) is type(value), (what, key)
-            if isinstance(value, torch.Tensor):
-                assert mine.dtype == value.dtype and mine.device == value.device, (what, key)
-                assert torch.equal(mine, value), (what, key)
-            else:
-                assert mine == value, (what, key)
-
-
-def _stat(cache, name):
-    return cache.stats().get("lmdeploy", {}).get(name, 0)
-
-
-def _check(fast, cache, vision_model, items, what):
-    before = _stat(cache, "preprocess_fast")
-    got = _outputs(fast(_messages(*items)))
-    want = _outputs(vision_model.preprocess(_messages(*items)))
-    _assert_same(got, want, what)
-    assert _stat(cache, "preprocess_fast") == before + len(items), what
-
-
-def _noise(w, h, seed=0):
-    return tiny.noise_image(w, h, seed)
 
 
 def test_the_tiny_checkpoints_processor_is_reproduced(vision_model, monkeypatch):
@@ -226,17 +180,6 @@ def test_qwen25vl_checkpoints_are_reproduced_too(tmp_path_factory, monkeypatch):
 
 # -- what is not reproduced: lmdeploy's own code, counted ---------------------------------------------
 
-def _assert_fallback(fast, cache, vision_model, items, what):
-    before = _stat(cache, "preprocess_fallback")
-    try:
-        want = _outputs(vision_model.preprocess(_messages(*items)))
-    except Exception as e:  # lmdeploy refuses it: so must featcache's stand-in, the same way
-        with pytest.raises(type(e)):
-            fast(_messages(*items))
-    else:
-        _assert_same(_outputs(fast(_messages(*items))), want, what)
-    assert _stat(cache, "preprocess_fallback") == before + len(items), what
-
 
 def test_images_and_parameters_it_does_not_reproduce_go_to_lmdeploy_counted(vision_model, images,
                                                                             monkeypatch):
@@ -336,19 +279,6 @@ def test_a_processor_that_ignores_one_limit_alone_keeps_those_images_on_lmdeploy
             _item(images["jpeg-444-1000x700"])]
     _check(fast, cache, vision_model, both, "both limits, and none")
     assert base is BaseImageProcessor._standardize_kwargs
-
-
-def _torchvision_functional():
-    try:
-        from torchvision.transforms.v2 import functional
-    except Exception:  # (none here, or one that does not load beside this torch: the CPU's)
-        return None
-    return functional
-
-
-NEEDS_TORCHVISION = pytest.mark.skipif(
-    _torchvision_functional() is None,
-    reason="torchvision does not load here: on the GPU run list (docs/benchmarks.md, 'The GPU run list')")
 
 
 @NEEDS_TORCHVISION

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .checks import image_processor
 from .qwen2vl import value_table
 
 # get_optimal_tiled_canvas((height, width), (tile_h, tile_w), min_tiles, max_tiles) -> (cols, rows)
@@ -178,17 +179,9 @@ def internvl_hf_spec(vision_model: Any) -> HFTileSpec | str:
         classes = _processor_classes()
     except ImportError as e:
         return f"lmdeploy's InternVL-HF model or transformers' GotOcr2 processor does not import ({e})"
-    if not isinstance(vision_model, InternVL3VisionModel):
-        return f"{type(vision_model).__name__} is not lmdeploy's InternVL-HF model"
-    if type(vision_model).preprocess is not InternVL3VisionModel.preprocess:
-        return f"{type(vision_model).__name__} has a preprocess of its own"
-    ip = getattr(getattr(vision_model, "processor", None), "image_processor", None)
-    if ip is None or type(ip) not in classes:
-        return (f"its image processor is {type(ip).__name__}, not one of transformers' "
-                f"{' or '.join(c.__name__ for c in classes)}")
-    patched = [name for name in _METHODS if name in vars(ip)]
-    if patched:
-        return f"its image processor's {', '.join(patched)} are replaced on the instance"
+    ip = image_processor(vision_model, InternVL3VisionModel, "InternVL-HF", classes, _METHODS)
+    if isinstance(ip, str):
+        return ip
     dtype = getattr(vision_model, "mm_feature_dtype", None)
     if not isinstance(dtype, torch.dtype):
         return f"its feature dtype is {dtype!r}"

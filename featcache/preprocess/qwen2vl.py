@@ -37,6 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .checks import image_processor
+
 # smart_resize(height, width, factor, min_pixels, max_pixels) -> (height, width): transformers'
 SmartResize = Callable[..., tuple[int, int]]
 BICUBIC = 3  # PIL.Image.Resampling.BICUBIC
@@ -178,17 +180,9 @@ def qwen2vl_spec(vision_model: Any) -> PatchSpec | str:
         classes = _processor_classes()
     except ImportError as e:
         return f"lmdeploy's Qwen2-VL model or transformers' PIL processor does not import ({e})"
-    if not isinstance(vision_model, Qwen2VLModel):
-        return f"{type(vision_model).__name__} is not lmdeploy's Qwen2-VL model"
-    if type(vision_model).preprocess is not Qwen2VLModel.preprocess:
-        return f"{type(vision_model).__name__} has a preprocess of its own"
-    ip = getattr(getattr(vision_model, "processor", None), "image_processor", None)
-    if ip is None or type(ip) not in classes:
-        return (f"its image processor is {type(ip).__name__}, not one of transformers' "
-                f"{' or '.join(c.__name__ for c in classes)}")
-    patched = [name for name in _METHODS if name in vars(ip)]
-    if patched:
-        return f"its image processor's {', '.join(patched)} are replaced on the instance"
+    ip = image_processor(vision_model, Qwen2VLModel, "Qwen2-VL", classes, _METHODS)
+    if isinstance(ip, str):
+        return ip
     why = _settings(ip)
     if why is not None:
         return why
