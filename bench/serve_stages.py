@@ -376,10 +376,15 @@ def install(sink: Sink, allow_loopback_media: bool = False) -> list[str]:
 
     try:  # featcache's hooks (absent from a plain lmdeploy server's code path, harmless there)
         from featcache.core.cache import FeatureCache
+        from featcache.lmdeploy import fastprep
         from featcache.lmdeploy.pytorch import engine as fc_engine
         from featcache.lmdeploy.request import frontend
     except ImportError:
         return done
+    # featcache's own preprocessing of a miss (lmdeploy's model preprocess runs inside it, timed
+    # as model_preprocess, only where it falls back)
+    _patch(fastprep.FastPreprocess, "__call__", lambda f: timed(f, "fc_preprocess"), done,
+           "featcache FastPreprocess.__call__")
     _patch(frontend.Frontend, "resolve_sources", lambda f: timed(f, "fc_resolve"), done,
            "featcache Frontend.resolve_sources")
     _patch(frontend.Frontend, "__call__", lambda f: timed(f, "fc_frontend"), done,

@@ -103,7 +103,9 @@ class PromptPath:
     def record_featcache(self) -> None:
         """Once featcache is installed on this path: ``calls`` records every preprocessing its
         frontend runs, featcache's own (``fastprep``, which makes lmdeploy's output itself for the
-        models it reproduces, e.g. Qwen2-VL) or lmdeploy's, not only lmdeploy's."""
+        models it reproduces, e.g. Qwen2-VL, InternVL-HF) or lmdeploy's, not only lmdeploy's."""
+        if not self._lmdeploy_only:
+            return
         frontend = self.model.preprocess.frontend
         inner = frontend.original
         self._lmdeploy_only = False

@@ -93,6 +93,7 @@ class Rig:
                                        prompt_processor=self.prompt.processor,
                                        backend_config=TurbomindEngineConfig(dtype=ENGINE_DTYPE))
         wrap(types.SimpleNamespace(async_engine=engine), cache=self.cache, turbomind="combined")
+        self.prompt.record_featcache()  # calls: featcache's preprocessing too (InternVL-HF's)
         self.server = self.prompt.model.forward.__self__  # the CombinedServer
         self.tm = source_model(tiny.INTERNVL, path)
         self.tm.engine_config.enable_metrics = False  # (the stand-in engine reports none)

@@ -208,6 +208,7 @@ def test_serve_turbomind_hits_through_the_prompt_path(model, tmp_path, monkeypat
     cache = FeatureCache(device="cpu", device_bytes="64MiB", host_bytes=0)
     try:
         wrap(types.SimpleNamespace(async_engine=engine), cache)
+        engine.path.record_featcache()  # calls: featcache's preprocessing too (InternVL-HF's)
         msgs = tiny.messages(tiny.image_item(tiny.noise_image(120, 90, seed=5)))
         first = engine.path.prompt(msgs)
         second = engine.path.prompt(msgs)
@@ -281,6 +282,7 @@ def test_serve_multi_process_mode_tags_images_for_the_model_processes(served, tm
     cache = engine.featcache  # this process only counts
     assert cache.config.device == "cpu" and cache.config.disk_path is None
     msgs = tiny.messages(tiny.image_item(tiny.noise_image(120, 90, seed=5)))
+    engine.path.record_featcache()  # calls: featcache's preprocessing too (InternVL-HF's)
     first, again = (engine.path.prompt(msgs) for _ in range(2))
     assert isinstance(first["multimodal"][0][REF_KEY], FeatTag)
     assert first["multimodal"][0][REF_KEY].source is None  # the first time: its pixels travel
@@ -431,6 +433,7 @@ def test_warm_keys_files_as_a_server_keys_the_same_bytes(model, tmp_path):
     pp = tiny.PromptPath(model)
     try:
         install_frontend(pp.model, cache, "test:warm", pp.processor)
+        pp.record_featcache()  # calls: featcache's preprocessing too (InternVL-HF's)
         warmed = pp.prompt(request(str(path), {}))
         for item in warmed["multimodal"]:  # what the engine does with a miss's features
             ref = item[REF_KEY]

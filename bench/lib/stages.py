@@ -30,6 +30,7 @@ LABELS = [
     ("fc_acquire", "featcache lookup"),
     ("vl_preprocess", "preprocess queue + hops"),
     ("fc_frontend", "featcache frontend (rest)"),
+    ("fc_preprocess", "featcache image preprocessing (fastprep; lmdeploy's where it falls back)"),
     ("model_preprocess", "lmdeploy image preprocessing"),
     ("template", "chat template (+ multimodal wrap)"),
     ("text_prompt", "chat template (text)"),
