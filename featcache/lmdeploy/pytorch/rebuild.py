@@ -136,14 +136,14 @@ def pixels(tag: FeatTag, model: Any, settings: dict[str, Any], device: torch.dev
     """The image's ``MultiModalData.data`` as lmdeploy's engine would have received it, on
     ``device``; raises where it cannot be rebuilt (no source; a decode or preprocessing error).
     ``cache``: the process's, where its preprocessing is counted (``preprocessor``)."""
-    from ..request.frontend import _preprocessed
+    from ..request.messages import preprocessed
 
     if tag.source is None:
         raise RuntimeError(f"featcache: image {tag.key.hex()} reached the model without pixels "
                            "or the bytes to rebuild them")
     params = json.loads(tag.source.params)
     messages = [{"role": "user", "content": [{"type": "image", "data": image(tag.source), **params}]}]
-    (item,) = _preprocessed(preprocessor(settings, cache)(messages))
+    (item,) = preprocessed(preprocessor(settings, cache)(messages))
     result = model.get_input_processor().preprocess_input([0], [dict(item, offset=0)])
     (data,) = result.input_multimodals["image"]
     out: torch.Tensor = data.data

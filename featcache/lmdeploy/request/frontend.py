@@ -45,6 +45,7 @@ from .entry_meta import decode_item, encode_item
 from .httpfetch import FetchError
 from .media import LOCAL_FILES, ImageOptions, MediaError, MediaPolicy, image_io_options
 from .media import MediaOptionError as MediaOptionError  # (its home: media; named here too)
+from .messages import decoded, image_items, preprocessed, without
 from .refs import REF_KEY, FeatRef
 from .sources import (
     ID_FIELD,
@@ -135,7 +136,7 @@ class Frontend:
         except Exception:
             trace = traceback.format_exc()
             try:
-                out = self.original(_decoded(messages))
+                out = self.original(decoded(messages))
             except Exception:
                 # lmdeploy's own preprocessing refuses the request too (Qwen2-VL's aspect ratio
                 # over 200, say): the client's request, not featcache's failure; plain lmdeploy
@@ -395,9 +396,9 @@ class Frontend:
         return _sourced(key, meta, image.tobytes(), layout, params)
 
     def _preprocess(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        items = _image_items(messages)
+        items = image_items(messages)
         if items is None:  # a video or other modality: not ours, leave the request alone
-            return self.original(_decoded(messages))
+            return self.original(decoded(messages))
         count = self.cache.count
         hits: dict[int, dict[str, Any]] = {}  # item index -> its per-image dict
         keys: list[bytes | None] = []
@@ -442,14 +443,14 @@ class Frontend:
             count(SECTION, "tagged", sum(1 for k in keys if k is not None))
 
         if not hits:
-            messages = self.original(_decoded(list(messages)))  # a copy: the fallback needs the original
-            self._tag_misses(_preprocessed(messages), keys)
+            messages = self.original(decoded(list(messages)))  # a copy: the fallback needs the original
+            self._tag_misses(preprocessed(messages), keys)
             return messages
         missed = [i for i in range(len(items)) if i not in hits]
         outputs: list[dict[str, Any]] = []
         if missed:
-            filtered = _without(messages, [items[i] for i in hits])
-            outputs = _preprocessed(self.original(filtered))
+            filtered = without(messages, [items[i] for i in hits])
+            outputs = preprocessed(self.original(filtered))
             self._tag_misses(outputs, [keys[i] for i in missed])
         miss_outputs = iter(outputs)
         merged = [hits[i] if i in hits else next(miss_outputs) for i in range(len(items))]
@@ -542,52 +543,3 @@ def _binds(messages: list[dict[str, Any]]) -> list[tuple[bytes, bytes]]:
                     and all(isinstance(x, bytes) for x in binds)):
                 found.append(binds)
     return found
-
-
-def _image_items(messages: list[dict[str, Any]]) -> list[tuple[int, int, dict[str, Any]]] | None:
-    """(message index, content index, item) of every multimodal item, as lmdeploy's
-    ``collect_multimodal_items`` orders them; None if any is not an image."""
-    items = []
-    for m, message in enumerate(messages):
-        content = message.get("content")
-        if not isinstance(content, list):
-            continue
-        for c, item in enumerate(content):
-            if not isinstance(item, dict) or item.get("type") in (None, "text"):
-                continue
-            if item["type"] != "image":
-                return None
-            items.append((m, c, item))
-    return items
-
-
-def _without(
-    messages: list[dict[str, Any]], drop: list[tuple[int, int, dict[str, Any]]]
-) -> list[dict[str, Any]]:
-    """A copy of ``messages`` without the given items (the originals are left untouched)."""
-    gone = {(m, c) for m, c, _ in drop}
-    out = []
-    for m, message in enumerate(messages):
-        content = message.get("content")
-        if isinstance(content, list) and any((m, c) in gone for c in range(len(content))):
-            message = dict(message, content=[x for c, x in enumerate(content) if (m, c) not in gone])
-        out.append(message)
-    return out
-
-
-def _decoded(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``messages`` with every ``CachedImage`` decoded, for lmdeploy's own preprocessing."""
-    def item(x: Any) -> Any:
-        if isinstance(x, dict) and isinstance(x.get("data"), CachedImage):
-            return dict(x, data=x["data"].decode())
-        return x
-
-    return [dict(m, content=[item(x) for x in m["content"]])
-            if isinstance(m, dict) and isinstance(m.get("content"), list) else m for m in messages]
-
-
-def _preprocessed(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    preps = [m["content"] for m in messages if m.get("role") == "preprocess"]
-    if len(preps) != 1:
-        raise RuntimeError(f"expected one 'preprocess' message, found {len(preps)}")
-    return list(preps[0])

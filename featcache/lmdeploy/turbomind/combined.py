@@ -40,7 +40,8 @@ from typing import Any
 from ...core.cache import FeatureCache
 from ...keys import ImageKey
 from ..request.entry_meta import encode_item
-from ..request.frontend import SECTION, _preprocessed
+from ..request.frontend import SECTION
+from ..request.messages import preprocessed
 from ..request.refs import REF_KEY, FeatRef
 from .common import check_host_cache, engine_vision_dtype
 from .features import FeatureServer, check_features_arch, features_tower, install_server
@@ -113,7 +114,7 @@ class CombinedServer:
         digests: list[bytes | None] = []
         content = None
         try:
-            items = _preprocessed(messages)
+            items = preprocessed(messages)
             refs = [item.get(REF_KEY) for item in items]
             keys = [ref.key if isinstance(ref, FeatRef) else None for ref in refs]
             if not keys or None in keys:  # an image featcache does not key (or passed through)

@@ -37,8 +37,9 @@ from typing import Any
 import torch
 
 from ...core.cache import FeatureCache
-from ..request.frontend import SECTION, _preprocessed, install_frontend
+from ..request.frontend import SECTION, install_frontend
 from ..request.identity import model_identity
+from ..request.messages import preprocessed
 from ..request.refs import REF_KEY, FeatRef
 from .common import check_host_cache, engine_vision_dtype
 
@@ -311,7 +312,7 @@ class FeatureServer:
     def forward(self, messages: list[dict[str, Any]], max_batch_size: int = 1) -> list[dict[str, Any]]:
         """Append ``{'role': 'forward', 'content': [features of each image, in order]}``: each a
         host tensor [image tokens, hidden] in the engine dtype."""
-        items = _preprocessed(messages)
+        items = preprocessed(messages)
         features: list[torch.Tensor | None] = [None] * len(items)
         misses = []
         for i, item in enumerate(items):

@@ -42,8 +42,9 @@ import torch
 
 from ...core.cache import FeatureCache
 from ..request.entry_meta import encode_item
-from ..request.frontend import SECTION, Frontend, _decoded, _preprocessed, install_frontend
+from ..request.frontend import SECTION, Frontend, install_frontend
 from ..request.identity import model_identity
+from ..request.messages import decoded, preprocessed
 from ..request.refs import REF_KEY, FeatRef
 from .common import check_host_cache, engine_vision_dtype
 
@@ -117,13 +118,13 @@ class NativePixels:
     def __call__(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out = self.keyed(list(messages))  # a copy: the fallback needs the caller's messages
         try:
-            for item in _preprocessed(out):
+            for item in preprocessed(out):
                 ref = item.get(REF_KEY)
                 if isinstance(ref, FeatRef):
                     self._serve(item, ref)
         except Exception:
             self.frontend._failed("serving cached pixels failed; preprocessing without the cache")
-            return self.frontend.original(_decoded(messages))
+            return self.frontend.original(decoded(messages))
         return out
 
     def _serve(self, item: dict[str, Any], ref: FeatRef) -> None:

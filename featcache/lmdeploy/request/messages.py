@@ -1,0 +1,59 @@
+"""lmdeploy's message lists as its vision models read them: their image items in lmdeploy's own
+order (``collect_multimodal_items``'), a copy without some of them, one with every image featcache
+holds unread decoded (for lmdeploy's own preprocessing), and the per-image dicts of a
+preprocessed list. Never changes the lists it is given."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .sources import CachedImage
+
+
+def image_items(messages: list[dict[str, Any]]) -> list[tuple[int, int, dict[str, Any]]] | None:
+    """(message index, content index, item) of every multimodal item, as lmdeploy's
+    ``collect_multimodal_items`` orders them; None if any is not an image."""
+    items = []
+    for m, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for c, item in enumerate(content):
+            if not isinstance(item, dict) or item.get("type") in (None, "text"):
+                continue
+            if item["type"] != "image":
+                return None
+            items.append((m, c, item))
+    return items
+
+
+def without(
+    messages: list[dict[str, Any]], drop: list[tuple[int, int, dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    """A copy of ``messages`` without the given items (the originals are left untouched)."""
+    gone = {(m, c) for m, c, _ in drop}
+    out = []
+    for m, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, list) and any((m, c) in gone for c in range(len(content))):
+            message = dict(message, content=[x for c, x in enumerate(content) if (m, c) not in gone])
+        out.append(message)
+    return out
+
+
+def decoded(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with every ``CachedImage`` decoded, for lmdeploy's own preprocessing."""
+    def item(x: Any) -> Any:
+        if isinstance(x, dict) and isinstance(x.get("data"), CachedImage):
+            return dict(x, data=x["data"].decode())
+        return x
+
+    return [dict(m, content=[item(x) for x in m["content"]])
+            if isinstance(m, dict) and isinstance(m.get("content"), list) else m for m in messages]
+
+
+def preprocessed(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    preps = [m["content"] for m in messages if m.get("role") == "preprocess"]
+    if len(preps) != 1:
+        raise RuntimeError(f"expected one 'preprocess' message, found {len(preps)}")
+    return list(preps[0])
