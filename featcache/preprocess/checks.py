@@ -6,8 +6,27 @@ settings and compares its output with the processor's own on probe images.)"""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable
 from typing import Any
+
+
+def processor_classes(pil: str, torchvision_module: str, torchvision_class: str) -> tuple[type, ...]:
+    """transformers' PIL image processor ``pil``, and where torchvision imports, its
+    torchvision-backed twin (``torchvision_class`` of ``torchvision_module``; without torchvision
+    transformers gives a placeholder of that name): the classes a fast path may take, its probes
+    deciding whether it reproduces them. ImportError where transformers has no ``pil``."""
+    try:
+        classes: list[type] = [getattr(importlib.import_module("transformers"), pil)]
+    except AttributeError as e:
+        raise ImportError(f"transformers has no {pil}") from e
+    try:
+        import torchvision  # noqa: F401
+
+        classes.append(getattr(importlib.import_module(torchvision_module), torchvision_class))
+    except Exception:  # (no torchvision, or one that does not load beside this torch)
+        pass
+    return tuple(classes)
 
 
 def image_processor(vision_model: Any, model_class: Any, model_name: str,

@@ -25,8 +25,9 @@ reproduces, and checks it against the processor itself on probe images (a 1x1 gr
 with and without a thumbnail, in one call as lmdeploy calls it) before saying yes.
 
 The torchvision-backed processor resizes uint8 tensors with torchvision's BICUBIC and antialias
-(a port of Pillow's) and crops on every call (``crop_to_patches`` alone: a 1x1 grid where
-``max_patches`` is 1, the same as one resize); the probe decides whether it matches this Pillow.
+and crops on every call (``crop_to_patches`` alone: a 1x1 grid where ``max_patches`` is 1, the
+same as one resize); the probe decides whether it matches this Pillow (torchvision 0.26's does not
+match Pillow 12.3's: tests/test_preprocess_exact_qwen.py's torchvision test, the GPU machine).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .checks import image_processor
+from .checks import image_processor, processor_classes
 from .qwen2vl import value_table
 
 # get_optimal_tiled_canvas((height, width), (tile_h, tile_w), min_tiles, max_tiles) -> (cols, rows)
@@ -77,16 +78,9 @@ class HFTileSpec:
 def _processor_classes() -> tuple[type, ...]:
     """transformers' GotOcr2 image processors ``HFTileMaker`` may reproduce: the PIL one, and the
     torchvision-backed one where torchvision imports (the probe checks it before it is trusted)."""
-    from transformers import GotOcr2ImageProcessorPil
-
-    classes: list[type] = [GotOcr2ImageProcessorPil]
-    try:
-        import torchvision  # noqa: F401  (without it, the class below is a placeholder)
-        from transformers.models.got_ocr2.image_processing_got_ocr2 import GotOcr2ImageProcessor
-    except Exception:  # (no torchvision, or one that does not load beside this torch)
-        return tuple(classes)
-    classes.append(GotOcr2ImageProcessor)
-    return tuple(classes)
+    return processor_classes("GotOcr2ImageProcessorPil",
+                             "transformers.models.got_ocr2.image_processing_got_ocr2",
+                             "GotOcr2ImageProcessor")
 
 
 def canvas_of(ip: Any) -> Canvas:

@@ -22,9 +22,10 @@ the patchified layout, in row bands on a pool. ``qwen2vl_spec`` says whether a m
 reproduces, and checks it against the processor itself on probe images before saying yes.
 
 The torchvision-backed processor does the same in torch: torchvision's uint8 BICUBIC resize with
-antialias (a port of Pillow's; the probes compare it with this Pillow's), one fused float32
-``(x - mean / r) / (std / r)`` (its own ``rescale_and_normalize`` makes the table) and the same
-patch layout; where a probe differs, lmdeploy's code runs.
+antialias, one fused float32 ``(x - mean / r) / (std / r)`` (its own ``rescale_and_normalize``
+makes the table) and the same patch layout. The probes compare its output with featcache's
+(Pillow's resize); where they differ, as with torchvision 0.26 and Pillow 12.3 (the GPU machine,
+2026-12-03), lmdeploy's code runs.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .checks import image_processor
+from .checks import image_processor, processor_classes
 
 # smart_resize(height, width, factor, min_pixels, max_pixels) -> (height, width): transformers'
 SmartResize = Callable[..., tuple[int, int]]
@@ -96,18 +97,11 @@ def value_table(processor: Any) -> np.ndarray:
 
 def _processor_classes() -> tuple[type, ...]:
     """transformers' Qwen2-VL image processors ``PatchMaker`` may reproduce: the PIL one, and the
-    torchvision-backed one where torchvision imports (its uint8 BICUBIC resize with antialias is
-    a port of Pillow's; ``_probe`` checks it against this Pillow before it is trusted)."""
-    from transformers import Qwen2VLImageProcessorPil
-
-    classes: list[type] = [Qwen2VLImageProcessorPil]
-    try:
-        import torchvision  # noqa: F401  (without it, the class below is a placeholder)
-        from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
-    except Exception:  # (no torchvision, or one that does not load beside this torch)
-        return tuple(classes)
-    classes.append(Qwen2VLImageProcessor)
-    return tuple(classes)
+    torchvision-backed one where torchvision imports (``_probe`` checks it against this Pillow
+    before it is trusted: torchvision 0.26's uint8 BICUBIC with antialias is not Pillow 12.3's)."""
+    return processor_classes("Qwen2VLImageProcessorPil",
+                             "transformers.models.qwen2_vl.image_processing_qwen2_vl",
+                             "Qwen2VLImageProcessor")
 
 
 def _torchvision_backed(processor: Any) -> bool:
