@@ -29,9 +29,11 @@ The CUDA path must first reproduce the installed Pillow on a probe set
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -146,29 +148,36 @@ def _device(wanted: str) -> tuple[torch.device, str]:
     return device, "the engine's GPU"
 
 
-def _is_qwen2vl(vision_model: Any) -> bool:
+def _is_model(vision_model: Any, module: str, name: str) -> bool:
+    """Whether ``vision_model`` is lmdeploy's class ``name`` of ``module`` (False where it does
+    not import)."""
     try:
-        from lmdeploy.vl.model.qwen2 import Qwen2VLModel
-    except ImportError:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
         return False
-    return isinstance(vision_model, Qwen2VLModel)
+    return isinstance(vision_model, cls)
 
 
-def _is_internvl_hf(vision_model: Any) -> bool:
+def _probed(spec_of: Callable[[Any], Any], vision_model: Any) -> Any:
+    """``spec_of(vision_model)``: a fast path's spec, or why not (a sentence), also where the
+    processor cannot even be probed (then lmdeploy's own code runs)."""
     try:
-        from lmdeploy.vl.model.internvl3_hf import InternVL3VisionModel
-    except ImportError:
-        return False
-    return isinstance(vision_model, InternVL3VisionModel)
+        return spec_of(vision_model)
+    except Exception as e:
+        return f"its processor could not be probed ({type(e).__name__}: {e})"
+
+
+def _plain_rgb(modality: Any, image: Any) -> bool:
+    """Whether an item is an RGB image without a transparency key (which transformers'
+    processors composite onto white): what the Qwen2-VL and InternVL-HF makers take."""
+    return (getattr(modality, "value", modality) == "image" and getattr(image, "mode", None) == "RGB"
+            and image.info.get("transparency") is None)
 
 
 def _hf_tile_maker(vision_model: Any) -> tuple[HFTileMaker | None, str]:
     """InternVL-HF's maker (on the CPU: PIL's resizes, the thumbnail's on a second thread), or
     None and why not."""
-    try:
-        spec = internvl_hf_spec(vision_model)
-    except Exception as e:  # (a processor that cannot even be probed: lmdeploy's own code)
-        spec = f"its processor could not be probed ({type(e).__name__}: {e})"
+    spec = _probed(internvl_hf_spec, vision_model)
     if isinstance(spec, str):
         return None, spec
     canvas = canvas_of(vision_model.processor.image_processor)
@@ -181,8 +190,7 @@ def _hf_tile_plan(items: list[tuple[str, Any, dict[str, Any]]]) -> list[Any] | N
     lmdeploy's call ignores a request's per-image parameters, and so does this."""
     plan = []
     for modality, image, _ in items:
-        if getattr(modality, "value", modality) != "image" or getattr(image, "mode", None) != "RGB" \
-                or image.info.get("transparency") is not None:
+        if not _plain_rgb(modality, image):
             return None
         plan.append(image)
     return plan
@@ -191,10 +199,7 @@ def _hf_tile_plan(items: list[tuple[str, Any, dict[str, Any]]]) -> list[Any] | N
 def _patch_maker(vision_model: Any) -> tuple[PatchMaker | None, str]:
     """Qwen2-VL's maker (on the CPU: its output is float32 twice the image's size, which a GPU
     would only send back), or None and why not."""
-    try:
-        spec = qwen2vl_spec(vision_model)
-    except Exception as e:  # (a processor that cannot even be probed: lmdeploy's own code)
-        spec = f"its processor could not be probed ({type(e).__name__}: {e})"
+    spec = _probed(qwen2vl_spec, vision_model)
     if isinstance(spec, str):
         return None, spec
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
@@ -219,9 +224,8 @@ def _patch_plan(maker: PatchMaker, items: list[tuple[str, Any, dict[str, Any]]]
     a size ``smart_resize`` refuses)."""
     plan = []
     for modality, image, params in items:
-        if getattr(modality, "value", modality) != "image" or getattr(image, "mode", None) != "RGB" \
-                or image.info.get("transparency") is not None:
-            return None  # (the processor composites an image with transparency onto white)
+        if not _plain_rgb(modality, image):
+            return None
         low = _pixels_param(params, "min_pixels", maker.spec.min_pixels)
         high = _pixels_param(params, "max_pixels", maker.spec.max_pixels)
         if low is None or high is None:
@@ -256,9 +260,10 @@ class FastPreprocess:
             device, why = _device(wanted)
             self.maker = TileMaker(spec, find_closest_aspect_ratio, device, pool())
             self.why = f"on {device} ({why})"
-        elif wanted != "lmdeploy" and _is_qwen2vl(vision_model):
+        elif wanted != "lmdeploy" and _is_model(vision_model, "lmdeploy.vl.model.qwen2", "Qwen2VLModel"):
             self.maker, self.why = _patch_maker(vision_model)
-        elif wanted != "lmdeploy" and _is_internvl_hf(vision_model):
+        elif wanted != "lmdeploy" and _is_model(vision_model, "lmdeploy.vl.model.internvl3_hf",
+                                                 "InternVL3VisionModel"):
             self.maker, self.why = _hf_tile_maker(vision_model)
         else:
             self.why = spec
