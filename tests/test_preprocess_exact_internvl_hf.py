@@ -26,7 +26,7 @@ from _exact_prep import NEEDS_TORCHVISION, encoder, with_pil  # noqa: E402
 
 from featcache import FeatureCache  # noqa: E402
 from featcache.lmdeploy import fastprep  # noqa: E402
-from featcache.preprocess import internvl_hf  # noqa: E402
+from featcache.preprocess import internvl_hf, resizers  # noqa: E402
 
 # the shared helpers (tests/_exact_prep.py), under the names these tests use
 _messages = _exact_prep.messages
@@ -253,13 +253,11 @@ def test_a_table_that_differs_from_the_processor_is_caught_by_the_probe(vision_m
 
 
 @NEEDS_TORCHVISION
-def test_the_torchvision_backed_processor_is_reproduced_or_refused_counted(tmp_path_factory, images,
-                                                                           monkeypatch):
+def test_the_torchvision_backed_processor_is_reproduced(tmp_path_factory, images, monkeypatch):
     """transformers' torchvision-backed ``GotOcr2ImageProcessor`` (what a GPU install of lmdeploy
-    has): featcache's maker only where its probes match the processor, and then every output
-    equal over the corpus and the generated sizes, many images in one call (the processor groups
-    them by shape); else a reason and lmdeploy's own output, counted (torchvision 0.26's uint8
-    BICUBIC is not Pillow 12.3's: tests/test_preprocess_exact_qwen.py's torchvision test)."""
+    has): featcache's maker, with torch's uint8 resize, passes its probes and equals the processor
+    over the corpus, the generated sizes, and all of them in one request (the processor groups
+    them by shape)."""
     from transformers.models.got_ocr2.image_processing_got_ocr2 import GotOcr2ImageProcessor
 
     path = tiny.checkpoint(tiny.INTERNVL, tmp_path_factory)
@@ -268,11 +266,8 @@ def test_the_torchvision_backed_processor_is_reproduced_or_refused_counted(tmp_p
         vm = encoder.model
         vm.processor.image_processor = GotOcr2ImageProcessor.from_pretrained(path)
         fast, cache = _fast(vm, monkeypatch)
-        if fast.maker is None:
-            assert "differ" in fast.why, fast.why
-            for image in list(images.values())[:8]:
-                _assert_fallback(fast, cache, vm, [_item(image)], fast.why)
-            return
+        assert isinstance(fast.maker, internvl_hf.HFTileMaker), fast.why
+        assert fast.maker.spec.resize is resizers.torch_bicubic
         for name, image in images.items():
             _check(fast, cache, vm, [_item(image)], name)
         for i, (w, h) in enumerate(SIZES):

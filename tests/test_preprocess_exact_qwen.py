@@ -20,6 +20,7 @@ import shutil
 import _lmdeploy_stack
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 _lmdeploy_stack.require()
@@ -31,7 +32,7 @@ from _exact_prep import NEEDS_TORCHVISION, encoder, with_pil  # noqa: E402
 
 from featcache import FeatureCache  # noqa: E402
 from featcache.lmdeploy import fastprep  # noqa: E402
-from featcache.preprocess import qwen2vl  # noqa: E402
+from featcache.preprocess import qwen2vl, resizers  # noqa: E402
 
 # the shared helpers (tests/_exact_prep.py), under the names these tests use
 _messages = _exact_prep.messages
@@ -282,14 +283,33 @@ def test_a_processor_that_ignores_one_limit_alone_keeps_those_images_on_lmdeploy
 
 
 @NEEDS_TORCHVISION
-def test_the_torchvision_backed_processor_is_reproduced_or_refused_counted(tmp_path_factory, images,
-                                                                           monkeypatch):
+def test_torchvisions_uint8_bicubic_is_torchs_kernel_as_featcache_calls_it():
+    """``resizers.torch_bicubic`` (torch's uint8 ``interpolate(bicubic, antialias=True)``) equals
+    torchvision's ``resize`` of the image as the torchvision-backed processors make it (a
+    contiguous uint8 ``[C, H, W]`` tensor on the CPU) over 120 size pairs: down, up, one side, 1
+    pixel, 1:50; and Pillow's differs (why the PIL processors get ``pil_bicubic``)."""
+    tvF = _torchvision_functional()
+    rng = np.random.default_rng(7)
+    sizes = [(1000, 20, 28, 560), (1344, 1008, 448, 448), (3000, 2000, 2996, 1988), (1, 1, 28, 28)]
+    sizes += [tuple(int(v) for v in rng.integers(1, 700, 4)) for _ in range(116)]
+    pillow_differs = 0
+    for w, h, ow, oh in sizes:
+        image = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
+        chw = torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).contiguous()
+        want = tvF.resize(chw, [oh, ow], interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
+        got = resizers.torch_bicubic(image, (ow, oh))
+        assert np.array_equal(got, want.permute(1, 2, 0).numpy()), (w, h, ow, oh)
+        pillow_differs += not np.array_equal(resizers.pil_bicubic(image, (ow, oh)), got)
+    assert pillow_differs > 60
+
+
+@NEEDS_TORCHVISION
+def test_the_torchvision_backed_processor_is_reproduced(tmp_path_factory, images, monkeypatch):
     """transformers' torchvision-backed ``Qwen2VLImageProcessor`` (what a GPU install of lmdeploy
-    has): featcache's maker only where its probes match the processor, and then every output
-    equal over the corpus, sizes and limits; else a reason and lmdeploy's own output, counted.
-    On the GPU machine (transformers 5.17, torchvision 0.26, Pillow 12.3; 2026-12-03) its uint8
-    BICUBIC resize with antialias is not Pillow's (a 1000x20 image to 28x560 differs), so the
-    probe refuses it there: Qwen2-VL's new images get lmdeploy's code on featcache's pool."""
+    has): featcache's maker, with torch's uint8 resize, passes its probes and equals the processor
+    over the corpus, sizes and limits. (Before 2026-12-03's fix, featcache resized it with
+    Pillow's arithmetic, and its probe refused it on the GPU machine: transformers 5.17,
+    torchvision 0.26, Pillow 12.3.)"""
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
     path = tiny.checkpoint(tiny.QWEN2VL, tmp_path_factory)
@@ -298,14 +318,11 @@ def test_the_torchvision_backed_processor_is_reproduced_or_refused_counted(tmp_p
         vm = encoder.model
         vm.processor.image_processor = Qwen2VLImageProcessor.from_pretrained(path)
         fast, cache = _fast(vm, monkeypatch)
+        assert isinstance(fast.maker, qwen2vl.PatchMaker), fast.why
+        assert fast.maker.spec.resize is resizers.torch_bicubic
         items = [[_item(image)] for image in images.values()]
         items += [[_item(_noise(w, h, seed=i), **params)] for i, (w, h) in enumerate(SIZES)
                   for params in PIXELS]
-        if fast.maker is None:
-            assert "differ" in fast.why or "does not honour" in fast.why, fast.why
-            for request in items[:12]:
-                _assert_fallback(fast, cache, vm, request, fast.why)
-            return
         for request in items:
             _check(fast, cache, vm, request, str(request[0]["data"].size))
     finally:

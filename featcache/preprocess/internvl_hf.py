@@ -14,20 +14,18 @@ to ``S x S``. Then per tile, in NumPy: ``float32(float64(x) * rescale_factor)`` 
 std``; the PIL processor converts the decoded image (a copy), makes an array, a PIL image of it
 again, and the float64 and float32 copies of every tile.
 
-Here (``HFTileMaker``): the same PIL resizes of the decoded image (the thumbnail's on a second
-thread while the grid's runs; PIL releases the GIL while it resamples), then one table pass per
-channel: rescale and normalize are elementwise, so each value is a function of its channel and
-uint8 value alone, read from ``qwen2vl.value_table`` (made by the processor's own ``rescale`` and
-``normalize``, or the torchvision-backed one's fused ``rescale_and_normalize``: exact by
-construction) with ``np.take`` (which releases the GIL) straight into ``[N, C, S, S]``; then the
-elementwise cast to the model's dtype. ``internvl_hf_spec`` says whether a model is one this
-reproduces, and checks it against the processor itself on probe images (a 1x1 grid, wide, tall,
-with and without a thumbnail, in one call as lmdeploy calls it) before saying yes.
-
-The torchvision-backed processor resizes uint8 tensors with torchvision's BICUBIC and antialias
-and crops on every call (``crop_to_patches`` alone: a 1x1 grid where ``max_patches`` is 1, the
-same as one resize); the probe decides whether it matches this Pillow (torchvision 0.26's does not
-match Pillow 12.3's: tests/test_preprocess_exact_qwen.py's torchvision test, the GPU machine).
+Here (``HFTileMaker``): the processor's own resizes of the decoded image (``resizers``: Pillow's
+for the PIL processor, torch's uint8 antialias kernel for the torchvision-backed one, which
+torchvision calls; the thumbnail's on a second thread while the grid's runs; both release the GIL
+while they resample), then one table pass per channel: rescale and normalize are elementwise, so
+each value is a function of its channel and uint8 value alone, read from ``qwen2vl.value_table``
+(made by the processor's own ``rescale`` and ``normalize``, or the torchvision-backed one's fused
+``rescale_and_normalize``: exact by construction) with ``np.take`` (which releases the GIL)
+straight into ``[N, C, S, S]``; then the elementwise cast to the model's dtype.
+``internvl_hf_spec`` says whether a model is one this reproduces, and checks it against the
+processor itself on probe images (a 1x1 grid, wide, tall, with and without a thumbnail, in one
+call as lmdeploy calls it) before saying yes. The torchvision-backed processor crops on every call
+(``crop_to_patches`` alone: a 1x1 grid where ``max_patches`` is 1, the same as one resize).
 """
 
 from __future__ import annotations
@@ -42,6 +40,7 @@ import torch
 
 from .checks import image_processor, processor_classes
 from .qwen2vl import value_table
+from .resizers import Resize, for_processor, pil_bicubic
 
 # get_optimal_tiled_canvas((height, width), (tile_h, tile_w), min_tiles, max_tiles) -> (cols, rows)
 Canvas = Callable[..., tuple[int, int]]
@@ -69,6 +68,7 @@ class HFTileSpec:
     table: np.ndarray
     dtype: torch.dtype
     kwargs: dict[str, Any]
+    resize: Resize = pil_bicubic  # the processor's own (``resizers``)
 
     @property
     def channels(self) -> int:
@@ -125,8 +125,8 @@ class HFTileMaker:
         if thumbnail:
             if self.pool is not None:
                 job = self.pool.submit(self._thumbnail, image, out)
-        resized = _resized(image, (cols * s, rows * s))
-        src = np.asarray(resized).reshape(rows, s, cols, s, c).transpose(0, 2, 4, 1, 3)
+        resized = self.spec.resize(image, (cols * s, rows * s))
+        src = resized.reshape(rows, s, cols, s, c).transpose(0, 2, 4, 1, 3)
         self._fill(src, out[:n].reshape(rows, cols, c, s, s))
         if thumbnail:
             if job is not None:
@@ -137,7 +137,7 @@ class HFTileMaker:
 
     def _thumbnail(self, image: Any, out: np.ndarray) -> None:
         s, c = self.spec.size, self.spec.channels
-        small = np.asarray(_resized(image, (s, s)))
+        small = self.spec.resize(image, (s, s))
         self._fill(small.transpose(2, 0, 1)[None, None], out[-1:].reshape(1, 1, c, s, s))
 
     def _fill(self, src: np.ndarray, out: np.ndarray) -> None:
@@ -146,11 +146,6 @@ class HFTileMaker:
         table = self.spec.table
         for ch in range(self.spec.channels):
             np.take(table[ch * 256:(ch + 1) * 256], src[:, :, ch], out=out[:, :, ch], mode="clip")
-
-
-def _resized(image: Any, size: tuple[int, int]) -> Any:
-    """PIL's BICUBIC resize (at the same size Pillow's resize is a copy: skipped)."""
-    return image if image.size == size else image.resize(size, BICUBIC)
 
 
 def lmdeploy_images_kwargs(vision_model: Any) -> dict[str, Any]:
@@ -190,7 +185,8 @@ def internvl_hf_spec(vision_model: Any) -> HFTileSpec | str:
     low = kwargs.get("min_patches", ip.min_patches)
     high = kwargs.get("max_patches", ip.max_patches)
     spec = HFTileSpec(size=int(ip.size.height), crop=bool(crop) and high > 1, min_patches=low,
-                      max_patches=high, table=value_table(ip), dtype=dtype, kwargs=kwargs)
+                      max_patches=high, table=value_table(ip), dtype=dtype, kwargs=kwargs,
+                      resize=for_processor(ip))
     return _probe(ip, spec)
 
 

@@ -12,20 +12,17 @@ NumPy ``float32(float64(x) * rescale_factor)``, ``(x - mean) / std`` in float32,
 token count ``grid_h * grid_w // merge_size**2``. Over a second for a 3000x2000 photo on a loaded
 2-core CPU: float64 and float32 copies of the whole image, then the patchified copy.
 
-Here (``PatchMaker``): the same PIL resize (skipped where the size is already right: Pillow's
-resize at the same size is a copy), then one pass from the uint8 pixels to the output. Rescale
-and normalize are elementwise, so each output value is a function of its channel and its uint8
-value alone: a ``[C, 256]`` table made once by the processor's own ``rescale`` and
-``normalize`` (``value_table``: its operations, order and dtypes by construction); each output
-value is that table read at its pixel (``np.take``, which releases the GIL), written straight into
-the patchified layout, in row bands on a pool. ``qwen2vl_spec`` says whether a model is one this
-reproduces, and checks it against the processor itself on probe images before saying yes.
-
-The torchvision-backed processor does the same in torch: torchvision's uint8 BICUBIC resize with
-antialias, one fused float32 ``(x - mean / r) / (std / r)`` (its own ``rescale_and_normalize``
-makes the table) and the same patch layout. The probes compare its output with featcache's
-(Pillow's resize); where they differ, as with torchvision 0.26 and Pillow 12.3 (the GPU machine,
-2026-12-03), lmdeploy's code runs.
+Here (``PatchMaker``): the processor's own resize (``resizers``: Pillow's for the PIL processor,
+torch's uint8 antialias kernel, which torchvision calls, for the torchvision-backed one; skipped
+where the size is already right, as both processors skip it), then one pass from the uint8 pixels
+to the output. Rescale and normalize are elementwise, so each output value is a function of its
+channel and its uint8 value alone: a ``[C, 256]`` table made once by the processor's own
+operations (``value_table``: ``rescale`` then ``normalize`` of the PIL processor, the fused float32
+``(x - mean / r) / (std / r)`` of the torchvision-backed one; its order and dtypes by
+construction); each output value is that table read at its pixel (``np.take``, which releases the
+GIL), written straight into the patchified layout, in row bands on a pool. ``qwen2vl_spec`` says
+whether a model is one this reproduces, and checks it against the processor itself on probe images
+before saying yes.
 """
 
 from __future__ import annotations
@@ -39,10 +36,11 @@ import numpy as np
 import torch
 
 from .checks import image_processor, processor_classes
+from .resizers import Resize, for_processor, pil_bicubic, torchvision_backed
 
 # smart_resize(height, width, factor, min_pixels, max_pixels) -> (height, width): transformers'
 SmartResize = Callable[..., tuple[int, int]]
-BICUBIC = 3  # PIL.Image.Resampling.BICUBIC
+BICUBIC = 3  # PIL.Image.Resampling.BICUBIC (the processor's resample)
 MIN_BAND_BYTES = 4 << 20  # output bytes below which one image is one task (a thread's start costs more)
 _METHODS = ("__call__", "preprocess", "_preprocess", "_preprocess_image_like_inputs",
             "_prepare_image_like_inputs", "process_image", "convert_to_rgb", "resize", "rescale",
@@ -65,6 +63,9 @@ class PatchSpec:
     # whether the processor honours a call's min_pixels or max_pixels given alone (transformers
     # 5.24 does; 5.17 ignores either unless both are given): ``_probe`` finds out
     single_limits: bool = False
+    # the processor's resize: Pillow's for the PIL processor, torch's uint8 antialias kernel for
+    # the torchvision-backed one (``resizers``)
+    resize: Resize = pil_bicubic
 
     @property
     def channels(self) -> int:
@@ -77,7 +78,7 @@ def value_table(processor: Any) -> np.ndarray:
     processor: ``rescale`` then ``normalize`` in NumPy over ``[C, 1, 256]``; the
     torchvision-backed one: its fused ``rescale_and_normalize`` in torch over ``[1, C, 1, 256]``."""
     channels = len(processor.image_mean)
-    if _torchvision_backed(processor):
+    if torchvision_backed(processor):
         pixels = torch.arange(256, dtype=torch.uint8).expand(1, channels, 1, 256).contiguous()
         y = processor.rescale_and_normalize(
             pixels, processor.do_rescale, processor.rescale_factor, processor.do_normalize,
@@ -97,15 +98,11 @@ def value_table(processor: Any) -> np.ndarray:
 
 def _processor_classes() -> tuple[type, ...]:
     """transformers' Qwen2-VL image processors ``PatchMaker`` may reproduce: the PIL one, and the
-    torchvision-backed one where torchvision imports (``_probe`` checks it against this Pillow
-    before it is trusted: torchvision 0.26's uint8 BICUBIC with antialias is not Pillow 12.3's)."""
+    torchvision-backed one where torchvision imports (``_probe`` checks either before it is
+    trusted)."""
     return processor_classes("Qwen2VLImageProcessorPil",
                              "transformers.models.qwen2_vl.image_processing_qwen2_vl",
                              "Qwen2VLImageProcessor")
-
-
-def _torchvision_backed(processor: Any) -> bool:
-    return any(c.__name__ == "TorchvisionBackend" for c in type(processor).__mro__)
 
 
 class PatchMaker:
@@ -134,9 +131,7 @@ class PatchMaker:
         if image.mode != "RGB":
             raise ValueError(f"PatchMaker takes RGB images, not {image.mode}")
         width, height = self.size(image.width, image.height, min_pixels, max_pixels)
-        if (width, height) != image.size:
-            image = image.resize((width, height), BICUBIC)
-        pixels = np.asarray(image)  # [H, W, C] uint8
+        pixels = self.spec.resize(image, (width, height))  # [H, W, C] uint8
         s = self.spec
         p, m, t, c = s.patch_size, s.merge_size, s.temporal_patch_size, s.channels
         gh, gw = height // p, width // p
@@ -184,7 +179,7 @@ def qwen2vl_spec(vision_model: Any) -> PatchSpec | str:
     spec = PatchSpec(patch_size=int(ip.patch_size), merge_size=int(ip.merge_size),
                      temporal_patch_size=int(ip.temporal_patch_size),
                      min_pixels=size.shortest_edge, max_pixels=size.longest_edge,
-                     table=value_table(ip))
+                     table=value_table(ip), resize=for_processor(ip))
     return _probe(ip, spec)
 
 

@@ -1,0 +1,67 @@
+"""featcache/preprocess/resizers.py: each fast path resizes as its processor does (Pillow's
+arithmetic for the PIL processors, torch's uint8 antialias kernel for the torchvision-backed ones),
+and the two are not interchangeable. (That torchvision's own ``resize`` is torch's kernel as
+featcache calls it is checked where torchvision loads: tests/test_preprocess_exact_qwen.py, the GPU
+run list.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from featcache.preprocess import resizers
+
+
+def _image(w: int, h: int, seed: int = 0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
+
+
+@pytest.mark.parametrize("resize", [resizers.pil_bicubic, resizers.torch_bicubic])
+@pytest.mark.parametrize("w, h, ow, oh", [(1000, 20, 28, 560), (37, 23, 448, 448), (1, 1, 5, 3),
+                                          (1344, 1008, 448, 448), (640, 480, 640, 240)])
+def test_each_resize_gives_hwc_uint8_of_the_asked_size(resize, w, h, ow, oh):
+    got = resize(_image(w, h), (ow, oh))
+    assert got.dtype == np.uint8 and got.shape == (oh, ow, 3)
+
+
+@pytest.mark.parametrize("resize", [resizers.pil_bicubic, resizers.torch_bicubic])
+def test_at_the_same_size_the_pixels_are_the_images_own(resize):
+    image = _image(56, 28)
+    assert np.array_equal(resize(image, (56, 28)), np.asarray(image))
+
+
+def test_torchs_resize_is_torchs_uint8_kernel_on_the_contiguous_chw_tensor():
+    image = _image(901, 333, seed=3)
+    chw = torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).contiguous()
+    want = torch.nn.functional.interpolate(chw[None].float(), size=[210, 448], mode="bicubic",
+                                           antialias=True)  # float: not the uint8 kernel
+    got = resizers.torch_bicubic(image, (448, 210))
+    uint8 = torch.nn.functional.interpolate(chw[None], size=[210, 448], mode="bicubic", antialias=True)
+    assert np.array_equal(got, uint8[0].permute(1, 2, 0).numpy())
+    assert not np.array_equal(got, want.round().clamp(0, 255).to(torch.uint8)[0].permute(1, 2, 0).numpy())
+
+
+def test_pillows_and_torchs_bicubic_differ_so_the_processor_decides():
+    """Why ``for_processor`` matters: on noise, about 0.3% of pixels differ by one level at a
+    1000x20 -> 28x560 resize, and 30% near the identity (3000x2000 -> 2996x1988)."""
+    for (w, h), size in (((1000, 20), (28, 560)), ((3000, 2000), (2996, 1988))):
+        image = _image(w, h, seed=w)
+        assert not np.array_equal(resizers.pil_bicubic(image, size), resizers.torch_bicubic(image, size))
+
+
+def test_for_processor_follows_the_torchvision_backend():
+    class TorchvisionBackend:  # (transformers' base of its torchvision-backed processors, by name)
+        pass
+
+    class Fast(TorchvisionBackend):
+        pass
+
+    class Pil:
+        pass
+
+    assert resizers.for_processor(Fast()) is resizers.torch_bicubic
+    assert resizers.for_processor(Pil()) is resizers.pil_bicubic
+    assert resizers.torchvision_backed(Fast()) and not resizers.torchvision_backed(Pil())
