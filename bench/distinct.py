@@ -1,8 +1,8 @@
 """A stream of new images (issue 38; lmdeploy #2604's workload: 100 different documents, one
 prompt each): plain lmdeploy against featcache in the same run, ratios per repetition.
 
-    python3 -m bench distinct stages --model M [--size WxH] [--max-pixels N] [--n 16] [--batch 32]
-        [--reps 3] [--json F]
+    python3 -m bench distinct stages --model M [--size WxH] [--max-pixels N] [--min-pixels N]
+        [--n 16] [--batch 32] [--reps 3] [--json F]
     python3 -m bench distinct pipeline --model M [--engine pytorch|turbomind] [--paths ...]
         [--n 16] [--batch 32] [--reps 3] [--no-disk] [--ceiling] [--json F]
     python3 -m bench distinct serve --model M [--engine pytorch|turbomind] [--clients 16]
@@ -16,8 +16,10 @@ decoded as lmdeploy decodes a request's image (``ImageMediaIO``) before the cloc
 against featcache's (``fastprep.FastPreprocess``), each image's ``pixel_values`` compared with
 ``torch.equal`` (and every other output: ``outputs_differ``); sequential (per image, ms) and a
 batch of ``--batch`` requests at once through each side's executor (lmdeploy's one worker;
-featcache's ``widen``), images/s. ``--size``: the photos' size; ``--max-pixels``: each image's
-``max_pixels`` (Qwen2-VL's per-image parameter, which lmdeploy passes to its processor).
+featcache's ``widen``), images/s. ``--size``: the photos' size; ``--max-pixels`` /
+``--min-pixels``: each image's ``max_pixels`` / ``min_pixels`` (Qwen2-VL's per-image
+parameters, which lmdeploy passes to its processor; transformers 5.17 honours either only with
+the other).
 ``--model tiny-qwen2vl`` (or ``tiny-internvl-hf``): tests/lmdeploy_tiny.py's Qwen2-VL (InternVL-HF)
 checkpoint, built in a temporary directory (transformers' own processors: the PIL ones where
 torchvision does not import, as on this CPU); with ``--max-pixels 12845056`` its preprocessing is
@@ -152,7 +154,8 @@ def stages(args: argparse.Namespace) -> dict[str, Any]:
     fast = fastprep.FastPreprocess(vm, plain, cache)
     wide = ThreadPoolExecutor(fastprep.THREADS)
     size = args.size
-    params = {} if args.max_pixels is None else dict(max_pixels=args.max_pixels)
+    params = {k: v for k, v in (("min_pixels", args.min_pixels), ("max_pixels", args.max_pixels))
+              if v is not None}
     report: dict[str, Any] = dict(bench="distinct stages", model=args.model, where=fast.why,
                                   size=list(size), image_params=params,
                                   threads=fastprep.THREADS, torch_threads=torch.get_num_threads())
@@ -431,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--size", type=_size, default=CHAT_SIZE, help="WxH of the photos")
             p.add_argument("--max-pixels", type=int, default=None,
                            help="each image's max_pixels (Qwen2-VL's per-image parameter)")
+            p.add_argument("--min-pixels", type=int, default=None,
+                           help="each image's min_pixels (transformers 5.17 honours a call's "
+                                "max_pixels only with it)")
         if name in ("pipeline", "serve"):
             p.add_argument("--engine", choices=("pytorch", "turbomind"), default="pytorch")
             p.add_argument("--eager", action="store_true",

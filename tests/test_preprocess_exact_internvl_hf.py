@@ -267,7 +267,7 @@ def test_the_torchvision_backed_processor_is_reproduced(tmp_path_factory, images
         vm.processor.image_processor = GotOcr2ImageProcessor.from_pretrained(path)
         fast, cache = _fast(vm, monkeypatch)
         assert isinstance(fast.maker, internvl_hf.HFTileMaker), fast.why
-        assert fast.maker.spec.resize is resizers.torch_bicubic
+        assert fast.maker.spec.resize is resizers.TORCH
         for name, image in images.items():
             _check(fast, cache, vm, [_item(image)], name)
         for i, (w, h) in enumerate(SIZES):

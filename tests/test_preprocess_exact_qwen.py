@@ -284,10 +284,10 @@ def test_a_processor_that_ignores_one_limit_alone_keeps_those_images_on_lmdeploy
 
 @NEEDS_TORCHVISION
 def test_torchvisions_uint8_bicubic_is_torchs_kernel_as_featcache_calls_it():
-    """``resizers.torch_bicubic`` (torch's uint8 ``interpolate(bicubic, antialias=True)``) equals
+    """``resizers.TORCH`` (torch's uint8 ``interpolate(bicubic, antialias=True)``) equals
     torchvision's ``resize`` of the image as the torchvision-backed processors make it (a
     contiguous uint8 ``[C, H, W]`` tensor on the CPU) over 120 size pairs: down, up, one side, 1
-    pixel, 1:50; and Pillow's differs (why the PIL processors get ``pil_bicubic``)."""
+    pixel, 1:50; and Pillow's differs (why the PIL processors get ``resizers.PILLOW``)."""
     tvF = _torchvision_functional()
     rng = np.random.default_rng(7)
     sizes = [(1000, 20, 28, 560), (1344, 1008, 448, 448), (3000, 2000, 2996, 1988), (1, 1, 28, 28)]
@@ -297,9 +297,9 @@ def test_torchvisions_uint8_bicubic_is_torchs_kernel_as_featcache_calls_it():
         image = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
         chw = torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).contiguous()
         want = tvF.resize(chw, [oh, ow], interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
-        got = resizers.torch_bicubic(image, (ow, oh))
+        got = resizers.TORCH(image, (ow, oh))
         assert np.array_equal(got, want.permute(1, 2, 0).numpy()), (w, h, ow, oh)
-        pillow_differs += not np.array_equal(resizers.pil_bicubic(image, (ow, oh)), got)
+        pillow_differs += not np.array_equal(resizers.PILLOW(image, (ow, oh)), got)
     assert pillow_differs > 60
 
 
@@ -319,7 +319,7 @@ def test_the_torchvision_backed_processor_is_reproduced(tmp_path_factory, images
         vm.processor.image_processor = Qwen2VLImageProcessor.from_pretrained(path)
         fast, cache = _fast(vm, monkeypatch)
         assert isinstance(fast.maker, qwen2vl.PatchMaker), fast.why
-        assert fast.maker.spec.resize is resizers.torch_bicubic
+        assert fast.maker.spec.resize is resizers.TORCH
         items = [[_item(image)] for image in images.values()]
         items += [[_item(_noise(w, h, seed=i), **params)] for i, (w, h) in enumerate(SIZES)
                   for params in PIXELS]

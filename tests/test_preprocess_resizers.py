@@ -19,7 +19,7 @@ def _image(w: int, h: int, seed: int = 0) -> Image.Image:
     return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
 
 
-@pytest.mark.parametrize("resize", [resizers.pil_bicubic, resizers.torch_bicubic])
+@pytest.mark.parametrize("resize", [resizers.PILLOW, resizers.TORCH])
 @pytest.mark.parametrize("w, h, ow, oh", [(1000, 20, 28, 560), (37, 23, 448, 448), (1, 1, 5, 3),
                                           (1344, 1008, 448, 448), (640, 480, 640, 240)])
 def test_each_resize_gives_hwc_uint8_of_the_asked_size(resize, w, h, ow, oh):
@@ -27,10 +27,21 @@ def test_each_resize_gives_hwc_uint8_of_the_asked_size(resize, w, h, ow, oh):
     assert got.dtype == np.uint8 and got.shape == (oh, ow, 3)
 
 
-@pytest.mark.parametrize("resize", [resizers.pil_bicubic, resizers.torch_bicubic])
+@pytest.mark.parametrize("resize", [resizers.PILLOW, resizers.TORCH])
 def test_at_the_same_size_the_pixels_are_the_images_own(resize):
     image = _image(56, 28)
     assert np.array_equal(resize(image, (56, 28)), np.asarray(image))
+
+
+def test_one_source_serves_many_resizes_and_the_source_is_the_processors_view():
+    image = _image(300, 200, seed=5)
+    chw = resizers.TORCH.source(image)
+    assert chw.dtype == torch.uint8 and tuple(chw.shape) == (3, 200, 300) and chw.is_contiguous()
+    assert np.array_equal(chw.permute(1, 2, 0).numpy(), np.asarray(image))
+    for size in ((56, 56), (112, 168), (300, 200)):
+        assert np.array_equal(resizers.TORCH.resize(chw, size), resizers.TORCH(image, size))
+    assert resizers.PILLOW.source(image) is image
+    assert resizers.TORCH.threaded and not resizers.PILLOW.threaded
 
 
 def test_torchs_resize_is_torchs_uint8_kernel_on_the_contiguous_chw_tensor():
@@ -38,7 +49,7 @@ def test_torchs_resize_is_torchs_uint8_kernel_on_the_contiguous_chw_tensor():
     chw = torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).contiguous()
     want = torch.nn.functional.interpolate(chw[None].float(), size=[210, 448], mode="bicubic",
                                            antialias=True)  # float: not the uint8 kernel
-    got = resizers.torch_bicubic(image, (448, 210))
+    got = resizers.TORCH(image, (448, 210))
     uint8 = torch.nn.functional.interpolate(chw[None], size=[210, 448], mode="bicubic", antialias=True)
     assert np.array_equal(got, uint8[0].permute(1, 2, 0).numpy())
     assert not np.array_equal(got, want.round().clamp(0, 255).to(torch.uint8)[0].permute(1, 2, 0).numpy())
@@ -49,7 +60,7 @@ def test_pillows_and_torchs_bicubic_differ_so_the_processor_decides():
     1000x20 -> 28x560 resize, and 30% near the identity (3000x2000 -> 2996x1988)."""
     for (w, h), size in (((1000, 20), (28, 560)), ((3000, 2000), (2996, 1988))):
         image = _image(w, h, seed=w)
-        assert not np.array_equal(resizers.pil_bicubic(image, size), resizers.torch_bicubic(image, size))
+        assert not np.array_equal(resizers.PILLOW(image, size), resizers.TORCH(image, size))
 
 
 def test_for_processor_follows_the_torchvision_backend():
@@ -62,6 +73,6 @@ def test_for_processor_follows_the_torchvision_backend():
     class Pil:
         pass
 
-    assert resizers.for_processor(Fast()) is resizers.torch_bicubic
-    assert resizers.for_processor(Pil()) is resizers.pil_bicubic
+    assert resizers.for_processor(Fast()) is resizers.TORCH
+    assert resizers.for_processor(Pil()) is resizers.PILLOW
     assert resizers.torchvision_backed(Fast()) and not resizers.torchvision_backed(Pil())

@@ -10,10 +10,12 @@ misses, the PyTorch engine in one process or several, TurboMind native, features
   (``internvl_spec``: lmdeploy's InternVL-Chat-V1-5 recipe, RGB images, a grid of at most
   ``MAX_FAST_TILES``) with ``preprocess.internvl.TileMaker`` (on the GPU where there is one, else
   PIL in threads); Qwen2-VL / Qwen2.5-VL (``preprocess.qwen2vl.qwen2vl_spec``: transformers' PIL
-  image processor, RGB images) with ``preprocess.qwen2vl.PatchMaker`` on the CPU; InternVL-HF
+  image processor, PIL or torchvision-backed, RGB images) with ``preprocess.qwen2vl.PatchMaker`` on
+  the CPU; InternVL-HF
   (``preprocess.internvl_hf.internvl_hf_spec``: lmdeploy's ``InternVL3VisionModel`` over
   transformers' GotOcr2 image processor, every image of the request RGB without transparency)
-  with ``preprocess.internvl_hf.HFTileMaker`` on the CPU. For anything else, lmdeploy's own code
+  with ``preprocess.internvl_hf.HFTileMaker`` on the CPU (both with their processor's own resize:
+  ``preprocess.resizers``). For anything else, lmdeploy's own code
   runs, counted as ``preprocess_fallback``. A failure of the fast path
   is a fallback too (``preprocess_errors``), never a failed request.
 - ``widen`` runs the encoder's preprocessing on a bounded pool (``THREADS``) in place of its
@@ -175,13 +177,13 @@ def _plain_rgb(modality: Any, image: Any) -> bool:
 
 
 def _hf_tile_maker(vision_model: Any) -> tuple[HFTileMaker | None, str]:
-    """InternVL-HF's maker (on the CPU: PIL's resizes, the thumbnail's on a second thread), or
-    None and why not."""
+    """InternVL-HF's maker (on the CPU: its processor's resizes, Pillow's or torch's), or None
+    and why not."""
     spec = _probed(internvl_hf_spec, vision_model)
     if isinstance(spec, str):
         return None, spec
     canvas = canvas_of(vision_model.processor.image_processor)
-    return HFTileMaker(spec, canvas, pool()), "on cpu (PIL's resizes, one table pass per channel)"
+    return HFTileMaker(spec, canvas, pool()), f"on cpu ({spec.resize.name}, one table pass per channel)"
 
 
 def _hf_tile_plan(items: list[tuple[str, Any, dict[str, Any]]]) -> list[Any] | None:
@@ -204,7 +206,8 @@ def _patch_maker(vision_model: Any) -> tuple[PatchMaker | None, str]:
         return None, spec
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-    return PatchMaker(spec, smart_resize, pool(), bands=THREADS), "on cpu (PIL's resize, one table pass)"
+    return (PatchMaker(spec, smart_resize, pool(), bands=THREADS),
+            f"on cpu ({spec.resize.name}, one table pass)")
 
 
 def _pixels_param(params: dict[str, Any], key: str, default: int) -> int | None:

@@ -39,8 +39,8 @@ import numpy as np
 import torch
 
 from .checks import image_processor, processor_classes
-from .qwen2vl import value_table
-from .resizers import Resize, for_processor, pil_bicubic
+from .qwen2vl import MIN_BAND_BYTES, value_table
+from .resizers import PILLOW, Resizer, for_processor
 
 # get_optimal_tiled_canvas((height, width), (tile_h, tile_w), min_tiles, max_tiles) -> (cols, rows)
 Canvas = Callable[..., tuple[int, int]]
@@ -68,7 +68,7 @@ class HFTileSpec:
     table: np.ndarray
     dtype: torch.dtype
     kwargs: dict[str, Any]
-    resize: Resize = pil_bicubic  # the processor's own (``resizers``)
+    resize: Resizer = PILLOW  # the processor's own (``resizers``)
 
     @property
     def channels(self) -> int:
@@ -121,24 +121,34 @@ class HFTileMaker:
         n = cols * rows
         thumbnail = n != 1
         out = np.empty((n + thumbnail, c, s, s), dtype=np.float32)
-        job = None
-        if thumbnail:
-            if self.pool is not None:
-                job = self.pool.submit(self._thumbnail, image, out)
-        resized = self.spec.resize(image, (cols * s, rows * s))
-        src = resized.reshape(rows, s, cols, s, c).transpose(0, 2, 4, 1, 3)
-        self._fill(src, out[:n].reshape(rows, cols, c, s, s))
+        r = self.spec.resize
+        src = r.source(image)
+        job = None  # the thumbnail's resize beside the grid's, where one call takes one core
+        if thumbnail and self.pool is not None and not r.threaded:
+            job = self.pool.submit(self._thumbnail, src, out)
+        resized = r.resize(src, (cols * s, rows * s))
+        tiles = resized.reshape(rows, s, cols, s, c).transpose(0, 2, 4, 1, 3)
+        self._fill_rows(tiles, out[:n].reshape(rows, cols, c, s, s))
         if thumbnail:
             if job is not None:
                 job.result()
             else:
-                self._thumbnail(image, out)
+                self._thumbnail(src, out)
         return out
 
-    def _thumbnail(self, image: Any, out: np.ndarray) -> None:
+    def _thumbnail(self, src: Any, out: np.ndarray) -> None:
         s, c = self.spec.size, self.spec.channels
-        small = self.spec.resize(image, (s, s))
+        small = self.spec.resize.resize(src, (s, s))
         self._fill(small.transpose(2, 0, 1)[None, None], out[-1:].reshape(1, 1, c, s, s))
+
+    def _fill_rows(self, tiles: np.ndarray, out: np.ndarray) -> None:
+        """``_fill`` of the grid, a row of tiles a task on the pool where the output is large."""
+        rows = out.shape[0]
+        if self.pool is None or rows == 1 or out.nbytes < MIN_BAND_BYTES:
+            self._fill(tiles, out)
+            return
+        for f in [self.pool.submit(self._fill, tiles[i:i + 1], out[i:i + 1]) for i in range(rows)]:
+            f.result()
 
     def _fill(self, src: np.ndarray, out: np.ndarray) -> None:
         """``out[..., ch, :, :] = table[ch * 256 + src[..., ch, :, :]]``, one pass per channel

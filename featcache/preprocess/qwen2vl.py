@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from .checks import image_processor, processor_classes
-from .resizers import Resize, for_processor, pil_bicubic, torchvision_backed
+from .resizers import PILLOW, Resizer, for_processor, torchvision_backed
 
 # smart_resize(height, width, factor, min_pixels, max_pixels) -> (height, width): transformers'
 SmartResize = Callable[..., tuple[int, int]]
@@ -65,7 +65,7 @@ class PatchSpec:
     single_limits: bool = False
     # the processor's resize: Pillow's for the PIL processor, torch's uint8 antialias kernel for
     # the torchvision-backed one (``resizers``)
-    resize: Resize = pil_bicubic
+    resize: Resizer = PILLOW
 
     @property
     def channels(self) -> int:

@@ -1,46 +1,70 @@
-"""The two BICUBIC resizes of transformers' image processors, each made as its processor makes it,
-giving the resized pixels as a uint8 ``[H, W, C]`` array (a view where no copy is needed):
+"""The two BICUBIC resizes of transformers' image processors, each made as its processor makes it:
 
-- ``pil_bicubic``: the PIL processors' ``PIL.Image.resize(size, BICUBIC)`` (Pillow's
-  ``Resample.c``); at the same size Pillow's resize is a copy, so it is skipped.
-- ``torch_bicubic``: the torchvision-backed processors' ``tvF.resize(..., BICUBIC,
-  antialias=True)`` of the decoded image as a contiguous uint8 ``[1, C, H, W]`` tensor on the CPU,
-  which torchvision hands to torch's own ``interpolate(mode="bicubic", antialias=True)`` (its
-  native uint8 kernel: ATen's ``_upsample_bicubic2d_aa``, int16 weights at a precision of their
-  own, not Pillow's); at the same size torchvision returns the image itself.
+- ``PILLOW``: the PIL processors' ``PIL.Image.resize(size, BICUBIC)`` (Pillow's ``Resample.c``),
+  of the decoded PIL image. One core per call.
+- ``TORCH``: the torchvision-backed processors' ``tvF.resize(..., BICUBIC, antialias=True)`` of
+  the decoded image as a contiguous uint8 ``[C, H, W]`` tensor on the CPU (``pil_to_tensor``,
+  then ``contiguous``, as the processor makes it), which torchvision hands to torch's own
+  ``interpolate(mode="bicubic", antialias=True)``: its native uint8 kernel (ATen's
+  ``_upsample_bicubic2d_aa``, int16 weights at a precision of their own, not Pillow's), which
+  takes the machine's cores itself.
 
-The two differ by one level on some pixels (torchvision 0.26 against Pillow 12.3 on the GPU
+A resizer's ``source`` makes the processor's view of an image once; ``resize`` then gives the
+pixels at a size as a uint8 ``[H, W, C]`` array (a view where no copy is needed). At the image's
+own size both give its pixels: Pillow's resize is then a copy, and torchvision returns the image
+itself. The two differ by a level on some pixels (torchvision 0.26 against Pillow 12.3 on the GPU
 machine, 2026-12-03), so a fast path takes the one its processor uses (``for_processor``), and its
-probes compare the result with the processor's own before it is trusted. Both release the GIL
-while they resample.
+probes compare the result with the processor's own before it is trusted. Both release the GIL.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 BICUBIC = 3  # PIL.Image.Resampling.BICUBIC
-# (a PIL RGB image, (width, height)) -> uint8 [height, width, C]
-Resize = Callable[[Any, tuple[int, int]], np.ndarray]
 
 
-def pil_bicubic(image: Any, size: tuple[int, int]) -> np.ndarray:
+def _pillow(image: Any, size: tuple[int, int]) -> np.ndarray:
     return np.asarray(image if image.size == size else image.resize(size, BICUBIC))
 
 
-def torch_bicubic(image: Any, size: tuple[int, int]) -> np.ndarray:
-    hwc = np.asarray(image)
-    if image.size == size:
-        return hwc
+def _chw(image: Any) -> torch.Tensor:
+    return torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()
+
+
+def _torch(chw: torch.Tensor, size: tuple[int, int]) -> np.ndarray:
     width, height = size
-    chw = torch.from_numpy(np.ascontiguousarray(hwc.transpose(2, 0, 1)))  # (pil_to_tensor, contiguous)
-    out = torch.nn.functional.interpolate(chw[None], size=[height, width], mode="bicubic",
-                                          antialias=True)
-    return out[0].permute(1, 2, 0).numpy()
+    if tuple(chw.shape[1:]) != (height, width):
+        chw = torch.nn.functional.interpolate(chw[None], size=[height, width], mode="bicubic",
+                                              antialias=True)[0]
+    return chw.permute(1, 2, 0).numpy()
+
+
+@dataclass(frozen=True)
+class Resizer:
+    """``source(image)``: the processor's view of a decoded RGB PIL image; ``resize(source,
+    (width, height))``: uint8 ``[height, width, C]``. ``threaded``: whether one call already uses
+    many cores (then running two of one image's resizes at once only makes them contend)."""
+
+    name: str
+    source: Callable[[Any], Any]
+    resize: Callable[[Any, tuple[int, int]], np.ndarray]
+    threaded: bool
+
+    def __call__(self, image: Any, size: tuple[int, int]) -> np.ndarray:
+        """One resize of ``image`` (its own pixels, unconverted, where it is that size)."""
+        if image.size == size:
+            return np.asarray(image)
+        return self.resize(self.source(image), size)
+
+
+PILLOW = Resizer("Pillow's BICUBIC", lambda image: image, _pillow, threaded=False)
+TORCH = Resizer("torch's uint8 BICUBIC with antialias", _chw, _torch, threaded=True)
 
 
 def torchvision_backed(processor: Any) -> bool:
@@ -48,9 +72,9 @@ def torchvision_backed(processor: Any) -> bool:
     return any(c.__name__ == "TorchvisionBackend" for c in type(processor).__mro__)
 
 
-def for_processor(processor: Any) -> Resize:
+def for_processor(processor: Any) -> Resizer:
     """The resize ``processor`` makes: torch's for a torchvision-backed one, else Pillow's."""
-    return torch_bicubic if torchvision_backed(processor) else pil_bicubic
+    return TORCH if torchvision_backed(processor) else PILLOW
 
 
-__all__ = ["Resize", "for_processor", "pil_bicubic", "torch_bicubic", "torchvision_backed"]
+__all__ = ["PILLOW", "TORCH", "Resizer", "for_processor", "torchvision_backed"]
