@@ -39,8 +39,8 @@ import numpy as np
 import torch
 
 from .checks import image_processor, processor_classes
-from .qwen2vl import MIN_BAND_BYTES, value_table
-from .resizers import PILLOW, Resizer, for_processor
+from .qwen2vl import MIN_BAND_BYTES, normalizer, value_table
+from .resizers import PILLOW, Resizer, for_processor, resize_chw
 
 # get_optimal_tiled_canvas((height, width), (tile_h, tile_w), min_tiles, max_tiles) -> (cols, rows)
 Canvas = Callable[..., tuple[int, int]]
@@ -69,6 +69,9 @@ class HFTileSpec:
     dtype: torch.dtype
     kwargs: dict[str, Any]
     resize: Resizer = PILLOW  # the processor's own (``resizers``)
+    # the torchvision-backed processor's own ``rescale_and_normalize`` (``qwen2vl.normalizer``:
+    # its multi-threaded torch ops, the same values as the table); None: the table
+    normalize: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def channels(self) -> int:
@@ -110,10 +113,34 @@ class HFTileMaker:
         return int(cols), int(rows)
 
     def __call__(self, image: Any) -> torch.Tensor:
-        return torch.from_numpy(self.values(image)).to(self.spec.dtype)
+        return self.values(image).to(self.spec.dtype)
 
-    def values(self, image: Any) -> np.ndarray:
-        """float32 ``[N, C, S, S]``: the processor's own output for this image."""
+    def values(self, image: Any) -> torch.Tensor:
+        """float32 ``[N, C, S, S]``: the processor's own output for this image (before the cast
+        to the model's dtype)."""
+        if self.spec.normalize is not None:
+            return self._normalized(image)
+        return torch.from_numpy(self._tabled(image))
+
+    def _normalized(self, image: Any) -> torch.Tensor:
+        """float32 ``[N, C, S, S]`` by the torchvision-backed processor's own ops: its resizes
+        of one source tensor, its ``rescale_and_normalize`` of the grid and the thumbnail, the
+        tiles cut row by row."""
+        if image.mode != "RGB":
+            raise ValueError(f"HFTileMaker takes RGB images, not {image.mode}")
+        spec = self.spec
+        assert spec.normalize is not None
+        s, c = spec.size, spec.channels
+        cols, rows = self.grid(image.width, image.height)
+        chw = spec.resize.source(image)
+        grid = spec.normalize(resize_chw(chw, (cols * s, rows * s))[None])[0]
+        tiles = grid.reshape(c, rows, s, cols, s).permute(1, 3, 0, 2, 4).reshape(rows * cols, c, s, s)
+        if rows * cols == 1:
+            return tiles
+        return torch.cat([tiles, spec.normalize(resize_chw(chw, (s, s))[None])])
+
+    def _tabled(self, image: Any) -> np.ndarray:
+        """``values`` by Pillow's resizes and the table."""
         if image.mode != "RGB":
             raise ValueError(f"HFTileMaker takes RGB images, not {image.mode}")
         s, c = self.spec.size, self.spec.channels
@@ -196,7 +223,7 @@ def internvl_hf_spec(vision_model: Any) -> HFTileSpec | str:
     high = kwargs.get("max_patches", ip.max_patches)
     spec = HFTileSpec(size=int(ip.size.height), crop=bool(crop) and high > 1, min_patches=low,
                       max_patches=high, table=value_table(ip), dtype=dtype, kwargs=kwargs,
-                      resize=for_processor(ip))
+                      resize=for_processor(ip), normalize=normalizer(ip))
     return _probe(ip, spec)
 
 
@@ -245,8 +272,7 @@ def _probe(ip: Any, spec: HFTileSpec) -> HFTileSpec | str:
     if not torch.equal(counts, torch.as_tensor(want["num_patches"])):
         return (f"featcache's tile counts {counts.tolist()} differ from its processor's "
                 f"{list(want['num_patches'])} on probes {sizes}")
-    values = torch.from_numpy(np.concatenate(got))
-    if not torch.equal(values, want["pixel_values"]):
+    if not torch.equal(torch.cat(got), want["pixel_values"]):
         return f"featcache's tiles differ from its processor's on probes {sizes}"
     return spec
 

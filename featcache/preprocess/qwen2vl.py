@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from .checks import image_processor, processor_classes
-from .resizers import PILLOW, Resizer, for_processor, torchvision_backed
+from .resizers import PILLOW, Resizer, for_processor, resize_chw, torchvision_backed
 
 # smart_resize(height, width, factor, min_pixels, max_pixels) -> (height, width): transformers'
 SmartResize = Callable[..., tuple[int, int]]
@@ -66,6 +66,10 @@ class PatchSpec:
     # the processor's resize: Pillow's for the PIL processor, torch's uint8 antialias kernel for
     # the torchvision-backed one (``resizers``)
     resize: Resizer = PILLOW
+    # the torchvision-backed processor's own fused ``rescale_and_normalize`` of a uint8
+    # ``[1, C, H, W]`` tensor (its multi-threaded torch ops: on a many-core machine faster than
+    # a one-thread table pass, the same values by construction); None: the table
+    normalize: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def channels(self) -> int:
@@ -78,12 +82,10 @@ def value_table(processor: Any) -> np.ndarray:
     processor: ``rescale`` then ``normalize`` in NumPy over ``[C, 1, 256]``; the
     torchvision-backed one: its fused ``rescale_and_normalize`` in torch over ``[1, C, 1, 256]``."""
     channels = len(processor.image_mean)
-    if torchvision_backed(processor):
+    norm = normalizer(processor)
+    if norm is not None:
         pixels = torch.arange(256, dtype=torch.uint8).expand(1, channels, 1, 256).contiguous()
-        y = processor.rescale_and_normalize(
-            pixels, processor.do_rescale, processor.rescale_factor, processor.do_normalize,
-            tuple(processor.image_mean), tuple(processor.image_std))  # (hashable: it is cached)
-        x = np.asarray(y.to(torch.float32).numpy())
+        x = np.asarray(norm(pixels).numpy())
         shape: tuple[int, ...] = tuple(pixels.shape)
     else:
         probe = np.broadcast_to(np.arange(256, dtype=np.uint8), (channels, 1, 256)).copy()
@@ -94,6 +96,20 @@ def value_table(processor: Any) -> np.ndarray:
     if x.shape != shape:
         raise ValueError(f"rescale and normalize made {x.shape} of {shape}")
     return np.ascontiguousarray(x.reshape(-1))
+
+
+def normalizer(processor: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The torchvision-backed ``processor``'s fused ``rescale_and_normalize`` with the arguments
+    its ``_preprocess`` passes (as ``value_table`` calls it); None for the PIL processor."""
+    if not torchvision_backed(processor):
+        return None
+    args = (processor.do_rescale, processor.rescale_factor, processor.do_normalize,
+            tuple(processor.image_mean), tuple(processor.image_std))  # (hashable: it is cached)
+
+    def normalize(images: torch.Tensor) -> torch.Tensor:
+        return processor.rescale_and_normalize(images, *args).to(torch.float32)  # type: ignore[no-any-return]
+
+    return normalize
 
 
 def _processor_classes() -> tuple[type, ...]:
@@ -131,10 +147,16 @@ class PatchMaker:
         if image.mode != "RGB":
             raise ValueError(f"PatchMaker takes RGB images, not {image.mode}")
         width, height = self.size(image.width, image.height, min_pixels, max_pixels)
-        pixels = self.spec.resize(image, (width, height))  # [H, W, C] uint8
         s = self.spec
         p, m, t, c = s.patch_size, s.merge_size, s.temporal_patch_size, s.channels
         gh, gw = height // p, width // p
+        thw = torch.tensor([[1, gh, gw]], dtype=torch.int64)
+        if s.normalize is not None:  # the processor's own torch ops, its patchify's layout
+            x = s.normalize(resize_chw(s.resize.source(image), (width, height))[None])[0]
+            x = x.reshape(c, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+            x = x.unsqueeze(5).expand(-1, -1, -1, -1, -1, t, -1, -1)
+            return x.reshape(gh * gw, c * t * p * p), thw
+        pixels = s.resize(image, (width, height))  # [H, W, C] uint8
         # [gh/m, m, p, gw/m, m, p, C] -> patchify's (gh/m, gw/m, mh, mw, C, ph, pw)
         src = pixels.reshape(gh // m, m, p, gw // m, m, p, c).transpose(0, 3, 1, 4, 6, 2, 5)
         out = np.empty((gh // m, gw // m, m, m, c, t, p, p), dtype=np.float32)
@@ -148,8 +170,7 @@ class PatchMaker:
         else:
             for f in [self.pool.submit(self._band, src, out, lo, hi) for lo, hi in spans]:
                 f.result()
-        values = torch.from_numpy(out.reshape(gh * gw, c * t * p * p))
-        return values, torch.tensor([[1, gh, gw]], dtype=torch.int64)
+        return torch.from_numpy(out.reshape(gh * gw, c * t * p * p)), thw
 
     def _band(self, src: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
         """Rows ``lo:hi`` (of merged patches): each value ``table[channel * 256 + pixel]``."""
@@ -179,7 +200,7 @@ def qwen2vl_spec(vision_model: Any) -> PatchSpec | str:
     spec = PatchSpec(patch_size=int(ip.patch_size), merge_size=int(ip.merge_size),
                      temporal_patch_size=int(ip.temporal_patch_size),
                      min_pixels=size.shortest_edge, max_pixels=size.longest_edge,
-                     table=value_table(ip), resize=for_processor(ip))
+                     table=value_table(ip), resize=for_processor(ip), normalize=normalizer(ip))
     return _probe(ip, spec)
 
 

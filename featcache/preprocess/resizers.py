@@ -37,12 +37,18 @@ def _chw(image: Any) -> torch.Tensor:
     return torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()
 
 
-def _torch(chw: torch.Tensor, size: tuple[int, int]) -> np.ndarray:
+def resize_chw(chw: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """``TORCH``'s resize of a source, as a uint8 ``[C, H, W]`` tensor (the source itself at its
+    own size, as torchvision returns it)."""
     width, height = size
-    if tuple(chw.shape[1:]) != (height, width):
-        chw = torch.nn.functional.interpolate(chw[None], size=[height, width], mode="bicubic",
-                                              antialias=True)[0]
-    return chw.permute(1, 2, 0).numpy()
+    if tuple(chw.shape[1:]) == (height, width):
+        return chw
+    return torch.nn.functional.interpolate(chw[None], size=[height, width], mode="bicubic",
+                                           antialias=True)[0]
+
+
+def _torch(chw: torch.Tensor, size: tuple[int, int]) -> np.ndarray:
+    return resize_chw(chw, size).permute(1, 2, 0).numpy()
 
 
 @dataclass(frozen=True)
@@ -77,4 +83,4 @@ def for_processor(processor: Any) -> Resizer:
     return TORCH if torchvision_backed(processor) else PILLOW
 
 
-__all__ = ["PILLOW", "TORCH", "Resizer", "for_processor", "torchvision_backed"]
+__all__ = ["PILLOW", "TORCH", "Resizer", "for_processor", "resize_chw", "torchvision_backed"]
