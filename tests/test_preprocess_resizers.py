@@ -36,12 +36,26 @@ def test_at_the_same_size_the_pixels_are_the_images_own(resize):
 def test_one_source_serves_many_resizes_and_the_source_is_the_processors_view():
     image = _image(300, 200, seed=5)
     chw = resizers.TORCH.source(image)
-    assert chw.dtype == torch.uint8 and tuple(chw.shape) == (3, 200, 300) and chw.is_contiguous()
+    assert chw.dtype == torch.uint8 and tuple(chw.shape) == (3, 200, 300)
     assert np.array_equal(chw.permute(1, 2, 0).numpy(), np.asarray(image))
     for size in ((56, 56), (112, 168), (300, 200)):
         assert np.array_equal(resizers.TORCH.resize(chw, size), resizers.TORCH(image, size))
     assert resizers.PILLOW.source(image) is image
     assert resizers.TORCH.threaded and not resizers.PILLOW.threaded
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_torchs_kernel_gives_the_same_pixels_from_either_layout(seed):
+    """featcache hands torch's kernel the pixels in their own [H, W, C] order (faster); transformers
+    5.24's processor makes them a contiguous [C, H, W] first: the same values, 60 size pairs."""
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        w, h, ow, oh = (int(v) for v in rng.integers(1, 600, 4))
+        image = _image(w, h, seed=w * h)
+        chw = torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).contiguous()
+        want = torch.nn.functional.interpolate(chw[None], size=[oh, ow], mode="bicubic", antialias=True)
+        got = resizers.TORCH(image, (ow, oh))
+        assert np.array_equal(got, want[0].permute(1, 2, 0).numpy()), (w, h, ow, oh)
 
 
 def test_torchs_resize_is_torchs_uint8_kernel_on_the_contiguous_chw_tensor():
