@@ -90,3 +90,21 @@ def test_for_processor_follows_the_torchvision_backend():
     assert resizers.for_processor(Fast()) is resizers.TORCH
     assert resizers.for_processor(Pil()) is resizers.PILLOW
     assert resizers.torchvision_backed(Fast()) and not resizers.torchvision_backed(Pil())
+
+
+def test_qwens_patchify_is_the_processors_layout_from_either_memory_order():
+    """``qwen2vl.patchify`` (the torchvision-backed path's) against the processor's own reshape
+    (transformers' ``Qwen2VLImageProcessor.patchify``, written out), from a contiguous and from a
+    channels-last ``[C, H, W]``."""
+    from featcache.preprocess.qwen2vl import patchify
+
+    p, m, t = 14, 2, 2
+    x = torch.randn(3, 56, 84)
+    b, c, h, w = 1, 3, 56, 84
+    want = (x[None].reshape(b, c, h // p // m, m, p, w // p // m, m, p).permute(0, 2, 5, 3, 6, 1, 4, 7)
+            .unsqueeze(6).expand(-1, -1, -1, -1, -1, -1, t, -1, -1)
+            .reshape(b, (h // p) * (w // p), c * t * p * p))[0]
+    last = x.permute(1, 2, 0).contiguous().permute(2, 0, 1)
+    assert last.stride(0) == 1 and not last.is_contiguous()
+    assert torch.equal(patchify(x, p, m, t), want)
+    assert torch.equal(patchify(last, p, m, t), want)

@@ -153,9 +153,7 @@ class PatchMaker:
         thw = torch.tensor([[1, gh, gw]], dtype=torch.int64)
         if s.normalize is not None:  # the processor's own torch ops, its patchify's layout
             x = s.normalize(resize_chw(s.resize.source(image), (width, height))[None])[0]
-            x = x.reshape(c, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
-            x = x.unsqueeze(5).expand(-1, -1, -1, -1, -1, t, -1, -1)
-            return x.reshape(gh * gw, c * t * p * p), thw
+            return patchify(x, p, m, t), thw
         pixels = s.resize(image, (width, height))  # [H, W, C] uint8
         # [gh/m, m, p, gw/m, m, p, C] -> patchify's (gh/m, gw/m, mh, mw, C, ph, pw)
         src = pixels.reshape(gh // m, m, p, gw // m, m, p, c).transpose(0, 3, 1, 4, 6, 2, 5)
@@ -178,6 +176,21 @@ class PatchMaker:
         band = out[lo:hi]
         np.take(self.spec.table, np.broadcast_to(index[:, :, :, :, :, None], band.shape),
                 out=band, mode="clip")
+
+
+def patchify(x: torch.Tensor, patch: int, merge: int, temporal: int) -> torch.Tensor:
+    """The processor's ``patchify`` of one ``[C, H, W]`` image: ``[grid_h * grid_w, C * temporal
+    * patch * patch]``, each patch repeated ``temporal`` times, in one copy whichever way ``x`` is
+    laid out (a channels-last one, as torch's resize can give, is split as ``[H, W, C]`` so that
+    no other copy is made first; the values are only moved)."""
+    c, h, w = x.shape
+    gh, gw, p, m = h // patch, w // patch, patch, merge
+    if x.stride(0) == 1 and c > 1:  # [H, W, C] in memory
+        y = x.permute(1, 2, 0).reshape(gh // m, m, p, gw // m, m, p, c).permute(0, 3, 1, 4, 6, 2, 5)
+    else:
+        y = x.reshape(c, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+    y = y.unsqueeze(5).expand(-1, -1, -1, -1, -1, temporal, -1, -1)
+    return y.reshape(gh * gw, c * temporal * p * p)
 
 
 def qwen2vl_spec(vision_model: Any) -> PatchSpec | str:
