@@ -40,7 +40,7 @@ PACKAGE = "featcache"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("featcache._version", "featcache.errors", "featcache.sizes", "featcache.keys",
                     "featcache.entrymeta",
-                    "featcache.codec", "featcache.config", "featcache.breaker", "featcache.eviction",
+                    "featcache.codec", "featcache.config", "featcache.eviction",
                     "featcache.core.hostpool", "featcache.core.copier",
                     "featcache.core.singleflight", "featcache.core.counts", "featcache.autosize",
                     "featcache.threads",

@@ -41,11 +41,11 @@ import numpy as np
 import torch
 
 from .. import codec
-from ..breaker import Breaker
 from ..config import CacheConfig
 from ..core.copier import as_bytes
 from ..errors import CorruptEntryError
 from .base import Alloc, Entry, Op
+from .breaker import Breaker
 from .mooncake_client import (
     OBJECT_NOT_FOUND,
     Failed,

@@ -50,11 +50,11 @@ import numpy as np
 import torch
 
 from .. import codec
-from ..breaker import Breaker
 from ..config import CacheConfig
 from ..core.copier import as_bytes
 from ..errors import CorruptEntryError
 from .base import Alloc, Entry, Op
+from .breaker import Breaker
 from .remote_calls import RemoteCalls, Unavailable, connect
 from .remote_layout import (
     CHUNK_TTL_MARGIN_S,

@@ -1,6 +1,6 @@
 """The remote tier's calls to its Redis/Valkey server (``featcache.tiers.remote``): the redis-py
 client a config names (``connect``), made lazily and again after a failure, and every call run
-through a circuit breaker (``featcache.breaker``); for a Redis Cluster, a breaker per node and a
+through a circuit breaker (``featcache.tiers.breaker``); for a Redis Cluster, a breaker per node and a
 deadline per call. What the tier does with a call (reads, publishes, the key secret, its counts
 of hits and publishes) is the tier's; here is only whether a call happened.
 
@@ -43,8 +43,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ..breaker import Breaker
 from ..config import CacheConfig
+from .breaker import Breaker
 
 log = logging.getLogger("featcache")
 
