@@ -69,6 +69,8 @@ class SourceResolver:
     _warned_at: float | None  # the last bad image's warning (``_bad_image``)
 
     def _failed(self, what: str, trace: str | None = None) -> None:
+        """A failure of featcache's in the frontend (either half, or a TurboMind path through
+        it): counted (``frontend_errors``), the first one logged with its traceback."""
         self.cache.count(SECTION, "frontend_errors")
         if not self._logged:
             self._logged = True
