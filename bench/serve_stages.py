@@ -378,7 +378,7 @@ def install(sink: Sink, allow_loopback_media: bool = False) -> list[str]:
         from featcache.core.cache import FeatureCache
         from featcache.lmdeploy import fastprep
         from featcache.lmdeploy.pytorch import engine as fc_engine
-        from featcache.lmdeploy.request import frontend
+        from featcache.lmdeploy.request import frontend, resolve
     except ImportError:
         return done
     # featcache's own preprocessing of a miss (lmdeploy's model preprocess runs inside it, timed
@@ -389,13 +389,13 @@ def install(sink: Sink, allow_loopback_media: bool = False) -> list[str]:
            "featcache Frontend.resolve_sources")
     _patch(frontend.Frontend, "__call__", lambda f: timed(f, "fc_frontend"), done,
            "featcache Frontend.__call__")
-    _patch(frontend, "encoded_bytes", lambda f: timed(f, "fc_source_bytes"), done,
+    _patch(resolve, "encoded_bytes", lambda f: timed(f, "fc_source_bytes"), done,
            "featcache encoded_bytes")
-    _patch(frontend, "fetched_bytes", lambda f: timed(f, "fc_source_bytes"), done,
+    _patch(resolve, "fetched_bytes", lambda f: timed(f, "fc_source_bytes"), done,
            "featcache fetched_bytes (lmdeploy's fetcher inside)")
     _patch(frontend.Frontend, "_bytes_key", lambda f: timed(f, "fc_key"), done,
            "featcache Frontend._bytes_key (an encoded image's key)")
-    _patch(frontend.DataUrlKeys, "ident", lambda f: timed(f, "fc_key"), done,
+    _patch(resolve.DataUrlKeys, "ident", lambda f: timed(f, "fc_key"), done,
            "featcache DataUrlKeys.ident (a data URL seen before: keyed by its text)")
     _patch(frontend.Frontend, "_id_key", lambda f: timed(f, "fc_key"), done,
            "featcache Frontend._id_key (a client id's key)")

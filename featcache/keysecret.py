@@ -171,7 +171,7 @@ def _remote_secret(config: CacheConfig) -> bytes | None:
     """The fleet's secret on the remote server (set there once, from the store's when it has one),
     written into the store so that a later start without the server keys alike; None where the
     server cannot be reached (then the store's secret serves, said once)."""
-    from .tiers.remote import connect
+    from .tiers.remote_calls import connect
 
     name = remote_secret_name(config)
     local = None
@@ -183,7 +183,7 @@ def _remote_secret(config: CacheConfig) -> bytes | None:
     proposal = local or os.urandom(SECRET_BYTES)
     try:
         if config.remote_url is not None and config.remote_url.startswith("mooncake://"):
-            from .tiers.mooncake import read_or_set_secret
+            from .tiers.mooncake_client import read_or_set_secret
 
             value = read_or_set_secret(config, name, proposal.hex().encode())
         else:

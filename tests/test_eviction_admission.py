@@ -15,6 +15,7 @@ import pytest
 from featcache.config import EVICTIONS
 from featcache.eviction import POLICIES, WEIGHS_COST, admission, books_for
 from featcache.eviction.admission import AdmissionBooks, FrequencySketch
+from featcache.eviction.ledger import MIN_EVENTS, ON_MARGIN, SAMPLED
 
 
 def k(i: int) -> bytes:
@@ -27,7 +28,7 @@ def keys_where(sampled: bool, n: int, prefix: bytes = b"s") -> list[bytes]:
     i = 0
     while len(found) < n:
         key = prefix + b"-%d" % i
-        if (zlib.crc32(key) & admission._SAMPLED == 0) == sampled:
+        if (zlib.crc32(key) & SAMPLED == 0) == sampled:
             found.append(key)
         i += 1
     return found
@@ -205,7 +206,7 @@ def test_a_filter_that_turns_away_keys_that_come_back_turns_itself_off():
     ledger = books.ledger_for(1, 1.0)
     ledger.filtering = True
     books._turnover = books.capacity_bytes  # one budget come in (the ledger may decide)
-    turned = [b"new-%d" % i for i in range(admission.MIN_EVENTS + 4)]
+    turned = [b"new-%d" % i for i in range(MIN_EVENTS + 4)]
     for key in turned:
         assert books.evict_for(1, replacing=key, cost_s=1.0) is None
     assert all(q in books for q in (k(i) for i in range(40)))
@@ -225,7 +226,7 @@ def test_a_filter_off_turns_on_when_what_it_would_have_turned_away_displaced_key
     assert not ledger.filtering
     books._turnover = books.capacity_bytes
     rounds = 0
-    for new in keys_where(True, 4 * admission.MIN_EVENTS, b"new"):  # judged even while off
+    for new in keys_where(True, 4 * MIN_EVENTS, b"new"):  # judged even while off
         rounds += 1
         victims = books.evict_for(1, replacing=new, cost_s=1.0)
         assert victims  # admitted (off), though it would have been turned away
@@ -235,7 +236,7 @@ def test_a_filter_off_turns_on_when_what_it_would_have_turned_away_displaced_key
             books.add(back, 1, 1.0)
         if ledger.filtering:
             break
-    assert ledger.filtering and ledger.credit > ledger.debit and rounds < 2 * admission.MIN_EVENTS
+    assert ledger.filtering and ledger.credit > ledger.debit and rounds < 2 * MIN_EVENTS
 
 
 def test_hits_on_keys_the_filter_spared_are_its_credit():
@@ -271,15 +272,15 @@ def test_the_filter_turns_on_only_when_its_credit_clearly_beats_its_debit():
     books = AdmissionBooks(1000)
     books._turnover = books.capacity_bytes
     ledger = books.ledger_for(1, 1.0)
-    ledger.events = admission.MIN_EVENTS
+    ledger.events = MIN_EVENTS
     ledger.debit = 10.0
-    ledger.credit = 10.0 * admission.ON_MARGIN - 0.5  # above the debit, not by the margin
+    ledger.credit = 10.0 * ON_MARGIN - 0.5  # above the debit, not by the margin
     books._decide(ledger)
-    assert admission.ON_MARGIN > 1 and not ledger.filtering
-    ledger.credit = 10.0 * admission.ON_MARGIN + 0.5
+    assert ON_MARGIN > 1 and not ledger.filtering
+    ledger.credit = 10.0 * ON_MARGIN + 0.5
     books._decide(ledger)
     assert ledger.filtering
-    ledger.credit = 10.0 * admission.ON_MARGIN - 0.5  # and off again below the margin
+    ledger.credit = 10.0 * ON_MARGIN - 0.5  # and off again below the margin
     books._decide(ledger)
     assert not ledger.filtering
 
@@ -296,7 +297,7 @@ def test_no_decision_before_one_budget_came_in():
     books = AdmissionBooks(1000)
     ledger = books.ledger_for(1, 1.0)
     ledger.credit = 5.0
-    for _ in range(admission.MIN_EVENTS + 1):
+    for _ in range(MIN_EVENTS + 1):
         books._decide(ledger)
     assert not ledger.filtering  # the ghosts do not reach back yet
     books._turnover = books.capacity_bytes

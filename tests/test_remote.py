@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from featcache import FeatureCache
-from featcache.breaker import Breaker
 from featcache.config import CacheConfig, redact_url
 from featcache.tiers import remote_layout
+from featcache.tiers.breaker import Breaker
 
 try:
     import _procs

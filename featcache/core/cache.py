@@ -12,18 +12,15 @@ Data flow:
   queue's bound the write-through is dropped (counted), unless the put blocks (``block=True``, or
   inside ``blocking_puts()``): then it waits for room in every bounded queue on the way down.
 - ``get`` looks in the top tier, then in what is still on its way down, then in each tier below,
-  in order: first in what its writer still has queued for the key (a put is served; a queued
-  delete means the tier's value is stale: the tier is skipped), then in the tier. A hit below is
-  promoted: host bytes are copied to the device on the caller's stream (the returned tensor is
-  ordered before the caller's current stream's next work); a value read from a lower tier (disk,
-  remote) is verified, copied into a host block (kept in the host tier) and promoted the same
-  way, and a tier that keeps recency by writes (disk) is sent a touch. The remote tier comes
-  last: it is read only when every local tier missed (one bounded, short-timeout network read).
-- Eviction: the memory tiers by the config's ``eviction`` ("admit", the default: GreedyDual over
-  the cost ``put(..., cost_s=)`` records, behind an admission filter that may leave a new entry
-  out of a memory tier (it is still written through below); "value": GreedyDual-Size-Frequency;
-  "lru"; ``featcache.eviction``), the disk by LRU.
-  Because every entry is written through, evicting never copies.
+  in order (``featcache.core.lookup``: what a tier's writer still queues is looked at first). A
+  hit below is promoted to the device on the caller's stream (the returned tensor is ordered
+  before the caller's current stream's next work), a value read from disk or remote verified and
+  kept in the host tier on the way, and a tier that keeps recency by writes (disk) is sent a
+  touch. The remote tier is read only when every local tier missed (one bounded network read).
+- Eviction: the memory tiers by the config's ``eviction`` (``featcache.eviction``: "admit", the
+  default, weighs the cost ``put(..., cost_s=)`` records and may leave a new entry out of a memory
+  tier, still written through below), the disk by LRU. Every entry is written through, so
+  evicting never copies.
 
 Invariants:
 - every tier's ``bytes`` stays within its ``capacity_bytes`` at all times;
@@ -39,9 +36,9 @@ Invariants:
   key started after the read began (a per-key generation, ``featcache.core.lookup``): a promotion
   never undoes a newer put or a discard (a stale one is counted, ``stale_promotions``);
 - an unclosed cache is closed when collected or at interpreter exit (``weakref.finalize``: its
-  threads must not be killed mid-copy),
-  and a forked child rebuilds its tiers and threads on first use (empty memory tiers, the disk
-  store reopened): nothing inherited from the parent's threads or LMDB environment is used.
+  threads must not be killed mid-copy), and a forked child rebuilds its tiers and threads on
+  first use (``featcache.core.forks``: empty memory tiers, the disk store reopened): nothing
+  inherited from the parent's threads or LMDB environment is used.
 """
 
 from __future__ import annotations
@@ -50,33 +47,30 @@ import contextlib
 import os
 import threading
 import weakref
-from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from .. import autosize
-from ..codec import check_meta, check_storable
+from ..codec import check_storable
 from ..config import CacheConfig
-from ..entrymeta import recorded, with_cost
-from ..errors import FeatCacheError
 from ..keys import ImageKey, KeyHasher
 from ..keysecret import hasher_for, remote_secret_name
 from ..store.report import VerifyReport
 from ..tiers.base import Entry
 from . import forks
-from .chain import KINDS, MAX_KEY_BYTES, build_chain
-from .copier import dense_copy, make_copier
+from .chain import KINDS, build_chain
+from .copier import make_copier
+from .counts import Counts
 from .demoter import Demoter
+from .intake import check_key, owned, stored_meta, valid_key
 from .lease import Lease, NoLease
 from .lookup import Lookup
 from .singleflight import SingleFlight
 
-_COUNTERS = ("hits", "misses", "puts", "not_stored", "inflight_hits", "promotions", "stale_promotions")
 
-
-class FeatureCache:
+class FeatureCache(forks.Adoptable):
     """A tiered, content-addressed cache of feature tensors. Thread-safe.
 
     ``FeatureCache(device="cuda", device_bytes="2GiB", host_bytes="8GiB",
@@ -127,10 +121,8 @@ class FeatureCache:
             if below else None
         )
         self._flights: SingleFlight[torch.Tensor] = SingleFlight()  # get_or_compute's misses
-        self._counts: Counter[str] = Counter()
-        self._events: dict[str, Counter[str]] = {}  # counters of integrations, by section
-        self._counts_lock = threading.Lock()
-        self._count = _counter(self._counts, self._counts_lock)  # no reference to the cache
+        self._counts = Counts(("cache", *(kind.name for kind in KINDS)))
+        self._count = self._counts.count  # (the read path's: no reference to the cache)
         # puts, discards and promotions' installs take its lock (``order``), one at a time
         self._lookup = Lookup(self._chain, self._demoter, self._copier, self._count)
         self._keep_remote_secret()
@@ -140,12 +132,9 @@ class FeatureCache:
         """Hand the remote tier the fleet's key secret this cache keys with (it sets it again
         on a server that lost it: ``featcache.tiers.remote``); not an operator's secret file."""
         secret = self.hasher.secret
-        if secret is None or self.config.remote_url is None or self.config.key_secret_file is not None:
-            return
-        for slot in self._chain.below:
-            keep = getattr(slot.tier, "keep_secret", None)
-            if keep is not None:
-                keep(remote_secret_name(self.config), secret)
+        if (secret is not None and self.config.remote_url is not None
+                and self.config.key_secret_file is None):
+            self._chain.keep_secret(remote_secret_name(self.config), secret)
 
     # -- public API ----------------------------------------------------------------------------
     def image_key(self, image: Any, *, namespace: str = "",
@@ -200,13 +189,10 @@ class FeatureCache:
         entries that save the most per byte. None: unknown (counted as the mean of the known costs).
         """
         self._check_open()
-        _check_key(key)
+        check_key(key)
         check_storable(features)
-        meta_bytes = recorded(meta, namespace, getattr(key, "namespace", None))
-        if cost_s is not None:
-            meta_bytes = with_cost(meta_bytes, cost_s)
-        meta_bytes = check_meta(meta_bytes)
-        tensor = self._owned(features)
+        meta_bytes = stored_meta(meta, namespace, key, cost_s)
+        tensor = owned(features, self.device)
         top = self._chain.top
         to_top = top.fits(tensor.nbytes, len(meta_bytes))
         to = tuple(s for s in self._chain.below if s.tier.fits(tensor.nbytes, len(meta_bytes)))
@@ -244,7 +230,7 @@ class FeatureCache:
         The tensor is ready for use on the caller's current CUDA stream. Do not modify it.
         """
         self._check_open()
-        _check_key(key)
+        check_key(key)
         found = self._lookup.find(key, pin=False)
         self._count("hits" if found is not None else "misses")
         if found is None:
@@ -295,7 +281,7 @@ class FeatureCache:
         """Like ``get``, but the entry is pinned in the top tier until ``Lease.release()``;
         ``Lease.tier`` names the tier it was found in."""
         self._check_open()
-        _check_key(key)
+        check_key(key)
         found = self._lookup.find(key, pin=True)
         self._count("hits" if found is not None else "misses")
         if found is None:
@@ -312,7 +298,7 @@ class FeatureCache:
         """Whether any local tier (or the way down) holds ``key``; counts nothing, promotes
         nothing, and does not ask the remote tier (no network call: ``Rules.local``). A key
         ``put`` would refuse (not bytes, empty, too long) is not contained."""
-        if not _valid_key(key) or self._closed:
+        if not valid_key(key) or self._closed:
             return False
         assert isinstance(key, bytes)
         if not self._adopted():
@@ -324,12 +310,7 @@ class FeatureCache:
         """How many entries the persistent tier holds: the disk store (LMDB's count, so entries
         other processes put there count too), or without one the memory tiers (device and host,
         each key once). A put still on its way down counts once it lands (``flush()``)."""
-        if not self._adopted():
-            return 0
-        persistent = self._chain.persistent
-        if persistent is not None:
-            return persistent.entries()
-        return len(self._memory_keys())
+        return self._chain.entries() if self._adopted() else 0
 
     def __bool__(self) -> bool:
         """Always True: a cache is an object, not a container (``if cache:`` with an empty cache
@@ -348,10 +329,7 @@ class FeatureCache:
         cannot be read.
         """
         self._check_open()
-        persistent = self._chain.persistent
-        if persistent is not None:
-            return persistent.keys()
-        return iter(sorted(self._memory_keys()))
+        return self._chain.keys()
 
     def clear(self) -> int:
         """Remove every entry from every local tier; return how many keys were removed (each
@@ -369,15 +347,7 @@ class FeatureCache:
         with self._lookup.order:  # no put, discard or promotion while clearing
             self.flush()
             self._lookup.invalidate_all()  # a read below in flight installs nothing
-            chain = self._chain
-            memory = set(chain.top.clear())
-            if chain.staging is not None:
-                memory.update(chain.staging.clear())
-            persistent = chain.persistent
-            if persistent is None:
-                return len(memory)
-            only_memory = sum(not persistent.contains(key) for key in memory)
-            return persistent.clear() + only_memory
+            return self._chain.clear()
 
     def verify(self, fix: bool = False,
                progress: Callable[[int, int], None] | None = None) -> VerifyReport:
@@ -389,13 +359,7 @@ class FeatureCache:
         check (an empty report). Raises ``FeatCacheError`` if the store cannot be read.
         """
         self._check_open()
-        persistent = self._chain.persistent
-        if persistent is None:
-            return VerifyReport(deleted=0 if fix else None)
-        report = persistent.verify(progress)
-        if fix:
-            report.deleted = persistent.delete_bad([e.key for e in report.bad]) if report.bad else 0
-        return report
+        return self._chain.verify(fix, progress)
 
     def discard(self, key: bytes) -> None:
         """Remove ``key`` from every tier (from the lower tiers asynchronously, in queue order).
@@ -404,7 +368,7 @@ class FeatureCache:
         serves the key afterwards, also after a reopen.
         """
         self._check_open()
-        _check_key(key)
+        check_key(key)
         self._remove(key)
 
     def flush(self) -> None:
@@ -416,23 +380,17 @@ class FeatureCache:
 
     def count(self, section: str, event: str, n: int = 1) -> None:
         """Count an integration's event; it appears as ``stats()[section][event]``."""
-        if section == "cache" or any(section == kind.name for kind in KINDS):
-            raise ValueError(f"section {section!r} is reserved for the cache's own counters")
-        with self._counts_lock:
-            self._events.setdefault(section, Counter())[event] += n
+        self._counts.event(section, event, n)
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per-tier counters and sizes (``device``, ``host``, ``disk``; ``remote`` when a remote
         tier is configured: docs/tuning.md), cache-wide ones (``cache``), and one section per
         integration that counted events (e.g. ``lmdeploy``)."""
         self._adopted()
-        with self._counts_lock:
-            counts = dict(self._counts)
-            events = {section: dict(c) for section, c in self._events.items()}
+        own, events = self._counts.snapshot()
         workers = [w for w in (self._demoter, *self._chain.writers) if w is not None]
         cache = {
-            "gets": counts.get("hits", 0) + counts.get("misses", 0),
-            **{k: counts.get(k, 0) for k in _COUNTERS},
+            **own,
             "demote_queue": self._demoter.depth if self._demoter is not None else 0,
             **self._chain.queue_depths("cache"),
             "worker_errors": sum(w.errors for w in workers),
@@ -463,12 +421,6 @@ class FeatureCache:
         )
 
     # -- helpers -------------------------------------------------------------------------------
-    def _memory_keys(self) -> set[bytes]:
-        keys = set(self._chain.top.keys())
-        if self._chain.staging is not None:
-            keys.update(self._chain.staging.keys())
-        return keys
-
     def _remove(self, key: bytes) -> None:
         """Drop ``key`` from the top tier and (through the demoter) from every tier below."""
         with self._lookup.order:
@@ -476,76 +428,3 @@ class FeatureCache:
             self._chain.top.discard(key)
             if self._demoter is not None:
                 self._demoter.cancel(key)
-
-    def _owned(self, features: torch.Tensor) -> torch.Tensor:
-        """The tensor the top tier keeps: on the cache's device, dense, owning its storage."""
-        tensor = features.detach()
-        if tensor.is_neg() or tensor.is_conj():  # lazy views: the raw bytes are not the values
-            tensor = tensor.resolve_neg().resolve_conj()
-        if tensor.device != self.device:
-            return tensor.to(self.device).contiguous()
-        whole = (
-            tensor.is_contiguous()
-            and tensor.storage_offset() == 0
-            and tensor.untyped_storage().nbytes() == tensor.nbytes
-        )
-        # A view would keep its whole base alive while the books count only the view.
-        if whole:
-            return tensor
-        if self.device.type == "cpu":  # NumPy's copy: torch's pool would hang a forked child
-            return dense_copy(tensor)
-        return tensor.clone(memory_format=torch.contiguous_format)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise FeatCacheError("this FeatureCache is closed")
-        if forks.inherited(self._forks):
-            self._adopt()
-
-    def _adopted(self) -> bool:
-        """For the calls that never raise: whether the tiers are this process's, adopting them
-        first in a forked child; False if that cannot be (closed there, or on CUDA)."""
-        if not forks.inherited(self._forks):
-            return True
-        try:
-            self._check_open()  # raises if closed, else adopts
-        except FeatCacheError:
-            return False
-        return True
-
-    def _adopt(self) -> None:
-        """First use in a forked child: rebuild the tiers and threads (the parent's threads do
-        not exist here and its locks may be held forever); the memory tiers start empty, the
-        disk store is reopened. Runs in the child's first thread to use the cache."""
-        with forks.adoption_lock():
-            if not forks.inherited(self._forks):
-                return
-            if self.device.type == "cuda":
-                self._closed = True
-                raise FeatCacheError(forks.CUDA_AFTER_FORK)
-            self._finalizer()  # the parent's build: closes what the child must reopen, only
-            self._build()
-
-
-def _counter(counts: Counter[str], lock: threading.Lock) -> Callable[[str], None]:
-    """A thread-safe ``count(name)`` over ``counts``: what the read path counts with, holding no
-    reference to the cache (an unreferenced cache is freed, and closed, at once)."""
-
-    def count(name: str) -> None:
-        with lock:
-            counts[name] += 1
-
-    return count
-
-
-def _valid_key(key: object) -> bool:
-    """Whether ``key`` is one the cache stores: bytes, 1 to ``MAX_KEY_BYTES`` long (every tier
-    can store it: the disk tier's records for it fit LMDB's key limit)."""
-    return isinstance(key, bytes) and 0 < len(key) <= MAX_KEY_BYTES
-
-
-def _check_key(key: object) -> None:
-    if not isinstance(key, bytes):
-        raise TypeError(f"keys are bytes (from featcache.image_key), not {type(key).__name__}")
-    if not _valid_key(key):
-        raise ValueError(f"a key must be 1 to {MAX_KEY_BYTES} bytes long, got {len(key)}")

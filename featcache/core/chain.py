@@ -15,12 +15,13 @@ one ``Kind`` in ``BELOW`` with its builder here. Nothing else names it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
 from ..config import CacheConfig
 from ..store.layout import MAX_KEY_BYTES as _DISK_MAX_KEY_BYTES
+from ..store.report import VerifyReport
 from ..tiers.base import LeasingTier, PersistentTier, StagingTier, Tier, WrittenTier, empty_stats
 from ..tiers.device import DeviceTier
 from ..tiers.disk import DiskTier
@@ -191,6 +192,56 @@ class Chain:
             if where is not None and where[0] == section:
                 depths[where[1]] = writer.depth if writer is not None else 0
         return depths
+
+    # -- the whole chain (the cache's len, keys, clear and verify) -----------------------------
+    def memory_keys(self) -> set[bytes]:
+        """The keys the memory tiers (top and staging) hold, each once."""
+        keys = set(self.top.keys())
+        if self.staging is not None:
+            keys.update(self.staging.keys())
+        return keys
+
+    def entries(self) -> int:
+        """The persistent tier's entries (all processes'), without one the memory tiers'."""
+        if self.persistent is not None:
+            return self.persistent.entries()
+        return len(self.memory_keys())
+
+    def keys(self) -> Iterator[bytes]:
+        """The persistent tier's keys in byte order, without one the memory tiers' (sorted)."""
+        if self.persistent is not None:
+            return self.persistent.keys()
+        return iter(sorted(self.memory_keys()))
+
+    def clear(self) -> int:
+        """Empty every local tier (the memory tiers, then the persistent one in one transaction);
+        how many keys were removed, each once. The caller holds puts and promotions back."""
+        memory = set(self.top.clear())
+        if self.staging is not None:
+            memory.update(self.staging.clear())
+        persistent = self.persistent
+        if persistent is None:
+            return len(memory)
+        only_memory = sum(not persistent.contains(key) for key in memory)
+        return persistent.clear() + only_memory
+
+    def verify(self, fix: bool, progress: Callable[[int, int], None] | None) -> VerifyReport:
+        """The persistent tier's check (``FeatureCache.verify``); an empty report without one."""
+        persistent = self.persistent
+        if persistent is None:
+            return VerifyReport(deleted=0 if fix else None)
+        report = persistent.verify(progress)
+        if fix:
+            report.deleted = persistent.delete_bad([e.key for e in report.bad]) if report.bad else 0
+        return report
+
+    def keep_secret(self, name: str, secret: bytes) -> None:
+        """Hand every tier that keeps the fleet's key secret on its server (``keep_secret``: the
+        remote tier, which sets it again on a server that lost it) the one the cache keys with."""
+        for slot in self.below:
+            keep = getattr(slot.tier, "keep_secret", None)
+            if keep is not None:
+                keep(name, secret)
 
     def close(self) -> None:
         """Close every tier (the writers are stopped first, by the demoter)."""

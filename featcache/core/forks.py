@@ -1,4 +1,5 @@
-"""A cache's builds across fork(): which process a build belongs to, and how one is released.
+"""A cache's builds across fork(): which process a build belongs to, how a forked child adopts the
+cache (``Adoptable``, ``FeatureCache``'s base), and how a build is released.
 
 A build is what ``FeatureCache`` makes at construction, and again in a forked child: the chain of
 tiers, the demoter and the writers with their threads. A build belongs to the process that made
@@ -18,9 +19,14 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from typing import TYPE_CHECKING
 
+from ..errors import FeatCacheError
+
 if TYPE_CHECKING:
+    import torch
+
     from .chain import Chain
     from .demoter import Demoter
 
@@ -77,3 +83,48 @@ def release(noted: int, chain: Chain, demoter: Demoter | None) -> None:
     if demoter is not None:
         demoter.close()
     chain.close()
+
+
+class Adoptable:
+    """What keeps a cache's build this process's (``FeatureCache``'s base): the calls that raise
+    check with ``_check_open``, those that never raise with ``_adopted``; in a forked child the
+    first of them adopts the cache (``_adopt``). The cache provides ``device``, ``_closed``,
+    ``_forks`` (its build's generation), ``_finalizer`` (releases its build) and ``_build``."""
+
+    device: torch.device
+    _closed: bool
+    _forks: int
+    _finalizer: weakref.finalize
+
+    def _build(self) -> None:
+        raise NotImplementedError
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FeatCacheError("this FeatureCache is closed")
+        if inherited(self._forks):
+            self._adopt()
+
+    def _adopted(self) -> bool:
+        """For the calls that never raise: whether the tiers are this process's, adopting them
+        first in a forked child; False if that cannot be (closed there, or on CUDA)."""
+        if not inherited(self._forks):
+            return True
+        try:
+            self._check_open()  # raises if closed, else adopts
+        except FeatCacheError:
+            return False
+        return True
+
+    def _adopt(self) -> None:
+        """First use in a forked child: rebuild the tiers and threads (the parent's threads do
+        not exist here and its locks may be held forever); the memory tiers start empty, the
+        disk store is reopened. Runs in the child's first thread to use the cache."""
+        with adoption_lock():
+            if not inherited(self._forks):
+                return
+            if self.device.type == "cuda":
+                self._closed = True
+                raise FeatCacheError(CUDA_AFTER_FORK)
+            self._finalizer()  # the parent's build: closes what the child must reopen, only
+            self._build()

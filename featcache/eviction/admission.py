@@ -1,18 +1,10 @@
 """Eviction bookkeeping for an in-memory tier: GreedyDual by cost class, behind a TinyLFU
 admission filter that is on only while it pays (``eviction="admit"``; ``featcache.eviction``).
 
-**Order (GreedyDual).** Each key's priority is ``H = L + sqrt(worth)``: ``worth`` is what a hit
-saves per byte (``cost_s / nbytes``, recorded at put; an unknown cost counts as the mean of the
-known ones) and ``L`` (``inflation``) the ``H`` of the last victim, so a key not used again ages
-(GreedyDual-Size, Cao & Irani 1997; the square root, GreedyDual*'s damping, Jin & Bestavros 2001:
-a 26B image, 3.7x the 2B's worth per byte, is kept about 1.9x as long, not 3.7x, which cost up to
-2% against LRU where LRU already held nearly everything; docs/design.md, "Eviction"). The victim
-is the unpinned key of lowest ``H``. Keys are kept in one LRU queue per *cost class* (worths
-within half an octave: ``CLASS_STEPS`` per doubling): within a class the least recently used key
-has the lowest ``H``, so the victim is the lowest of the queues' heads, O(cost classes) (a model's
-features cost about the same per byte: a class or two per model; ties between classes go either
-way). There is no frequency in the order: a conversation resending its images every turn is
-recency, not popularity; with equal costs per byte the order is LRU's.
+**Order (GreedyDual by cost class, ``featcache.eviction.costclasses``).** Each key's priority is
+``H = L + sqrt(worth)``: ``worth`` is what a hit saves per byte and ``L`` (``inflation``) the ``H``
+of the last victim; the victim is the unpinned key of lowest ``H``, the lowest of the heads of one
+LRU queue per cost class. There is no frequency in the order: with equal costs per byte it is LRU's.
 
 **Admission (TinyLFU).** Every use is counted: a key held counts its own uses (``count``), a key
 not held is counted in a count-min sketch (``FrequencySketch``: 4 one-byte counters capped at 15
@@ -25,9 +17,9 @@ so a tie, as between keys never used again, keeps the victims). A key never used
 a one-off document, a large image whose next use comes too late) does not displace keys that were
 used again; among keys used again, reuse is weighed by what a hit saves per byte.
 
-**The filter is on only where it pays** (one filter per cost class, its ``_Ledger`` in
-``ledgers``). Both of its ways of being wrong are counted, in seconds of vision time, in its
-ledger, halved with the counts:
+**The filter is on only where it pays** (one filter per cost class, its ``Ledger`` in
+``ledgers``: ``featcache.eviction.ledger``). Both of its ways of being wrong are counted, in
+seconds of vision time, in its ledger, halved with the counts:
 - on: a key it turned away, asked for again while a ghost remembers it (keys only, at most
   ``capacity_bytes`` of them), is a hit it lost (``debit``); a hit on a key it spared (a victim
   it did not evict) is a hit it saved (``credit``);
@@ -65,98 +57,20 @@ The sketch is rebuilt (empty) when the entries held outgrow it, doubling.
 
 from __future__ import annotations
 
-import heapq
 import math
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterator
 
+from .costclasses import CLASS_STEPS, NO_WORTH, Item, class_of, lowest, plan, plan_many
+from .ledger import SAMPLE_WEIGHT, SAMPLED, SPARED, WOULD_REJECT, Ghost, Ledger
 from .sketch import MAX_COUNT, FrequencySketch
 
-CLASS_STEPS = 2  # cost classes per doubling of worth
 EPS = 0.0  # added to reuse in the duel (0: between keys never used again, the victim stays)
-MIN_EVENTS = 16  # ledger entries before the filter's first decision
-ON_MARGIN = 1.5  # a filter turns on while its ledger's credit is above ON_MARGIN x its debit
 SAMPLE = 10  # counts are halved every SAMPLE x (entries the sketch is sized for) uses (Caffeine's)
 
 # What a byte saves when a key's cost is unknown and no key with a known cost was added yet (the
 # value books' default: InternVL2-2B, 24.6 ms for 13.6 MB).
 DEFAULT_S_PER_BYTE = 24.6e-3 / (3328 * 2048 * 2)
-
-_SPARED, _WOULD_REJECT = 1, 2  # an item's mark: what a hit on it tells its ledger
-_NO_WORTH = -(1 << 30)
-_SAMPLED = 7  # while a class's filter is off, the misses whose key hash & _SAMPLED is 0 are judged
-SAMPLE_WEIGHT = _SAMPLED + 1  # what each of their ledger entries counts for
-
-
-def _class_of(worth: float) -> int:
-    """The cost class of ``worth`` (seconds saved per byte): half an octave."""
-    return math.floor(math.log2(worth) * CLASS_STEPS) if worth > 0 else _NO_WORTH
-
-
-class _Ledger:
-    """A cost class's ledger: seconds of hits its filter saved (or would have) and lost (or
-    would have), lately; whether it filters."""
-
-    __slots__ = ("credit", "debit", "events", "filtering")
-
-    def __init__(self) -> None:
-        self.credit = 0.0
-        self.debit = 0.0
-        self.events = 0  # entries so far
-        self.filtering = False  # until the ledger says it pays
-
-
-class _Item:
-    __slots__ = ("count", "epoch", "gain", "hash", "ledger", "mark", "nbytes", "priority",
-                 "queue", "stake", "worth")
-
-    def __init__(self, nbytes: int, worth: float, gain: float, priority: float, h: int,
-                 count: int, epoch: int, queue: OrderedDict[bytes, _Item]) -> None:
-        self.nbytes = nbytes
-        self.worth = worth  # seconds a hit saves, per byte
-        self.gain = gain  # what a use adds to L: sqrt(worth)
-        self.priority = priority  # H
-        self.hash = h  # FrequencySketch.hash_of its key
-        self.count = count  # its uses lately (halved once per aging since ``epoch``)
-        self.epoch = epoch
-        self.queue = queue  # its cost class's LRU queue
-        self.mark = 0  # _SPARED, _WOULD_REJECT
-        self.stake = 0.0  # bytes of it a spared hit counts for (the entry turned away's share)
-        self.ledger: _Ledger | None = None  # the ledger a hit on a marked item is entered in
-
-
-class _Ghost:
-    """Keys gone lately, without values: at most ``capacity`` bytes of them, oldest forgotten;
-    each with its bytes, a cost (seconds) and a ledger."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.nbytes = 0
-        self._keys: OrderedDict[bytes, tuple[int, float, _Ledger]] = OrderedDict()
-
-    def add(self, key: bytes, nbytes: int, cost_s: float, ledger: _Ledger) -> None:
-        keys = self._keys
-        old = keys.pop(key, None)
-        if old is not None:
-            self.nbytes -= old[0]
-        keys[key] = (nbytes, cost_s, ledger)
-        self.nbytes += nbytes
-        while self.nbytes > self.capacity:
-            self.nbytes -= keys.popitem(last=False)[1][0]
-
-    def take(self, key: bytes) -> tuple[int, float, _Ledger] | None:
-        """Forget ``key``; what it was remembered with (bytes, cost, ledger), or None."""
-        held = self._keys.pop(key, None)
-        if held is not None:
-            self.nbytes -= held[0]
-        return held
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._keys
-
-    def __len__(self) -> int:
-        return len(self._keys)
 
 
 class AdmissionBooks:
@@ -168,18 +82,18 @@ class AdmissionBooks:
         self.used_bytes = 0
         self.inflation = 0.0  # L: the H of the last victim
         self.sketch = FrequencySketch()
-        self.ledgers: dict[int, _Ledger] = {}  # cost class -> its filter's ledger
+        self.ledgers: dict[int, Ledger] = {}  # cost class -> its filter's ledger
         self.agings = 0  # how many times every count was halved
         self._uses = 0  # since the last aging
         self._period = SAMPLE * self.sketch.entries  # uses between agings
         self._turnover = -1  # bytes come in or turned away since the first eviction (-1: none)
-        self._items: dict[bytes, _Item] = {}
-        self._classes: dict[int, OrderedDict[bytes, _Item]] = {}  # cost class -> LRU queue
-        self._queues: list[OrderedDict[bytes, _Item]] = []  # the same queues, in a list
+        self._items: dict[bytes, Item] = {}
+        self._classes: dict[int, OrderedDict[bytes, Item]] = {}  # cost class -> LRU queue
+        self._queues: list[OrderedDict[bytes, Item]] = []  # the same queues, in a list
         self._pins: dict[bytes, int] = {}  # key -> holders (while positive)
         self._pinned_bytes = 0  # of the keys held that are pinned
-        self._rejected = _Ghost(capacity_bytes)  # keys the filters turned away
-        self._displaced = _Ghost(capacity_bytes)  # victims of entries they would have turned away
+        self._rejected = Ghost(capacity_bytes)  # keys the filters turned away
+        self._displaced = Ghost(capacity_bytes)  # victims of entries they would have turned away
         self._known_worth = 0.0
         self._known = 0
         # the miss evict_for counted, for the add that follows: (key, hash, count, would reject,
@@ -236,15 +150,15 @@ class AdmissionBooks:
                 self._known += 1
             else:
                 worth = self._mean_worth()
-            cls = _class_of(worth)
+            cls = class_of(worth)
         queue = self._classes.get(cls)
         if queue is None:
             queue = self._classes[cls] = OrderedDict()
             self._queues.append(queue)
         gain = math.sqrt(worth)
-        item = _Item(nbytes, worth, gain, self.inflation + gain, h, count, self.agings, queue)
+        item = Item(nbytes, worth, gain, self.inflation + gain, h, count, self.agings, queue)
         if would_reject:
-            item.mark = _WOULD_REJECT
+            item.mark = WOULD_REJECT
             item.ledger = self._ledger(cls)
         self._items[key] = item
         queue[key] = item
@@ -283,7 +197,7 @@ class AdmissionBooks:
         self._uses += 1
         if self._uses >= self._period:
             self._age()
-        if replacing in self._rejected._keys or replacing in self._displaced._keys:
+        if replacing in self._rejected.remembered or replacing in self._displaced.remembered:
             self._returned(replacing)
         free = capacity - self.used_bytes
         if free >= nbytes:
@@ -295,12 +209,12 @@ class AdmissionBooks:
         if self._turnover < capacity:
             self._turnover += nbytes
         worth = cost_s / (nbytes or 1) if cost_s is not None and cost_s >= 0 else self._mean_worth()
-        cls = math.floor(math.log2(worth) * CLASS_STEPS) if worth > 0 else _NO_WORTH  # _class_of
+        cls = math.floor(math.log2(worth) * CLASS_STEPS) if worth > 0 else NO_WORTH  # class_of
         ledger = self.ledgers.get(cls)
         if ledger is None:
-            ledger = self.ledgers[cls] = _Ledger()
+            ledger = self.ledgers[cls] = Ledger()
         judged = (nbytes, cost_s, worth, cls)  # for the add that follows
-        # the victim: the lowest of the queues' heads (_lowest, inlined; ``replacing`` is in none)
+        # the victim: the lowest of the queues' heads (costclasses.lowest, inlined; ``replacing`` is in none)
         pins = self._pins
         item = None
         key = b""
@@ -316,13 +230,13 @@ class AdmissionBooks:
         if item.nbytes < nbytes - free:
             return self._evict_many(nbytes, free, replacing, h, count, worth, ledger, judged)
         would_reject = False
-        if ledger.filtering or not h & _SAMPLED:  # judged: all while filtering, else a sample
+        if ledger.filtering or not h & SAMPLED:  # judged: all while filtering, else a sample
             # the duel: (reuse + EPS) x worth, per byte, against the victim's (a tie keeps it)
             uses = item.count >> (self.agings - item.epoch)
             if (((count - 1 if count > 1 else 0) + EPS) * worth * item.nbytes
                     <= ((uses - 1 if uses > 1 else 0) + EPS) * item.worth * item.nbytes):
                 if ledger.filtering:
-                    item.mark = _SPARED
+                    item.mark = SPARED
                     item.ledger = ledger
                     item.stake = nbytes if nbytes < item.nbytes else item.nbytes
                     self._rejected.add(replacing, nbytes, worth * nbytes, ledger)
@@ -344,12 +258,12 @@ class AdmissionBooks:
         return [key]
 
     def _evict_many(self, nbytes: int, free: int, replacing: bytes, h: int, count: int,
-                    worth: float, ledger: _Ledger,
+                    worth: float, ledger: Ledger,
                     judged: tuple[int, float | None, float, int]) -> list[bytes] | None:
         """``evict_for``'s miss path where more than one victim is needed."""
-        victims = self._plan_many(nbytes - free, replacing)
+        victims = plan_many(self._queues, self._pins, nbytes - free, replacing)
         would_reject = False
-        if ledger.filtering or not h & _SAMPLED:
+        if ledger.filtering or not h & SAMPLED:
             agings = self.agings
             theirs = 0.0
             total = 0
@@ -361,7 +275,7 @@ class AdmissionBooks:
                 if ledger.filtering:
                     share = nbytes / total if nbytes < total else 1.0
                     for _, v in victims:
-                        v.mark = _SPARED
+                        v.mark = SPARED
                         v.ledger = ledger
                         v.stake = v.nbytes * share
                     self._rejected.add(replacing, nbytes, worth * nbytes, ledger)
@@ -392,7 +306,7 @@ class AdmissionBooks:
             evictable -= held.nbytes
         if free + evictable < nbytes:
             return None
-        victims = self._plan(nbytes - free, replacing)
+        victims = plan(self._queues, self._pins, nbytes - free, replacing)
         for key, item in victims:
             self._evict(key, item)
         return [key for key, _ in victims]
@@ -402,7 +316,7 @@ class AdmissionBooks:
         every key is pinned (or none is held)."""
         if self.used_bytes - self._pinned_bytes <= 0:
             return None
-        key, item = self._lowest(None)
+        key, item = lowest(self._queues, self._pins, None)
         self._evict(key, item)
         return key
 
@@ -430,10 +344,10 @@ class AdmissionBooks:
         return key in self._pins
 
     # -- for tests and reports ---------------------------------------------------------------
-    def ledger_for(self, nbytes: int, cost_s: float | None) -> _Ledger:
+    def ledger_for(self, nbytes: int, cost_s: float | None) -> Ledger:
         """The ledger (and filter) of the cost class of an entry of ``nbytes`` costing
         ``cost_s`` (None: unknown)."""
-        return self._ledger(_class_of(self._worth(nbytes, cost_s)))
+        return self._ledger(class_of(self._worth(nbytes, cost_s)))
 
     def priority(self, key: bytes) -> float | None:
         """``key``'s ``H`` now, or None if it is not held."""
@@ -480,7 +394,7 @@ class AdmissionBooks:
             saved[2].credit += saved[1]
             self._decide(saved[2])
 
-    def _evict(self, key: bytes, item: _Item) -> None:
+    def _evict(self, key: bytes, item: Item) -> None:
         if item.priority > self.inflation:
             self.inflation = item.priority
         del self._items[key]
@@ -490,11 +404,11 @@ class AdmissionBooks:
         if count > 1:
             self.sketch.record(item.hash, count)  # its popularity outlives it
 
-    def _ledger_hit(self, item: _Item) -> None:
+    def _ledger_hit(self, item: Item) -> None:
         """A hit on a marked key: a hit its filter saved (spared) or would have lost."""
         ledger = item.ledger
         assert ledger is not None
-        if item.mark == _SPARED:
+        if item.mark == SPARED:
             ledger.credit += item.worth * item.stake
         else:  # a sampled entry it would have turned away
             ledger.debit += SAMPLE_WEIGHT * item.worth * item.nbytes
@@ -502,16 +416,14 @@ class AdmissionBooks:
         item.ledger = None
         self._decide(ledger)
 
-    def _ledger(self, cls: int) -> _Ledger:
+    def _ledger(self, cls: int) -> Ledger:
         ledger = self.ledgers.get(cls)
         if ledger is None:
-            ledger = self.ledgers[cls] = _Ledger()
+            ledger = self.ledgers[cls] = Ledger()
         return ledger
 
-    def _decide(self, ledger: _Ledger) -> None:
-        ledger.events += 1
-        if ledger.events >= MIN_EVENTS and self._turnover >= self.capacity_bytes:
-            ledger.filtering = ledger.credit > ON_MARGIN * ledger.debit
+    def _decide(self, ledger: Ledger) -> None:
+        ledger.decide(self._turnover >= self.capacity_bytes)
 
     def _age(self) -> None:
         """Halve every count (the held keys' when next read) and the ledger."""
@@ -525,50 +437,3 @@ class AdmissionBooks:
     def _grow_sketch(self) -> None:
         self.sketch.resize(2 * self.sketch.entries)
         self._period = SAMPLE * self.sketch.entries
-
-    def _lowest(self, keep: bytes | None) -> tuple[bytes, _Item]:
-        """The unpinned key other than ``keep`` of lowest ``H`` (the caller checked that there is
-        one): the lowest of the queues' heads (each cost class's oldest unpinned key)."""
-        pins = self._pins
-        best: _Item | None = None
-        best_key = b""
-        for queue in self._queues:
-            for key in queue:  # the queue's head, past pinned keys (few)
-                if key in pins or key == keep:
-                    continue
-                item = queue[key]
-                if best is None or item.priority < best.priority:
-                    best, best_key = item, key
-                break
-        assert best is not None
-        return best_key, best
-
-    def _plan(self, need: int, keep: bytes | None) -> list[tuple[bytes, _Item]]:
-        """The lowest-``H`` unpinned keys other than ``keep`` whose bytes reach ``need``, lowest
-        first (the caller checked that there are enough); nothing is removed."""
-        key, item = self._lowest(keep)
-        if item.nbytes >= need:
-            return [(key, item)]
-        return self._plan_many(need, keep)
-
-    def _plan_many(self, need: int, keep: bytes | None) -> list[tuple[bytes, _Item]]:
-        """``_plan`` for more than one victim: the queues merged by ``H``."""
-        pins = self._pins
-        heads: list[tuple[float, int, bytes, _Item, Iterator[tuple[bytes, _Item]]]] = []
-        for i, queue in enumerate(self._classes.values()):
-            it = iter(queue.items())
-            for key, item in it:
-                if key not in pins and key != keep:
-                    heads.append((item.priority, i, key, item, it))
-                    break
-        heapq.heapify(heads)
-        victims: list[tuple[bytes, _Item]] = []
-        while need > 0:
-            _, i, key, item, it = heapq.heappop(heads)
-            victims.append((key, item))
-            need -= item.nbytes
-            for key, item in it:
-                if key not in pins and key != keep:
-                    heapq.heappush(heads, (item.priority, i, key, item, it))
-                    break
-        return victims

@@ -1,5 +1,7 @@
 """The storage tiers, one module each: device (GPU), host (pinned RAM), disk (LMDB), remote
-(Redis/Valkey); ``base`` holds the protocol they share and the entry they hold.
+(Redis/Valkey), mooncake (Mooncake Store); ``base`` holds the protocol they share and the entry
+they hold; the remote tiers' parts: their calls (``remote_calls``), the layout on the server
+(``remote_layout``), Mooncake's client (``mooncake_client``) and the circuit breaker (``breaker``).
 
 Each tier is synchronous and knows nothing of the others; ``featcache.core.chain`` builds and orders
 them (the only module that names the concrete tiers), the cache loops over that chain, and the

@@ -4,14 +4,8 @@ already run it for KV transfer: the same tier as ``featcache.tiers.remote`` (``g
 ``MooncakeDistributedStore`` client instead of redis-py. Optional: ``pip install
 'featcache[mooncake]'`` (the CUDA build) or ``mooncake-transfer-engine-non-cuda`` on a host
 without CUDA (it links libibverbs: ``apt-get install libibverbs1``, no RDMA device needed for TCP).
-
-``remote_url="mooncake://MASTER_HOST:PORT?metadata=URL&protocol=tcp&local=HOST&segment=SIZE&buffer=SIZE"``:
-the master's RPC address; ``metadata`` the metadata service (``http://host:port/metadata``, the
-master's own with ``--enable_http_metadata_server``, or ``etcd://...``); ``protocol`` the
-transport (``tcp`` or ``rdma``, then ``device=`` the NICs); ``local`` this host's address as peers
-reach it; ``segment`` the memory this replica contributes to the store (default 256MiB; objects
-live in the contributors' segments: a replica that leaves takes its share with it); ``buffer`` the
-client's transfer buffer (default 64MiB; an entry larger than it is not published).
+The ``mooncake://`` URL, the client (one per process) and the store's error codes are
+``featcache.tiers.mooncake_client``'s.
 
 Layout: one object per entry, ``<namespace>:<key hex>``, holding the disk tier's value
 (``featcache.codec``: header, metadata, payload, xxh3-128 checksum) behind 0..63 zero bytes, so
@@ -41,21 +35,29 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
 import torch
 
 from .. import codec
-from ..breaker import Breaker
 from ..config import CacheConfig
 from ..core.copier import as_bytes
 from ..errors import CorruptEntryError
-from ..sizes import parse_bytes
 from .base import Alloc, Entry, Op
-from .remote import CLUSTER_WORKERS, STAT_NAMES
+from .breaker import Breaker
+from .mooncake_client import (
+    OBJECT_NOT_FOUND,
+    Failed,
+    MooncakeSettings,
+    check_installed,
+    outage,
+    put_if_absent,
+    release_client,
+    shared_client,
+)
+from .remote import STAT_NAMES
+from .remote_calls import CLUSTER_WORKERS
 from .remote_layout import namespace
 
 log = logging.getLogger("featcache")
@@ -65,119 +67,9 @@ T = TypeVar("T")
 # the replicas holding it, and goes with the last of them.
 SECRET_CHECK_S = 10.0
 
-# Mooncake's error codes (mooncake-store's types.h) the tier tells apart
-OBJECT_NOT_FOUND = -704
-OBJECT_ALREADY_EXISTS = -705
-TRANSFER_FAIL = -800
-RPC_FAIL = -900
-
-
-def _outage(rc: int) -> bool:
-    """A code that means the store could not be reached (not a refusal of this one call)."""
-    return rc in (TRANSFER_FAIL,) or rc <= RPC_FAIL
-
 
 class _Unavailable(Exception):
     """A call did not happen or did not complete (breaker open, error, timeout)."""
-
-
-class _Failed(Exception):
-    """A call returned an error code."""
-
-    def __init__(self, rc: int, what: str) -> None:
-        super().__init__(f"{what}: mooncake error {rc}")
-        self.rc = rc
-        self.what = what
-
-
-@dataclass(frozen=True)
-class MooncakeSettings:
-    master: str
-    metadata: str
-    protocol: str = "tcp"
-    local: str = "127.0.0.1"
-    device: str = ""
-    segment_bytes: int = 256 << 20
-    buffer_bytes: int = 64 << 20
-
-    @classmethod
-    def from_url(cls, url: str) -> MooncakeSettings:
-        parts = urlsplit(url)
-        if parts.scheme != "mooncake" or not parts.hostname or not parts.port:
-            raise ValueError("a Mooncake remote_url is mooncake://MASTER_HOST:PORT?metadata=...")
-        q = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-        metadata = q.get("metadata")
-        if not metadata:
-            raise ValueError("a Mooncake remote_url needs metadata=<the metadata service's URL>")
-        return cls(
-            master=f"{parts.hostname}:{parts.port}", metadata=metadata,
-            protocol=q.get("protocol", "tcp"), local=q.get("local", "127.0.0.1"),
-            device=q.get("device", ""),
-            segment_bytes=parse_bytes(q.get("segment", "256MiB")),
-            buffer_bytes=parse_bytes(q.get("buffer", "64MiB")),
-        )
-
-
-def connect(settings: MooncakeSettings, segment_bytes: int | None = None) -> Any:
-    """A set-up ``MooncakeDistributedStore`` (it registers with the master and mounts this
-    process's segment). Raises ``ImportError`` without the package, ``_Failed`` when setup fails."""
-    from mooncake.store import MooncakeDistributedStore
-
-    store = MooncakeDistributedStore()
-    rc = store.setup(settings.local, settings.metadata,
-                     settings.segment_bytes if segment_bytes is None else segment_bytes,
-                     settings.buffer_bytes, settings.protocol, settings.device, settings.master)
-    if rc != 0:
-        try:
-            store.close()
-        except Exception:
-            pass
-        raise _Failed(rc, "setup")
-    return store
-
-
-# (pid, settings) -> [this process's client, tiers holding it]
-_SHARED: dict[tuple[int, MooncakeSettings], list[Any]] = {}
-_SHARED_LOCK = threading.Lock()
-
-
-def shared_client(settings: MooncakeSettings, hold: bool = False) -> Any:
-    """This process's store client for ``settings`` (one per process: the key secret is read and
-    set through the client whose segment then keeps it, the tier's); ``hold``: a tier takes a
-    reference (``release_client`` gives it back; the last one closes it). A forked child makes
-    its own."""
-    import os
-
-    with _SHARED_LOCK:
-        key = (os.getpid(), settings)
-        held = _SHARED.get(key)
-        if held is None:
-            held = _SHARED[key] = [connect(settings), 0]
-        held[1] += int(hold)
-        return held[0]
-
-
-def release_client(client: Any) -> None:
-    with _SHARED_LOCK:
-        for key, held in list(_SHARED.items()):
-            if held[0] is client:
-                held[1] -= 1
-                if held[1] > 0:
-                    return
-                del _SHARED[key]
-    try:
-        client.close()
-    except Exception:  # closing a client whose master is gone may fail: nothing to do
-        pass
-
-
-def check_installed() -> None:
-    try:
-        import mooncake.store  # noqa: F401
-    except ImportError as e:
-        raise ImportError(
-            "a mooncake:// remote_url needs Mooncake Store: pip install 'featcache[mooncake]' "
-            f"(or mooncake-transfer-engine-non-cuda without CUDA) ({e})") from e
 
 
 class MooncakeTier:
@@ -393,7 +285,7 @@ class MooncakeTier:
     @staticmethod
     def _rc(rc: int, what: str, miss_ok: bool = False) -> int:
         if rc < 0 and not (miss_ok and rc == OBJECT_NOT_FOUND):
-            raise _Failed(rc, what)
+            raise Failed(rc, what)
         return rc
 
     def _call(self, op: Callable[[Any], T], direct: bool = False) -> T:
@@ -414,9 +306,9 @@ class MooncakeTier:
                         future.cancel()
                         raise TimeoutError(f"no answer within {self._deadline_s} s") from None
                     result = future.result()
-        except _Failed as e:
+        except Failed as e:
             self.count("errors")
-            if _outage(e.rc) or e.what == "setup":
+            if outage(e.rc) or e.what == "setup":
                 self._failed(e)
             else:
                 self.breaker.success()  # the store answered: a refusal of this call
@@ -457,30 +349,3 @@ def _value_start(source: np.ndarray) -> int:
     return int(nonzero[0])
 
 
-def put_if_absent(store: Any, name: str, value: bytes) -> bytes | None:
-    """Store ``value`` under ``name`` unless something is there; None if it was stored, else what
-    is there (Redis's ``SET NX`` + ``GET``; a Mooncake put of a key that exists keeps the value
-    there, so two racing proposals end on one)."""
-    exists = store.is_exist(name)
-    if exists < 0:
-        raise _Failed(exists, "is_exist")
-    if exists == 0:
-        rc = store.put(name, value)
-        if rc < 0 and rc != OBJECT_ALREADY_EXISTS:
-            raise _Failed(rc, "put")
-    held = store.get(name)
-    if not held:
-        raise _Failed(OBJECT_NOT_FOUND, "get")
-    held = bytes(held)
-    return None if exists == 0 and held == value else held
-
-
-def read_or_set_secret(config: CacheConfig, name: str, proposal: bytes) -> bytes:
-    """The fleet's key secret (hex bytes) in the store, set to ``proposal`` where none is (for
-    ``featcache.keysecret``), through this process's client: the object lives in the segments
-    of the replicas that hold it, and each running replica's publisher puts it again where it
-    is gone (``SECRET_CHECK_S``)."""
-    assert config.remote_url is not None
-    store = shared_client(MooncakeSettings.from_url(config.remote_url))
-    held = put_if_absent(store, name, proposal)
-    return proposal if held is None else held

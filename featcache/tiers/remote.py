@@ -16,30 +16,17 @@ Invariants:
 - a value is served only after its length and checksum are verified; a bad one is counted
   (``corrupt``), reported through ``on_corrupt`` (the cache queues its deletion) and is a miss;
 - chunks live ``CHUNK_TTL_MARGIN_S`` longer than their head, so TTL expiry takes the head first;
-- every call goes through the circuit breaker (``featcache.breaker``): a failed call (refused,
-  timed out, connection lost) is a miss or an unpublished entry, counted; after
-  ``remote_breaker_failures`` in a row the tier is skipped for ``remote_breaker_cooldown_ms``,
-  then one trial call decides. redis-py's own retries are off (one attempt per call); its pool
-  reconnects on the next call after a lost connection;
+- every call goes through a circuit breaker (``featcache.tiers.remote_calls``; a Redis Cluster: a
+  breaker per node, a deadline per call): a failed call (refused, timed out, connection lost) is
+  a miss or an unpublished entry, counted; after ``remote_breaker_failures`` in a row the server
+  (a cluster's node) is skipped for ``remote_breaker_cooldown_ms``;
 - the URL's password never appears in logs, ``repr`` or stats (``config.redact_url``).
 
 A Redis Cluster (``redis-cluster://`` or ``rediss-cluster://``, any node's address) is driven by
-redis-py's ``RedisCluster``: it keeps the slot map, follows MOVED (slot map patched, refreshed
-after repeated ones) and ASK (the ASKING redirect of a slot being migrated), and refreshes the map
-after a lost connection. All of an entry's keys share one hash tag, so every call is one slot's,
-on one node. On top of it:
-- a breaker per node (``breaker_for``): a primary that is dead, partitioned or failing over costs
-  the misses of its own slots, not the whole tier's (a tier-wide breaker opened on a third of the
-  calls failing); its key's node is looked up in the client's slot map (no I/O); the tier's own
-  ``breaker`` stands for calls whose node is not known (no slot map yet, every node gone);
-- a deadline per call (``remote_timeout_ms``): redis-py's cluster client sleeps inside a call
-  (250 ms on CLUSTERDOWN, 50 ms steps on TRYAGAIN) and refreshes the slot map inline after a lost
-  connection (a connect per node it tries), so its calls run on the tier's worker threads and a
-  caller waits at most the deadline (then it is a timeout, counted; what the worker still does is
-  discarded: reads are assembled by the caller, and a publish's head is written only after its
-  chunks' call returned in time);
-- CLUSTERDOWN and "no node reachable" are outages (the breaker's failures), TRYAGAIN (a multi-key
-  read of a slot mid-migration) an error reply that is a miss.
+redis-py's ``RedisCluster`` (``featcache.tiers.remote_calls`` says how its calls are bounded).
+All of an entry's keys share one hash tag, so every call is one slot's, on one node; a read is
+assembled by the caller, and a publish's head is written only after its chunks' call returned in
+time, so what an abandoned call still does on a worker thread is discarded.
 
 The fleet's key secret (``featcache.keysecret``) lives on the same server: ``keep_secret`` gives
 the tier the one this process keys with, and the publisher sets it again (``SET NX``) after an
@@ -50,7 +37,6 @@ counted (``secret_mismatch``) and said once, never adopted (this process's keys 
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import threading
@@ -58,17 +44,18 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
 
 from .. import codec
-from ..breaker import Breaker
 from ..config import CacheConfig
 from ..core.copier import as_bytes
 from ..errors import CorruptEntryError
 from .base import Alloc, Entry, Op
+from .breaker import Breaker
+from .remote_calls import RemoteCalls, Unavailable, connect
 from .remote_layout import (
     CHUNK_TTL_MARGIN_S,
     CHUNKED,
@@ -86,42 +73,12 @@ from .remote_layout import (
 
 log = logging.getLogger("featcache")
 
-T = TypeVar("T")
-
 STAT_NAMES = (
     "hits", "misses", "corrupt", "incomplete", "errors", "timeouts", "breaker_skips",
     "published", "publish_errors", "publish_dropped", "discards", "bytes_read", "bytes_published",
     "secret_restored", "secret_mismatch",
 )
 SECRET_CHECK_S = 60.0  # the publisher checks the fleet's key secret on the server this often
-CLUSTER_WORKERS = 8  # calls to a cluster in flight at once (each bounded by the deadline)
-
-
-class _Unavailable(Exception):
-    """A remote call did not happen or did not complete (breaker open, error, timeout)."""
-
-
-def connect(config: CacheConfig) -> Any:
-    """A redis-py client for ``config.remote_url`` (no I/O here: it connects on first use)."""
-    import redis
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-
-    url = config.remote_url
-    assert url is not None
-    timeout_s = config.remote_timeout_ms / 1000
-    options: dict[str, Any] = {
-        "socket_timeout": timeout_s,
-        "socket_connect_timeout": timeout_s,
-        "retry": Retry(NoBackoff(), 0),  # one attempt: the breaker decides when to try again
-    }
-    tls = {"ssl_ca_certs": config.remote_tls_ca_file, "ssl_certfile": config.remote_tls_cert_file,
-           "ssl_keyfile": config.remote_tls_key_file}
-    options.update({k: v for k, v in tls.items() if v is not None})
-    scheme, _, rest = url.partition("://")
-    if scheme.endswith("-cluster"):
-        return redis.RedisCluster.from_url(f"{scheme.removesuffix('-cluster')}://{rest}", **options)
-    return redis.Redis.from_url(url, **options)
 
 
 class RemoteTier:
@@ -147,8 +104,6 @@ class RemoteTier:
         """``cluster``: the client is a ``RedisCluster`` (a breaker per node, and calls run on
         worker threads, each abandoned after ``deadline_s``)."""
         self._factory = client_factory
-        self._client: Any = None
-        self._client_lock = threading.Lock()
         self.prefix = namespace(prefix)
         self.ttl_s = ttl_s
         self.chunk_bytes = chunk_bytes
@@ -157,14 +112,9 @@ class RemoteTier:
         self._on_corrupt = on_corrupt
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()
-        self._was_open = False
-        self._logged_unexpected = False
-        self._cluster = cluster
-        self._node_breakers: dict[str, Breaker] = {}
-        self._said_open: set[int] = set()  # node breakers whose opening was logged
-        self._deadline_s = deadline_s
-        self._pool = (concurrent.futures.ThreadPoolExecutor(CLUSTER_WORKERS, "featcache-remote")
-                      if cluster else None)
+        self._calls = RemoteCalls(self._new_client, breaker, count=self.count,
+                                  on_outage=self._secret_lost, url_for_logs=url_for_logs,
+                                  cluster=cluster, deadline_s=deadline_s)
         self._secret: tuple[str, bytes] | None = None
         self._secret_due = 0.0  # monotonic time of the next check (0: at the next publish)
         self._secret_mismatch_said = False
@@ -217,8 +167,8 @@ class RemoteTier:
         so that ``key in cache`` stays local)."""
         try:
             name = self.head_key(key)
-            return bool(self._call(lambda c: c.exists(name), name))
-        except _Unavailable:
+            return bool(self._calls.call(lambda c: c.exists(name), name))
+        except Unavailable:
             return False
 
     def get(self, key: bytes, alloc: Alloc | None = None) -> Entry | None:
@@ -242,7 +192,7 @@ class RemoteTier:
         try:
             if HEAD.size + value_len <= self.chunk_bytes:
                 head = b"".join((pack_head(INLINE, nonce, value_len, self.chunk_bytes, 0), lead, payload))
-                old = self._call(lambda c: c.set(head_key, head, ex=ttl, get=True), head_key)
+                old = self._calls.call(lambda c: c.set(head_key, head, ex=ttl, get=True), head_key)
             else:
                 manifest = Manifest(CHUNKED, nonce, value_len, self.chunk_bytes,
                                     -(-value_len // self.chunk_bytes))
@@ -255,10 +205,10 @@ class RemoteTier:
                         pipe.set(name, piece, ex=chunk_ttl)
                     return list(pipe.execute())
 
-                self._call(write_chunks, head_key)  # raises on any failed SET: no head written
+                self._calls.call(write_chunks, head_key)  # raises on any failed SET: no head written
                 head = pack_head(CHUNKED, nonce, value_len, self.chunk_bytes, manifest.chunks)
-                old = self._call(lambda c: c.set(head_key, head, ex=ttl, get=True), head_key)
-        except _Unavailable:
+                old = self._calls.call(lambda c: c.set(head_key, head, ex=ttl, get=True), head_key)
+        except Unavailable:
             self.count("publish_errors")
             return False
         self.count("published")
@@ -270,8 +220,8 @@ class RemoteTier:
         """Delete ``key`` (its head, then its chunks). False if the server could not be reached."""
         try:
             name = self.head_key(key)
-            old = self._call(lambda c: c.getdel(name), name)
-        except _Unavailable:
+            old = self._calls.call(lambda c: c.getdel(name), name)
+        except Unavailable:
             return False
         self.count("discards")
         self._unlink_chunks(key, old, keep=None)
@@ -295,7 +245,7 @@ class RemoteTier:
     def stats(self) -> dict[str, int]:
         with self._lock:
             counts = {name: self._counts.get(name, 0) for name in STAT_NAMES}
-        nodes = list(self._node_breakers.values())
+        nodes = self._calls.node_breakers()
         return {
             **counts,
             "breaker_open": int(self.breaker.is_open),
@@ -318,13 +268,13 @@ class RemoteTier:
         self._secret_due = time.monotonic() + SECRET_CHECK_S
         value = secret.hex().encode()
         try:
-            if self._call(lambda c: c.set(name, value, nx=True), name):
+            if self._calls.call(lambda c: c.set(name, value, nx=True), name):
                 self.count("secret_restored")
                 log.warning("featcache: the remote tier %s had lost the fleet's key secret; set it "
                             "again", self._url)
                 return
-            held = self._call(lambda c: c.get(name), name)
-        except _Unavailable:
+            held = self._calls.call(lambda c: c.get(name), name)
+        except Unavailable:
             self._secret_due = 0.0  # try again at the next publish
             return
         if held is not None and bytes(held).strip().lower() != value:
@@ -340,24 +290,24 @@ class RemoteTier:
             self._counts[name] += n
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-        with self._client_lock:
-            client, self._client = self._client, None
-        if client is not None:
-            try:
-                client.close()
-            except Exception:  # closing a client whose server is gone may raise; nothing to do
-                pass
+        self._calls.close()
 
     def __repr__(self) -> str:
         return f"RemoteTier({self._url!r}, prefix={self.prefix!r})"
+
+    def _new_client(self) -> Any:
+        """A new client, from the factory the tier holds now (read at each connect)."""
+        return self._factory()
+
+    def _secret_lost(self) -> None:
+        """After an outage: check the key secret within a second (the server may have lost it)."""
+        self._secret_due = min(self._secret_due, time.monotonic() + 1.0)
 
     # -- reading -------------------------------------------------------------------------------
     def _read(self, key: bytes, alloc: Alloc | None) -> Entry | None:
         try:
             name = self.head_key(key)
-            raw = self._call(lambda c: c.get(name), name)
+            raw = self._calls.call(lambda c: c.get(name), name)
             if raw is None:
                 return None
             manifest = parse_head(raw)
@@ -365,14 +315,14 @@ class RemoteTier:
                 pieces: list[bytes | memoryview] = [manifest.inline]
             else:
                 names = self.chunk_keys(key, manifest)
-                got = self._call(lambda c: c.mget(names), name)
+                got = self._calls.call(lambda c: c.mget(names), name)
                 if any(piece is None for piece in got):
                     self.count("incomplete")  # chunks evicted, expired, or replaced by a newer write
                     self._dropped(key)
                     return None
                 pieces = list(got)
             return self._assemble(manifest, pieces, alloc)
-        except _Unavailable:
+        except Unavailable:
             return None
         except CorruptEntryError as e:
             log.warning("featcache: corrupt remote entry %s dropped (%s)", key.hex(), e)
@@ -424,114 +374,9 @@ class RemoteTier:
             return
         names = self.chunk_keys(key, manifest)
         try:
-            self._call(lambda c: c.unlink(*names), names[0])
-        except _Unavailable:
+            self._calls.call(lambda c: c.unlink(*names), names[0])
+        except Unavailable:
             pass
-
-    # -- calls ---------------------------------------------------------------------------------
-    def breaker_for(self, key: str | None) -> Breaker:
-        """The breaker of the node that serves ``key``'s slot (a cluster whose slot map is
-        known), else the tier's."""
-        client = self._client
-        if not self._cluster or key is None or client is None:
-            return self.breaker
-        try:
-            name = client.get_node_from_key(key).name
-        except Exception:  # no slot map (every node was unreachable at the last refresh)
-            return self.breaker
-        breaker = self._node_breakers.get(name)
-        if breaker is None:
-            breaker = self._node_breakers.setdefault(
-                name, Breaker(self.breaker.failures, self.breaker.cooldown_s, self.breaker.clock))
-        return breaker
-
-    def _call(self, op: Callable[[Any], T], key: str | None = None) -> T:
-        """Run ``op(client)`` through the breaker of ``key``'s node; raise ``_Unavailable``
-        (counted) if it did not complete. A server error reply (e.g. OOM under
-        ``maxmemory-policy noeviction``, TRYAGAIN) is an error but not an outage: the breaker
-        sees a success."""
-        import redis
-        from redis.exceptions import ClusterDownError, RedisClusterException
-
-        breaker = self.breaker_for(key)
-        if not breaker.allow():
-            self.count("breaker_skips")
-            raise _Unavailable
-        try:
-            result = self._run(op)
-        except ClusterDownError as e:  # before ResponseError, its base: the cluster is down
-            self.count("errors")
-            breaker.failure()
-            self._secret_due = min(self._secret_due, time.monotonic() + 1.0)
-            self._note_state(e, breaker)
-            raise _Unavailable from e
-        except redis.exceptions.ResponseError as e:
-            breaker.success()
-            self.count("errors")
-            log.debug("featcache: remote error reply from %s: %s", self._url, e)
-            raise _Unavailable from e
-        except (redis.exceptions.RedisError, RedisClusterException, OSError) as e:
-            self.count("timeouts" if isinstance(e, (redis.exceptions.TimeoutError, TimeoutError))
-                       else "errors")
-            breaker.failure()
-            self._secret_due = min(self._secret_due, time.monotonic() + 1.0)  # it may have lost it
-            self._note_state(e, breaker)
-            raise _Unavailable from e
-        except Exception as e:  # anything else the client raises is a miss too, never a failed get
-            self.count("errors")
-            breaker.failure()
-            if not self._logged_unexpected:
-                self._logged_unexpected = True
-                log.exception("featcache: unexpected error from the remote tier %s (logged once)",
-                              self._url)
-            raise _Unavailable from e
-        breaker.success()
-        self._note_state(None, breaker)
-        return result
-
-    def _run(self, op: Callable[[Any], T]) -> T:
-        """``op(client)``: here, or (a cluster) on a worker thread, waited for at most the
-        deadline (then ``TimeoutError``; the worker's late result is dropped)."""
-        if self._pool is None:
-            return op(self._connected())
-        future = self._pool.submit(lambda: op(self._connected()))
-        try:
-            return future.result(timeout=self._deadline_s)
-        except concurrent.futures.TimeoutError:
-            if not future.done():
-                future.cancel()
-                raise TimeoutError(f"no answer within {self._deadline_s} s") from None
-            return future.result()  # done just now: its result or its own error
-
-    def _connected(self) -> Any:
-        with self._client_lock:
-            if self._client is None:
-                self._client = self._factory()
-            return self._client
-
-    def _note_state(self, error: BaseException | None, breaker: Breaker) -> None:
-        """Log outages once: when a breaker opens and when a call succeeds again (a cluster's
-        node breakers name their node)."""
-        is_open = breaker.is_open
-        was_open = self._was_open if breaker is self.breaker else id(breaker) in self._said_open
-        where = self._url if breaker is self.breaker else f"{self._url} (node {self._node_of(breaker)})"
-        if is_open and not was_open:
-            log.warning(
-                "featcache: remote tier %s unreachable (%s: %s); skipping it for %.1f s at a time "
-                "until a call succeeds", where, type(error).__name__, error, breaker.cooldown_s,
-            )
-        elif error is None and was_open:
-            log.warning("featcache: remote tier %s reachable again", where)
-        if breaker is self.breaker:
-            self._was_open = is_open
-        elif is_open:
-            self._said_open.add(id(breaker))
-        else:
-            self._said_open.discard(id(breaker))
-
-    def _node_of(self, breaker: Breaker) -> str:
-        return next((name for name, b in self._node_breakers.items() if b is breaker), "?")
-
 
 def server_summary(config: CacheConfig, max_entries: int = 1_000_000) -> dict[str, Any]:
     """What the server at ``config.remote_url`` holds for ``config.remote_prefix`` (for

@@ -1,5 +1,6 @@
 """The request side of the lmdeploy integration: what a request carries in. ``frontend`` keys
-images before preprocessing; ``sources``, ``httpfetch``, ``media`` and ``urlkeys`` read and key
-the images a request names under the media policy; ``refs``, ``tags`` and ``entry_meta`` are what
-travels with an image (a lease, a key with its metadata, the entry-metadata format); ``identity``
-namespaces keys by model; ``report`` says what each request got from the cache."""
+images before preprocessing, and ``resolve`` (its other half) before lmdeploy decodes them;
+``sources``, ``httpfetch``, ``media`` and ``urlkeys`` read and key the images a request names
+under the media policy; ``refs``, ``tags`` and ``entry_meta`` are what travels with an image (a
+lease, a key with its metadata, the entry-metadata format); ``identity`` namespaces keys by
+model; ``report`` says what each request got from the cache."""

@@ -17,9 +17,11 @@ pickled bytes, so every rank reads the same tag the same way.
 
 from __future__ import annotations
 
+import json
 from typing import Any, NamedTuple
 
 from ...core.chain import MAX_KEY_BYTES
+from .entry_meta import decode_item
 
 
 class Source(NamedTuple):
@@ -73,6 +75,26 @@ class FeatTag:
         if not self.valid:
             return "FeatTag(invalid)"
         return f"FeatTag({self.key.hex()}{', source' if self.source else ''})"
+
+
+def sourced(key: bytes, meta: bytes, raw: bytes, decode: dict[str, Any] | str | None,
+            params: dict[str, Any]) -> FeatTag | None:
+    """The tag of an image sent before (``meta``, remembered) carrying ``raw`` and how to read
+    it (``decode``: a dict, or its JSON text made and checked once per request,
+    ``ImageOptions.decode_text``); None where the options or parameters are not plain JSON (the
+    model process could not rebuild the same pixels) or ``meta`` cannot be read."""
+    if decode is None:
+        return None
+    try:
+        how = decode if isinstance(decode, str) else json.dumps(decode, sort_keys=True)
+        values = json.dumps(params, sort_keys=True)
+        if (not isinstance(decode, str) and json.loads(how) != decode
+                or json.loads(values) != params):
+            return None
+        decode_item(meta)
+    except Exception:
+        return None
+    return FeatTag(key, meta, Source(raw, how, values))
 
 
 def _invalid() -> FeatTag:

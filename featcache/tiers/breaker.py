@@ -1,4 +1,5 @@
-"""A circuit breaker: after ``failures`` consecutive failures, calls are refused for ``cooldown_s``.
+"""The remote tiers' circuit breaker (``remote``, ``mooncake``): after ``failures`` consecutive
+failures, calls are refused for ``cooldown_s``.
 
     closed --N consecutive failures--> open --cooldown elapsed--> half-open (one trial call)
     half-open --trial succeeds--> closed ; half-open --trial fails--> open (a new cooldown)
