@@ -214,19 +214,8 @@ class AdmissionBooks:
         if ledger is None:
             ledger = self.ledgers[cls] = Ledger()
         judged = (nbytes, cost_s, worth, cls)  # for the add that follows
-        # the victim: the lowest of the queues' heads (costclasses.lowest, inlined; ``replacing`` is in none)
-        pins = self._pins
-        item = None
-        key = b""
-        for queue in self._queues:
-            for head in queue:  # past pinned keys (few)
-                if head in pins:
-                    continue
-                other = queue[head]
-                if item is None or other.priority < item.priority:
-                    item, key = other, head
-                break
-        assert item is not None
+        # the victim: the lowest of the queues' heads (``replacing`` is in none)
+        key, item = lowest(self._queues, self._pins, None)
         if item.nbytes < nbytes - free:
             return self._evict_many(nbytes, free, replacing, h, count, worth, ledger, judged)
         would_reject = False
