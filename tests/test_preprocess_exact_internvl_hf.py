@@ -125,6 +125,25 @@ def test_the_large_photo(vision_model, monkeypatch):
     assert got[0]["pixel_values"].shape == (4 + 1, 3, S, S)  # 4:3: a 2x2 grid and the thumbnail
 
 
+def test_a_large_grids_rows_of_tiles_on_the_pool(vision_model, images, monkeypatch):
+    """Where the tiles' bytes pass ``MIN_BAND_BYTES`` (a real checkpoint's 448-pixel tiles do),
+    each row of tiles is a task on featcache's threads: forced here at the tiny tiles' size, and
+    the pool seen running them."""
+    fast, cache = _fast(vision_model, monkeypatch)
+    monkeypatch.setattr(internvl_hf, "MIN_BAND_BYTES", 0)
+    ran = []
+    fill = internvl_hf.HFTileMaker._fill
+
+    def counted(self, src, out):
+        ran.append(out.shape[0])
+        return fill(self, src, out)
+
+    monkeypatch.setattr(internvl_hf.HFTileMaker, "_fill", counted)
+    for name in ("jpeg-420-photo-1344x1008", "png-895x449"):
+        _check(fast, cache, vision_model, [_item(images[name])], name)
+    assert ran.count(1) >= 4  # (2 rows of the 2x2 grids, and each thumbnail)
+
+
 def test_many_images_in_one_request_keep_their_order(vision_model, images, monkeypatch):
     """lmdeploy calls the processor once for all of them and splits by num_patches: the same
     per-image dicts in the same order, whatever each one's grid; per-image parameters ignored

@@ -21,8 +21,11 @@ while they resample), then one table pass per channel: rescale and normalize are
 each value is a function of its channel and uint8 value alone, read from ``qwen2vl.value_table``
 (made by the processor's own ``rescale`` and ``normalize``, or the torchvision-backed one's fused
 ``rescale_and_normalize``: exact by construction) with ``np.take`` (which releases the GIL)
-straight into ``[N, C, S, S]``; then the elementwise cast to the model's dtype.
-``internvl_hf_spec`` says whether a model is one this reproduces, and checks it against the
+straight into ``[N, C, S, S]`` (a row of tiles a task on the pool where they are large); then
+the elementwise cast to the model's dtype. For the torchvision-backed processor, whose torch ops
+already take every core, its own ``rescale_and_normalize`` (``qwen2vl.normalizer``) of the resized
+grid and thumbnail in place of the table, the grid's and the thumbnail's resizes one after the
+other. ``internvl_hf_spec`` says whether a model is one this reproduces, and checks it against the
 processor itself on probe images (a 1x1 grid, wide, tall, with and without a thumbnail, in one
 call as lmdeploy calls it) before saying yes. The torchvision-backed processor crops on every call
 (``crop_to_patches`` alone: a 1x1 grid where ``max_patches`` is 1, the same as one resize).
