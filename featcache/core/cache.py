@@ -66,7 +66,7 @@ from .counts import Counts
 from .demoter import Demoter
 from .intake import check_key, owned, stored_meta, valid_key
 from .lease import Lease, NoLease
-from .lookup import Lookup
+from .lookup import Found, Lookup
 from .singleflight import SingleFlight
 
 
@@ -229,14 +229,8 @@ class FeatureCache(forks.Adoptable):
 
         The tensor is ready for use on the caller's current CUDA stream. Do not modify it.
         """
-        self._check_open()
-        check_key(key)
-        found = self._lookup.find(key, pin=False)
-        self._count("hits" if found is not None else "misses")
-        if found is None:
-            return None
-        self._copier.ready(found.entry.tensor, found.entry.fence)
-        return found.entry.tensor
+        found = self._find(key, pin=False)
+        return None if found is None else found.entry.tensor
 
     def get_or_compute(self, key: bytes, compute: Callable[[], torch.Tensor],
                        meta: bytes | None = None, *, namespace: str | None = None,
@@ -280,13 +274,9 @@ class FeatureCache(forks.Adoptable):
     def acquire(self, key: bytes) -> Lease | None:
         """Like ``get``, but the entry is pinned in the top tier until ``Lease.release()``;
         ``Lease.tier`` names the tier it was found in."""
-        self._check_open()
-        check_key(key)
-        found = self._lookup.find(key, pin=True)
-        self._count("hits" if found is not None else "misses")
+        found = self._find(key, pin=True)
         if found is None:
             return None
-        self._copier.ready(found.entry.tensor, found.entry.fence)
         return Lease(self, key, found.entry, pinned=self._chain.top.capacity_bytes > 0,
                      tier=found.tier)
 
@@ -421,6 +411,17 @@ class FeatureCache(forks.Adoptable):
         )
 
     # -- helpers -------------------------------------------------------------------------------
+    def _find(self, key: bytes, pin: bool) -> Found | None:
+        """``get``'s and ``acquire``'s lookup: counted a hit or a miss, and a hit's tensor ready on
+        the caller's current stream."""
+        self._check_open()
+        check_key(key)
+        found = self._lookup.find(key, pin=pin)
+        self._count("hits" if found is not None else "misses")
+        if found is not None:
+            self._copier.ready(found.entry.tensor, found.entry.fence)
+        return found
+
     def _remove(self, key: bytes) -> None:
         """Drop ``key`` from the top tier and (through the demoter) from every tier below."""
         with self._lookup.order:
