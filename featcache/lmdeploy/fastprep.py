@@ -176,6 +176,12 @@ def _plain_rgb(modality: Any, image: Any) -> bool:
             and image.info.get("transparency") is None)
 
 
+def _on_cpu(spec: Any) -> str:
+    """How a CPU maker makes its values (the log's and ``FastPreprocess.why``'s words)."""
+    values = "the processor's own rescale_and_normalize" if spec.normalize is not None else "a value table"
+    return f"on cpu ({spec.resize.name}, {values})"
+
+
 def _hf_tile_maker(vision_model: Any) -> tuple[HFTileMaker | None, str]:
     """InternVL-HF's maker (on the CPU: its processor's resizes, Pillow's or torch's), or None
     and why not."""
@@ -183,7 +189,7 @@ def _hf_tile_maker(vision_model: Any) -> tuple[HFTileMaker | None, str]:
     if isinstance(spec, str):
         return None, spec
     canvas = canvas_of(vision_model.processor.image_processor)
-    return HFTileMaker(spec, canvas, pool()), f"on cpu ({spec.resize.name}, one table pass per channel)"
+    return HFTileMaker(spec, canvas, pool()), _on_cpu(spec)
 
 
 def _hf_tile_plan(items: list[tuple[str, Any, dict[str, Any]]]) -> list[Any] | None:
@@ -206,8 +212,7 @@ def _patch_maker(vision_model: Any) -> tuple[PatchMaker | None, str]:
         return None, spec
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-    return (PatchMaker(spec, smart_resize, pool(), bands=THREADS),
-            f"on cpu ({spec.resize.name}, one table pass)")
+    return PatchMaker(spec, smart_resize, pool(), bands=THREADS), _on_cpu(spec)
 
 
 def _pixels_param(params: dict[str, Any], key: str, default: int) -> int | None:
