@@ -92,19 +92,93 @@ def test_for_processor_follows_the_torchvision_backend():
     assert resizers.torchvision_backed(Fast()) and not resizers.torchvision_backed(Pil())
 
 
-def test_qwens_patchify_is_the_processors_layout_from_either_memory_order():
-    """``qwen2vl.patchify`` (the torchvision-backed path's) against the processor's own reshape
-    (transformers' ``Qwen2VLImageProcessor.patchify``, written out), from a contiguous and from a
-    channels-last ``[C, H, W]``."""
-    from featcache.preprocess.qwen2vl import patchify
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]  # (Qwen2-VL's processor's)
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
+
+class _TorchvisionBackend:
+    pass
+
+
+_TorchvisionBackend.__name__ = "TorchvisionBackend"  # (transformers' base, by name)
+
+
+class _FusedProcessor(_TorchvisionBackend):
+    """transformers 5.17's ``TorchvisionBackend.rescale_and_normalize`` written out: its fused
+    constants, the float32 cast, then torchvision's ``normalize_image`` (``sub``, ``div_``)."""
+
+    rescale_factor = 1 / 255
+    image_mean = CLIP_MEAN
+    image_std = CLIP_STD
+    do_rescale = do_normalize = True
+
+    def rescale_and_normalize(self, images, do_rescale, rescale_factor, do_normalize, mean, std):
+        mean = torch.tensor(mean) * (1.0 / rescale_factor)
+        std = torch.tensor(std) * (1.0 / rescale_factor)
+        return images.to(dtype=torch.float32).sub(mean.view(-1, 1, 1)).div_(std.view(-1, 1, 1))
+
+
+def _processor_values(chw: torch.Tensor) -> torch.Tensor:
+    ip = _FusedProcessor()
+    return ip.rescale_and_normalize(chw[None], True, ip.rescale_factor, True, ip.image_mean,
+                                    ip.image_std)[0]
+
+
+def test_torchs_resize_keeps_the_sources_channels_last_order():
+    """``resize_chw`` restrides the batch as torchvision's resize does, so torch's kernel writes
+    its output channels-last (no repacking); the values are the contiguous input's."""
+    image = _image(300, 200, seed=9)
+    chw = resizers.TORCH.source(image)
+    got = resizers.resize_chw(chw, (150, 101))
+    assert got.stride(0) == 1 and tuple(got.shape) == (3, 101, 150)
+    want = torch.nn.functional.interpolate(chw.contiguous()[None], size=[101, 150], mode="bicubic",
+                                           antialias=True)[0]
+    assert want.is_contiguous() and torch.equal(got, want)
+    assert resizers.TORCH.resize(chw, (150, 101)).base is not None  # [H, W, C]: a view, no copy
+
+
+def test_the_fused_normalize_is_the_processors_over_every_value_and_layout():
+    from featcache.preprocess import qwen2vl
+
+    ip = _FusedProcessor()
+    table = qwen2vl.value_table(ip)
+    norm = qwen2vl.normalizer(ip, table)
+    assert isinstance(norm, qwen2vl.Normalize)
+    every = torch.arange(256, dtype=torch.uint8).expand(3, 1, 256).contiguous()
+    assert torch.equal(norm(every), _processor_values(every))
+    chw = resizers.TORCH.source(_image(40, 30, seed=2))  # channels-last
+    out = torch.empty(30, 3, 40).permute(1, 0, 2)  # a strided view
+    assert torch.equal(norm.into(out, chw), _processor_values(chw)) and out.data_ptr() != 0
+    assert qwen2vl.normalizer(object(), table) is None  # the PIL processor: the table's
+
+
+def test_a_fused_normalize_that_differs_from_the_processor_is_refused():
+    from featcache.preprocess import qwen2vl
+
+    ip = _FusedProcessor()
+    table = qwen2vl.value_table(ip).copy()
+    table[3 * 256 - 1] = np.nextafter(table[3 * 256 - 1], np.float32(0))  # one value of 768
+    assert isinstance(qwen2vl.normalizer(ip, table), str)
+
+
+def test_qwens_patches_are_the_processors_normalize_and_layout_from_either_memory_order():
+    """``qwen2vl.normalized_patches`` (the torchvision-backed path's) against the processor's own
+    ops written out (``rescale_and_normalize``, then transformers' ``Qwen2VLImageProcessor.
+    patchify``), from a contiguous and from a channels-last uint8 ``[C, H, W]``."""
+    from featcache.preprocess import qwen2vl
+
+    ip = _FusedProcessor()
+    norm = qwen2vl.normalizer(ip, qwen2vl.value_table(ip))
+    assert isinstance(norm, qwen2vl.Normalize)
     p, m, t = 14, 2, 2
-    x = torch.randn(3, 56, 84)
     b, c, h, w = 1, 3, 56, 84
+    last = resizers.TORCH.source(_image(w, h, seed=4))
+    x = _processor_values(last)
     want = (x[None].reshape(b, c, h // p // m, m, p, w // p // m, m, p).permute(0, 2, 5, 3, 6, 1, 4, 7)
             .unsqueeze(6).expand(-1, -1, -1, -1, -1, -1, t, -1, -1)
             .reshape(b, (h // p) * (w // p), c * t * p * p))[0]
-    last = x.permute(1, 2, 0).contiguous().permute(2, 0, 1)
     assert last.stride(0) == 1 and not last.is_contiguous()
-    assert torch.equal(patchify(x, p, m, t), want)
-    assert torch.equal(patchify(last, p, m, t), want)
+    assert torch.equal(qwen2vl.normalized_patches(last, norm, p, m, t), want)
+    assert torch.equal(qwen2vl.normalized_patches(last.contiguous(), norm, p, m, t), want)
+    once = want.view(-1, c, t, p * p)[:, :, 0].reshape(-1, c * p * p)  # temporal 1: no repeat
+    assert torch.equal(qwen2vl.normalized_patches(last, norm, p, m, 1), once)

@@ -178,7 +178,8 @@ def _plain_rgb(modality: Any, image: Any) -> bool:
 
 def _on_cpu(spec: Any) -> str:
     """How a CPU maker makes its values (the log's and ``FastPreprocess.why``'s words)."""
-    values = "the processor's own rescale_and_normalize" if spec.normalize is not None else "a value table"
+    values = ("the processor's fused rescale_and_normalize into its layout" if spec.normalize is not None
+              else "a value table")
     return f"on cpu ({spec.resize.name}, {values})"
 
 

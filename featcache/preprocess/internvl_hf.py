@@ -23,8 +23,9 @@ each value is a function of its channel and uint8 value alone, read from ``qwen2
 ``rescale_and_normalize``: exact by construction) with ``np.take`` (which releases the GIL)
 straight into ``[N, C, S, S]`` (a row of tiles a task on the pool where they are large); then
 the elementwise cast to the model's dtype. For the torchvision-backed processor, whose torch ops
-already take every core, its own ``rescale_and_normalize`` (``qwen2vl.normalizer``) of the resized
-grid and thumbnail in place of the table, the grid's and the thumbnail's resizes one after the
+already take every core, its fused ``rescale_and_normalize`` (``qwen2vl.Normalize``, checked
+against its own call over every uint8 value) from the resized grid and thumbnail straight into
+``[N, C, S, S]`` in place of the table, the grid's and the thumbnail's resizes one after the
 other. ``internvl_hf_spec`` says whether a model is one this reproduces, and checks it against the
 processor itself on probe images (a 1x1 grid, wide, tall, with and without a thumbnail, in one
 call as lmdeploy calls it) before saying yes. The torchvision-backed processor crops on every call
@@ -42,7 +43,7 @@ import numpy as np
 import torch
 
 from .checks import image_processor, processor_classes
-from .qwen2vl import MIN_BAND_BYTES, normalizer, value_table
+from .qwen2vl import MIN_BAND_BYTES, Normalize, normalizer, value_table
 from .resizers import PILLOW, Resizer, for_processor, resize_chw
 
 # get_optimal_tiled_canvas((height, width), (tile_h, tile_w), min_tiles, max_tiles) -> (cols, rows)
@@ -72,9 +73,9 @@ class HFTileSpec:
     dtype: torch.dtype
     kwargs: dict[str, Any]
     resize: Resizer = PILLOW  # the processor's own (``resizers``)
-    # the torchvision-backed processor's own ``rescale_and_normalize`` (``qwen2vl.normalizer``:
-    # its multi-threaded torch ops, the same values as the table); None: the table
-    normalize: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # the torchvision-backed processor's fused ``rescale_and_normalize`` (``qwen2vl.Normalize``:
+    # its multi-threaded torch ops, the table's values, checked); None: the table
+    normalize: Normalize | None = None
 
     @property
     def channels(self) -> int:
@@ -126,21 +127,25 @@ class HFTileMaker:
         return torch.from_numpy(self._tabled(image))
 
     def _normalized(self, image: Any) -> torch.Tensor:
-        """float32 ``[N, C, S, S]`` by the torchvision-backed processor's own ops: its resizes
-        of one source tensor, its ``rescale_and_normalize`` of the grid and the thumbnail, the
-        tiles cut row by row."""
+        """float32 ``[N, C, S, S]`` by the torchvision-backed processor's ops: its resizes of
+        one source tensor, its ``rescale_and_normalize`` from the grid's pixels straight into the
+        tiles (cut row by row) and from the thumbnail's into the last."""
         if image.mode != "RGB":
             raise ValueError(f"HFTileMaker takes RGB images, not {image.mode}")
         spec = self.spec
-        assert spec.normalize is not None
+        norm = spec.normalize
+        assert norm is not None
         s, c = spec.size, spec.channels
         cols, rows = self.grid(image.width, image.height)
+        n = cols * rows
+        out = torch.empty((n + (n != 1), c, s, s), dtype=torch.float32)
         chw = spec.resize.source(image)
-        grid = spec.normalize(resize_chw(chw, (cols * s, rows * s))[None])[0]
-        tiles = grid.reshape(c, rows, s, cols, s).permute(1, 3, 0, 2, 4).reshape(rows * cols, c, s, s)
-        if rows * cols == 1:
-            return tiles
-        return torch.cat([tiles, spec.normalize(resize_chw(chw, (s, s))[None])])
+        grid = resize_chw(chw, (cols * s, rows * s))
+        norm.into(out[:n].view(rows, cols, c, s, s),
+                  grid.reshape(c, rows, s, cols, s).permute(1, 3, 0, 2, 4))
+        if n != 1:
+            norm.into(out[n], resize_chw(chw, (s, s)))
+        return out
 
     def _tabled(self, image: Any) -> np.ndarray:
         """``values`` by Pillow's resizes and the table."""
@@ -224,9 +229,13 @@ def internvl_hf_spec(vision_model: Any) -> HFTileSpec | str:
     crop = kwargs.get("crop_to_patches", ip.crop_to_patches)
     low = kwargs.get("min_patches", ip.min_patches)
     high = kwargs.get("max_patches", ip.max_patches)
+    table = value_table(ip)
+    norm = normalizer(ip, table)
+    if isinstance(norm, str):
+        return norm
     spec = HFTileSpec(size=int(ip.size.height), crop=bool(crop) and high > 1, min_patches=low,
-                      max_patches=high, table=value_table(ip), dtype=dtype, kwargs=kwargs,
-                      resize=for_processor(ip), normalize=normalizer(ip))
+                      max_patches=high, table=table, dtype=dtype, kwargs=kwargs,
+                      resize=for_processor(ip), normalize=norm)
     return _probe(ip, spec)
 
 

@@ -21,11 +21,14 @@ operations (``value_table``: ``rescale`` then ``normalize`` of the PIL processor
 ``(x - mean / r) / (std / r)`` of the torchvision-backed one; its order and dtypes by
 construction); each output value is that table read at its pixel (``np.take``, which releases the
 GIL), written straight into the patchified layout, in row bands on a pool. For the
-torchvision-backed processor the values are its own fused ``rescale_and_normalize`` in torch
-(``normalizer``) and the layout ``patchify``'s, one copy: that processor's torch ops already take
-every core, which a one-thread table pass does not (on the H200 machine's 16 cores the table ran
-at 0.5-0.8x of its time per image). ``qwen2vl_spec`` says whether a model is one this reproduces,
-and checks it against the processor itself on probe images before saying yes.
+torchvision-backed processor the values are its fused ``rescale_and_normalize`` in multi-threaded
+torch ops (``Normalize``: its constants and its two ops, checked against the processor's own call
+over every uint8 value), written straight from the resized uint8 pixels into the patch layout
+(``normalized_patches``): that processor's torch ops already take every core, which a one-thread
+table pass does not (on the H200 machine's 16 cores the table ran at 0.5-0.8x of its time per
+image), and it makes two float copies of the whole image before its patchified one, which this
+does not. ``qwen2vl_spec`` says whether a model is one this reproduces, and checks it against the
+processor itself on probe images before saying yes.
 """
 
 from __future__ import annotations
@@ -69,10 +72,10 @@ class PatchSpec:
     # the processor's resize: Pillow's for the PIL processor, torch's uint8 antialias kernel for
     # the torchvision-backed one (``resizers``)
     resize: Resizer = PILLOW
-    # the torchvision-backed processor's own fused ``rescale_and_normalize`` of a uint8
-    # ``[1, C, H, W]`` tensor (its multi-threaded torch ops: on a many-core machine faster than
-    # a one-thread table pass, the same values by construction); None: the table
-    normalize: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # the torchvision-backed processor's fused ``rescale_and_normalize`` (``Normalize``: its
+    # multi-threaded torch ops, on a many-core machine faster than a one-thread table pass; the
+    # table's values, checked); None: the table
+    normalize: Normalize | None = None
 
     @property
     def channels(self) -> int:
@@ -85,7 +88,7 @@ def value_table(processor: Any) -> np.ndarray:
     processor: ``rescale`` then ``normalize`` in NumPy over ``[C, 1, 256]``; the
     torchvision-backed one: its fused ``rescale_and_normalize`` in torch over ``[1, C, 1, 256]``."""
     channels = len(processor.image_mean)
-    norm = normalizer(processor)
+    norm = _own_normalize(processor)
     if norm is not None:
         pixels = torch.arange(256, dtype=torch.uint8).expand(1, channels, 1, 256).contiguous()
         x = np.asarray(norm(pixels).numpy())
@@ -101,9 +104,51 @@ def value_table(processor: Any) -> np.ndarray:
     return np.ascontiguousarray(x.reshape(-1))
 
 
-def normalizer(processor: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """The torchvision-backed ``processor``'s fused ``rescale_and_normalize`` with the arguments
-    its ``_preprocess`` passes (as ``value_table`` calls it); None for the PIL processor."""
+@dataclass(frozen=True, eq=False)
+class Normalize:
+    """A torchvision-backed processor's fused ``rescale_and_normalize`` of uint8 pixels: ``(x -
+    mean) / std`` in float32 with its fused constants (``image_mean / rescale_factor``, ``image_std
+    / rescale_factor``, as its ``_fuse_mean_std_and_rescale_factor`` makes them) by its normalize's
+    two ops in their order (torchvision's ``normalize_image``: ``sub``, then ``div_``), written
+    straight into a view of the output, so that no float copy of the image is made before the
+    layout's (the processor makes two). The uint8 values widen to float32 exactly, so each output
+    value is a function of its channel and pixel alone: ``normalizer`` keeps a ``Normalize`` only
+    where it equals the processor's own call over every uint8 value of every channel."""
+
+    mean: torch.Tensor  # float32 [C]
+    std: torch.Tensor
+
+    def into(self, out: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
+        """``out = (pixels - mean) / std``: uint8 ``pixels`` and float32 ``out`` of one shape (any
+        strides), the channels the third dimension from the end; returns ``out``."""
+        c = self.mean.numel()
+        torch.sub(pixels, self.mean.view(c, 1, 1), out=out)
+        return out.div_(self.std.view(c, 1, 1))
+
+    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The values of uint8 ``pixels`` as a new float32 tensor of their shape."""
+        return self.into(torch.empty(pixels.shape, dtype=torch.float32), pixels)
+
+
+def normalizer(processor: Any, table: np.ndarray) -> Normalize | str | None:
+    """The torchvision-backed ``processor``'s ``Normalize``, or why not (a sentence: it does not
+    give ``table``, the processor's own values); None for the PIL processor (the table's)."""
+    if not torchvision_backed(processor):
+        return None
+    r = float(processor.rescale_factor)
+    mean = torch.tensor(processor.image_mean) * (1.0 / r)
+    std = torch.tensor(processor.image_std) * (1.0 / r)
+    norm = Normalize(mean.to(torch.float32), std.to(torch.float32))
+    c = len(processor.image_mean)
+    every = torch.arange(256, dtype=torch.uint8).expand(c, 1, 256)
+    if not np.array_equal(norm(every).reshape(-1).numpy(), table):
+        return "its rescale_and_normalize is not (x - mean / r) / (std / r) in float32"
+    return norm
+
+
+def _own_normalize(processor: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The torchvision-backed ``processor``'s own fused ``rescale_and_normalize`` with the
+    arguments its ``_preprocess`` passes (as ``value_table`` calls it); None for the PIL one."""
     if not torchvision_backed(processor):
         return None
     args = (processor.do_rescale, processor.rescale_factor, processor.do_normalize,
@@ -154,9 +199,9 @@ class PatchMaker:
         p, m, t, c = s.patch_size, s.merge_size, s.temporal_patch_size, s.channels
         gh, gw = height // p, width // p
         thw = torch.tensor([[1, gh, gw]], dtype=torch.int64)
-        if s.normalize is not None:  # the processor's own torch ops, its patchify's layout
-            x = s.normalize(resize_chw(s.resize.source(image), (width, height))[None])[0]
-            return patchify(x, p, m, t), thw
+        if s.normalize is not None:  # the processor's torch ops, its patchify's layout
+            chw = resize_chw(s.resize.source(image), (width, height))
+            return normalized_patches(chw, s.normalize, p, m, t), thw
         pixels = s.resize(image, (width, height))  # [H, W, C] uint8
         # [gh/m, m, p, gw/m, m, p, C] -> patchify's (gh/m, gw/m, mh, mw, C, ph, pw)
         src = pixels.reshape(gh // m, m, p, gw // m, m, p, c).transpose(0, 3, 1, 4, 6, 2, 5)
@@ -181,19 +226,22 @@ class PatchMaker:
                 out=band, mode="clip")
 
 
-def patchify(x: torch.Tensor, patch: int, merge: int, temporal: int) -> torch.Tensor:
-    """The processor's ``patchify`` of one ``[C, H, W]`` image: ``[grid_h * grid_w, C * temporal
-    * patch * patch]``, each patch repeated ``temporal`` times, in one copy whichever way ``x`` is
-    laid out (a channels-last one, as torch's resize can give, is split as ``[H, W, C]`` so that
-    no other copy is made first; the values are only moved)."""
-    c, h, w = x.shape
+def normalized_patches(chw: torch.Tensor, normalize: Normalize, patch: int, merge: int,
+                       temporal: int) -> torch.Tensor:
+    """The torchvision-backed processor's ``rescale_and_normalize`` then ``patchify`` of one uint8
+    ``[C, H, W]`` image (either memory order): ``[grid_h * grid_w, C * temporal * patch * patch]``,
+    each patch repeated ``temporal`` times. The values are written from the pixels straight into
+    the patch layout, then copied into each further temporal slot: one float copy of the image
+    where the processor makes three (its float32 cast, its ``sub``, its patchified reshape)."""
+    c, h, w = chw.shape
     gh, gw, p, m = h // patch, w // patch, patch, merge
-    if x.stride(0) == 1 and c > 1:  # [H, W, C] in memory
-        y = x.permute(1, 2, 0).reshape(gh // m, m, p, gw // m, m, p, c).permute(0, 3, 1, 4, 6, 2, 5)
-    else:
-        y = x.reshape(c, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
-    y = y.unsqueeze(5).expand(-1, -1, -1, -1, -1, temporal, -1, -1)
-    return y.reshape(gh * gw, c * temporal * p * p)
+    # [C, H, W] -> (gh/m, gw/m, mh, mw, C, ph, pw): a view whatever the memory order
+    src = chw.reshape(c, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+    out = torch.empty((gh // m, gw // m, m, m, c, temporal, p, p), dtype=torch.float32)
+    first = normalize.into(out[:, :, :, :, :, 0], src)
+    for k in range(1, temporal):
+        out[:, :, :, :, :, k].copy_(first)
+    return out.view(gh * gw, c * temporal * p * p)
 
 
 def qwen2vl_spec(vision_model: Any) -> PatchSpec | str:
@@ -212,11 +260,15 @@ def qwen2vl_spec(vision_model: Any) -> PatchSpec | str:
     why = _settings(ip)
     if why is not None:
         return why
+    table = value_table(ip)
+    norm = normalizer(ip, table)
+    if isinstance(norm, str):
+        return norm
     size: Any = ip.size
     spec = PatchSpec(patch_size=int(ip.patch_size), merge_size=int(ip.merge_size),
                      temporal_patch_size=int(ip.temporal_patch_size),
                      min_pixels=size.shortest_edge, max_pixels=size.longest_edge,
-                     table=value_table(ip), resize=for_processor(ip), normalize=normalizer(ip))
+                     table=table, resize=for_processor(ip), normalize=norm)
     return _probe(ip, spec)
 
 

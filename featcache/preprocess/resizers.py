@@ -42,12 +42,21 @@ def _chw(image: Any) -> torch.Tensor:
 
 
 def resize_chw(chw: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """``TORCH``'s resize of a source, as a uint8 ``[C, H, W]`` tensor (the source itself at its
-    own size, as torchvision returns it)."""
+    """``TORCH``'s resize of a source, as a uint8 ``[C, H, W]`` tensor in the source's memory
+    order (channels-last from ``TORCH.source``, as torchvision's is; the source itself at its own
+    size, as torchvision returns it)."""
     width, height = size
     if tuple(chw.shape[1:]) == (height, width):
         return chw
-    return torch.nn.functional.interpolate(chw[None], size=[height, width], mode="bicubic",
+    c, h, w = chw.shape
+    batch = chw[None]
+    if chw.stride(0) == 1 and c > 1:  # [H, W, C] in memory: say so unambiguously
+        # (torch allocates the output of a [1, C, H, W] whose batch stride is not its size as
+        # contiguous, pytorch#68430, and its kernel then repacks it: torchvision's resize restrides
+        # the batch as here, so its output is channels-last too; same values, 1.6x faster for
+        # 3000x2000 -> 2996x1988 on 2 cores)
+        batch = chw.as_strided((1, c, h, w), (c * h * w, *chw.stride()))
+    return torch.nn.functional.interpolate(batch, size=[height, width], mode="bicubic",
                                            antialias=True)[0]
 
 
