@@ -6,7 +6,7 @@ prompt each): plain lmdeploy against featcache in the same run, ratios per repet
     python3 -m bench distinct pipeline --model M [--engine pytorch|turbomind] [--paths ...]
         [--n 16] [--batch 32] [--reps 3] [--no-disk] [--ceiling] [--json F]
     python3 -m bench distinct serve --model M [--engine pytorch|turbomind] [--clients 16]
-        [--n 16] [--batch 32] [--reps 3] [--json F]
+        [--n 16] [--batch 32] [--reps 3] [--stages] [--json F]
 
 Images: photo-like 1344x1008 JPEGs (``bench.lib.images.photo_jpeg``, ~0.4 MB, 12 tiles and a
 thumbnail), a new seed for every request of every repetition, the same seeds for every engine,
@@ -40,7 +40,10 @@ caching off, through the ``openai`` client with the images as JPEG data URLs: ``
 one at a time (time to first token), then ``--batch`` new images from ``--clients`` clients at
 once (requests/s, time to first token p50); the sequential answers' tokens compared with plain's.
 Both servers run their defaults' process model (PyTorch: the engine in lmdeploy's engine
-process; ``--engine-process in`` for featcache's in-process mode).
+process; ``--engine-process in`` for featcache's in-process mode). ``--stages``: both servers run
+under bench/serve_stages.py, which times every request's stages in the server's own process; the
+report gets, per server, each phase's median per stage (``stages``: ``sequential``, ``concurrent``),
+so that where a loaded server's time goes is measured beside its rate.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import argparse
 import asyncio
 import contextlib
 import faulthandler
+import os
 import shutil
 import statistics
 import sys
@@ -353,9 +357,25 @@ def _concurrent(base: str, model: str, urls: list[str], clients: int) -> tuple[f
     return len(urls) / (time.perf_counter() - t), ttfts
 
 
+def _records(path: str | None, start: int, count: int, wait_s: float = 5.0) -> list[dict[str, Any]]:
+    """serve_stages' records ``start:start + count`` of ``path`` (a request's is written as it
+    ends, a moment after its client has the answer: waited for up to ``wait_s``); [] without."""
+    from bench.lib.stages import read
+
+    if path is None:
+        return []
+    deadline = time.monotonic() + wait_s
+    rows = read(path) if os.path.exists(path) else []
+    while len(rows) < start + count and time.monotonic() < deadline:
+        time.sleep(0.1)
+        rows = read(path) if os.path.exists(path) else []
+    return rows[start:start + count]
+
+
 def serve(args: argparse.Namespace) -> dict[str, Any]:
     from bench.lib import client, servers
     from bench.lib.models import remote_code
+    from bench.lib.stages import medians, summarize
 
     # the checkpoint's own config classes trusted where it brings them, as the pipelines do
     extra = ["--trust-remote-code"] if remote_code(args.model) else []
@@ -371,12 +391,20 @@ def serve(args: argparse.Namespace) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as store:
             cmd = (servers.lmdeploy_command(args.model, port, flags) if name == "plain" else
                    servers.featcache_command(args.model, store, port, flags, args.engine_process))
+            stages_file = os.path.join(args.logs, f"distinct-stages-{name}.jsonl") if args.stages else None
+            if stages_file is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(stages_file)
+                cmd = servers.under_stages(cmd, stages_file)
+            phases: dict[str, list[dict[str, Any]]] = dict(sequential=[], concurrent=[])
+            sent = 0  # requests answered, so records written
             log = f"{args.logs}/distinct-serve-{name}.log"
             with servers.running(name, cmd, port, log, args.ready_timeout, res) as base:
                 c = client.connect(base)
                 model = client.served_model(c)
                 for u in warm:
                     _ask(c, model, u)
+                sent += len(warm)
                 seq, rps, p50, toks = [], [], [], []
                 for rep in range(args.reps):
                     base_seed = 1_000 * (rep + 1)
@@ -384,8 +412,12 @@ def serve(args: argparse.Namespace) -> dict[str, Any]:
                     turns = [_ask(c, model, u) for u in urls]
                     seq.append([t["ttft_ms"] for t in turns])
                     toks += [t["output_ids"] for t in turns]
+                    phases["sequential"] += _records(stages_file, sent, len(urls))
+                    sent += len(urls)
                     many = [_url(base_seed + 500 + i) for i in range(args.batch)]
                     r, ttfts = _concurrent(base, model, many, args.clients)
+                    phases["concurrent"] += _records(stages_file, sent, len(many))
+                    sent += len(many)
                     rps.append(round(r, 2))
                     p50.append(round(statistics.median(ttfts), 1))
                     print(f"[distinct] serve {name} rep {rep}: sequential "
@@ -396,6 +428,9 @@ def serve(args: argparse.Namespace) -> dict[str, Any]:
                            concurrent_ttft_p50_ms=p50)
                 if name == "featcache":
                     res["counters"] = client.short(client.counters(base))
+                if stages_file is not None:
+                    res["stages"] = {phase: dict(records=len(rows), medians=medians(
+                        [summarize(r) for r in rows])) for phase, rows in phases.items()}
                 tokens[name] = toks
         results[name] = res
     if "per_rep_median_ms" in results["plain"] and "per_rep_median_ms" in results["featcache"]:
@@ -446,6 +481,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--clients", type=int, default=16, help="clients at once for --batch")
             p.add_argument("--logs", default=tempfile.gettempdir(), help="the servers' logs go here")
             p.add_argument("--ready-timeout", type=float, default=300)
+            p.add_argument("--stages", action="store_true",
+                           help="time every request's stages in each server's process "
+                                "(bench/serve_stages.py); the report gets each phase's medians")
             p.add_argument("--engine-process", choices=("mp", "in"), default=None,
                            help="featcache serve's (PyTorch); default its own: mp, lmdeploy's "
                                 "engine process, as plain lmdeploy serve runs it")

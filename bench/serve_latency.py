@@ -41,7 +41,6 @@ import http.server
 import os
 import shlex
 import shutil
-import statistics
 import sys
 import threading
 import time
@@ -55,7 +54,8 @@ from bench.lib.client import connect, served_model, stream_turn  # noqa: E402
 from bench.lib.images import chat_url, url_bytes  # noqa: E402
 from bench.lib.load import attach_mixed_stages, load_test, mixed, print_mixed  # noqa: E402
 from bench.lib.results import write_report  # noqa: E402
-from bench.lib.servers import PORTS, STORES, commands, start, stop  # noqa: E402
+from bench.lib.servers import PORTS, STORES, commands, start, stop, under_stages  # noqa: E402
+from bench.lib.stages import medians as stage_medians_of  # noqa: E402
 from bench.lib.stages import read as read_stages  # noqa: E402
 from bench.lib.stages import summarize  # noqa: E402
 from bench.lib.timing import quantile  # noqa: E402
@@ -143,11 +143,7 @@ def new_tokens(row: dict[str, Any]) -> float | None:
 
 def stage_medians(turns: list[dict[str, Any]]) -> list[tuple[str, str, float]]:
     """Per stage label (in the order first met), the median ms over ``turns``' stages."""
-    by: dict[tuple[str, str], list[float]] = {}
-    for t in turns:
-        for label, owner, ms in t.get("stages", {}).get("rows", []):
-            by.setdefault((label, owner), []).append(ms)
-    return [(label, owner, round(statistics.median(v), 2)) for (label, owner), v in by.items()]
+    return stage_medians_of([t["stages"] for t in turns if t.get("stages")])
 
 
 def print_tables(results: dict[str, dict[str, Any]], load: dict[str, Any]) -> None:
@@ -187,12 +183,6 @@ def print_tables(results: dict[str, dict[str, Any]], load: dict[str, Any]) -> No
 
 
 # -- running (GPU) ------------------------------------------------------------------------------------
-def wrapped(cmd: list[str], stages: str) -> list[str]:
-    """``cmd`` (python -m lmdeploy|featcache ...) run under bench/serve_stages.py."""
-    return [cmd[0], os.path.join(HERE, "serve_stages.py"), "--stages-out", stages,
-            "--allow-loopback-media", "--", *cmd[2:]]
-
-
 def serve_files(directory: str) -> http.server.ThreadingHTTPServer:
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=directory)
     handler.log_message = lambda *a: None  # type: ignore[attr-defined]
@@ -318,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = plan(servers, sources, args.repeats)
     if args.dry_run:
         for s in servers:
-            print(f"[dry-run] {s}: {shlex.join(wrapped(cmds[s], os.path.join(out, f'stages-{s}.jsonl')))}")
+            line = shlex.join(under_stages(cmds[s], os.path.join(out, f"stages-{s}.jsonl")))
+            print(f"[dry-run] {s}: {line}")
         for server, src, n in steps:
             print(f"[dry-run] {server} / {src}: {n} requests (warm-up, 2 probes, {args.repeats}+1 rounds)")
         estimate = estimate_s(steps, servers, args.load)
@@ -359,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
                 os.remove(stages_file)
             if server.startswith("featcache"):
                 shutil.rmtree(store + STORES[server], ignore_errors=True)
-            cmd = wrapped(cmds[server], stages_file)
+            cmd = under_stages(cmds[server], stages_file)
             port = PORTS[server]
             try:
                 proc, ready = start(cmd, port, os.path.join(out, f"{server}.log"),

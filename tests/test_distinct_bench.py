@@ -35,3 +35,26 @@ def test_stages_compares_every_image_and_reports_ratios_per_repetition(tmp_path)
     # every image featcache preprocessed went its fast way: 2 warm-ups, 2 x 2 compared, 2 x 3 batched
     assert report["counters"] == {"preprocess_fast": 12}
     assert "run" in report  # the run's metadata (bench.lib.results)
+
+
+def _record(first_output: float) -> dict:
+    return dict(marks_ms=dict(body_read=1.0, endpoint=2.0, prepared=10.0, generate_start=11.0,
+                              first_output=first_output, first_byte=first_output + 1.0),
+                spans_ms={"json_parse": [0.5, 1], "fc_preprocess": [6.0, 1]}, engine=None)
+
+
+def test_serve_stages_records_are_taken_per_phase_and_summed_up_as_medians(tmp_path):
+    """``distinct serve --stages``: a phase's records are the ones after those already answered
+    (each server appends one per request as it ends), and the report gets each stage's median."""
+    from bench import distinct
+    from bench.lib import stages
+
+    path = tmp_path / "stages.jsonl"
+    path.write_text("".join(json.dumps(_record(t)) + "\n" for t in (20.0, 30.0, 100.0, 300.0, 500.0)))
+    rows = distinct._records(str(path), 2, 2)
+    assert [r["marks_ms"]["first_output"] for r in rows] == [100.0, 300.0]
+    assert distinct._records(None, 0, 3) == []
+    assert len(distinct._records(str(path), 4, 3, wait_s=0.2)) == 1  # (a record never written)
+    got = dict((label, ms) for label, _, ms in stages.medians([stages.summarize(r) for r in rows]))
+    assert got["submit -> first output (engine process)"] == 189.0  # (89 and 289)
+    assert got["featcache image preprocessing (fastprep; lmdeploy's where it falls back)"] == 6.0

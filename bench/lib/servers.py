@@ -38,6 +38,14 @@ def lmdeploy_command(model: str, port: int, flags: list[str]) -> list[str]:
             *flags]
 
 
+def under_stages(cmd: list[str], stages: str) -> list[str]:
+    """``cmd`` (python -m lmdeploy|featcache ...) run under bench/serve_stages.py, which appends
+    each chat request's per-stage times, measured in the server's process, to ``stages``
+    (bench/lib/stages.py reads them)."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "serve_stages.py")
+    return [cmd[0], script, "--stages-out", stages, "--allow-loopback-media", "--", *cmd[2:]]
+
+
 def featcache_command(model: str, store: str, port: int, flags: list[str],
                       engine_process: str | None = "in", ours: tuple[str, ...] | list[str] = ()) -> list[str]:
     """``featcache serve`` over the store ``store``: featcache's own options (``ours``, the store,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import json
+import statistics
 from typing import Any
 
 # (span name -> label) in the order a request meets them; a span's time is its own (its children's
@@ -99,3 +100,13 @@ def summarize(row: dict[str, Any]) -> dict[str, Any]:
 def read(path: str) -> list[dict[str, Any]]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def medians(summaries: list[dict[str, Any]]) -> list[tuple[str, str, float]]:
+    """Per stage (label, owner), in the order first met, the median ms over ``summaries``
+    (``summarize``'s outputs); a request without a stage does not count for it."""
+    by: dict[tuple[str, str], list[float]] = {}
+    for one in summaries:
+        for label, owner, ms in one.get("rows", []):
+            by.setdefault((label, owner), []).append(ms)
+    return [(label, owner, round(statistics.median(v), 2)) for (label, owner), v in by.items()]
