@@ -380,6 +380,7 @@ def serve(args: argparse.Namespace) -> dict[str, Any]:
     # the checkpoint's own config classes trusted where it brings them, as the pipelines do
     extra = ["--trust-remote-code"] if remote_code(args.model) else []
     flags = servers.server_flags(args.engine, args.eager, extra, prefix=False)
+    os.makedirs(args.logs, exist_ok=True)
     report: dict[str, Any] = dict(bench="distinct serve", model=args.model, engine=args.engine,
                                   n=args.n, batch=args.batch, clients=args.clients, flags=flags)
     results: dict[str, Any] = {}
