@@ -15,20 +15,32 @@ from featcache import FeatureCache
 from featcache.lmdeploy import fastprep
 
 
-def encoder(path, pil_class):
-    """lmdeploy's encoder of the checkpoint at ``path``, over transformers' PIL processor
-    ``pil_class`` (where torchvision imports, transformers picks its torchvision-backed one)."""
+def encoder(path, pil_name):
+    """lmdeploy's encoder of the checkpoint at ``path``, over transformers' PIL processor named
+    ``pil_name`` (where torchvision imports, transformers picks its torchvision-backed one)."""
     from lmdeploy.messages import PytorchEngineConfig
     from lmdeploy.vl.engine import ImageEncoder
 
     made = ImageEncoder(path, "pytorch", backend_config=PytorchEngineConfig(dtype="float16"))
-    with_pil(made.model, path, pil_class)
+    with_pil(made.model, path, pil_name)
     return made
 
 
-def with_pil(vision_model, path, pil_class):
+def with_pil(vision_model, path, pil_name):
+    """``vision_model`` over transformers' PIL processor ``pil_name`` of ``path``."""
+    import transformers
+
+    pil_class = getattr(transformers, pil_name)
     if type(vision_model.processor.image_processor) is not pil_class:
         vision_model.processor.image_processor = pil_class.from_pretrained(path)
+
+
+def tiny_vision_model(spec, pil_name, tmp_path_factory):
+    """A module fixture's body: the vision model of tests/lmdeploy_tiny.py's checkpoint ``spec``
+    over the PIL processor ``pil_name``, its encoder shut down after the module."""
+    made = encoder(tiny.checkpoint(spec, tmp_path_factory), pil_name)
+    yield made.model
+    made.executor.shutdown(wait=True)
 
 
 def corpus_images():

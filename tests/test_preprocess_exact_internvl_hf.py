@@ -48,24 +48,20 @@ def images():
     return _exact_prep.corpus_images()
 
 
-def _encoder(path):
-    from transformers import GotOcr2ImageProcessorPil
+PIL = "GotOcr2ImageProcessorPil"  # the processor lmdeploy's code is compared over (tests/_exact_prep.py)
 
-    return encoder(path, GotOcr2ImageProcessorPil)
+
+def _encoder(path):
+    return encoder(path, PIL)
 
 
 def _with_pil(vision_model, path):
-    from transformers import GotOcr2ImageProcessorPil
-
-    with_pil(vision_model, path, GotOcr2ImageProcessorPil)
-
+    with_pil(vision_model, path, PIL)
 
 
 @pytest.fixture(scope="module")
 def vision_model(tmp_path_factory):
-    encoder = _encoder(tiny.checkpoint(tiny.INTERNVL, tmp_path_factory))
-    yield encoder.model
-    encoder.executor.shutdown(wait=True)
+    yield from _exact_prep.tiny_vision_model(tiny.INTERNVL, PIL, tmp_path_factory)
 
 
 def test_the_tiny_checkpoints_processor_is_reproduced(vision_model, monkeypatch):

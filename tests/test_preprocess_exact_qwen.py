@@ -54,24 +54,20 @@ def images():
     return _exact_prep.corpus_images()
 
 
-def _encoder(path):
-    from transformers import Qwen2VLImageProcessorPil
+PIL = "Qwen2VLImageProcessorPil"  # the processor lmdeploy's code is compared over (tests/_exact_prep.py)
 
-    return encoder(path, Qwen2VLImageProcessorPil)
+
+def _encoder(path):
+    return encoder(path, PIL)
 
 
 def _with_pil(vision_model, path):
-    from transformers import Qwen2VLImageProcessorPil
-
-    with_pil(vision_model, path, Qwen2VLImageProcessorPil)
-
+    with_pil(vision_model, path, PIL)
 
 
 @pytest.fixture(scope="module")
 def vision_model(tmp_path_factory):
-    encoder = _encoder(tiny.checkpoint(tiny.QWEN2VL, tmp_path_factory))
-    yield encoder.model
-    encoder.executor.shutdown(wait=True)
+    yield from _exact_prep.tiny_vision_model(tiny.QWEN2VL, PIL, tmp_path_factory)
 
 
 def test_the_tiny_checkpoints_processor_is_reproduced(vision_model, monkeypatch):
