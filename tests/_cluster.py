@@ -195,6 +195,14 @@ class _Conn:
 
 
 # -- the cluster ---------------------------------------------------------------------------------
+PORT_TRIES = 3  # clusters formed before a port taken between its pick and its bind fails the test
+
+
+class PortTaken(RuntimeError):
+    """A node's port or bus port, free when it was picked, was bound by another process before
+    the node bound it (``free_port`` can only pick, not hold)."""
+
+
 @dataclass(eq=False)
 class Node:
     port: int  # where redis-server listens
@@ -216,20 +224,32 @@ class RedisCluster:
         self.extra = extra
         self.node_timeout_ms = node_timeout_ms
         self.nodes: list[Node] = []
-        try:
-            for _ in range(primaries * (1 + replicas)):
-                port = _redis.free_port()
-                self.nodes.append(Node(port, _redis.free_port(), TcpProxy(port) if proxied else None))
-            for node in self.nodes:
-                self.start(node, wait=False)
-            for node in self.nodes:
-                self._wait_listening(node)
-            self._cli("--cluster", "create", *(n.addr for n in self.nodes),
-                      "--cluster-replicas", str(replicas), "--cluster-yes")
-            self.wait_ok()
-        except BaseException:
-            self.close()
-            raise
+        for attempt in range(PORT_TRIES):
+            try:
+                self._form(primaries, replicas, proxied)
+                return
+            except PortTaken:
+                self.close()
+                self.nodes = []
+                if attempt == PORT_TRIES - 1:
+                    raise
+            except BaseException:
+                self.close()
+                raise
+
+    def _form(self, primaries: int, replicas: int, proxied: bool) -> None:
+        """The nodes on ports free when picked, started and joined into one cluster (``PortTaken``
+        where another process bound one of them first: the caller picks again)."""
+        for _ in range(primaries * (1 + replicas)):
+            port = _redis.free_port()
+            self.nodes.append(Node(port, _redis.free_port(), TcpProxy(port) if proxied else None))
+        for node in self.nodes:
+            self.start(node, wait=False)
+        for node in self.nodes:
+            self._wait_listening(node)
+        self._cli("--cluster", "create", *(n.addr for n in self.nodes),
+                  "--cluster-replicas", str(replicas), "--cluster-yes")
+        self.wait_ok()
 
     @property
     def url(self) -> str:
@@ -277,7 +297,11 @@ class RedisCluster:
         while time.monotonic() < deadline:  # a child process starting: nothing to wait on but this
             assert node.proc is not None
             if node.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited ({node.proc.returncode}); see {self.workdir}")
+                log = self.workdir / f"node-{node.port}" / "redis.log"
+                why = f"redis-server exited ({node.proc.returncode}); see {self.workdir}"
+                if "Address already in use" in log.read_text(errors="replace"):
+                    raise PortTaken(why)
+                raise RuntimeError(why)
             try:
                 with socket.create_connection(("127.0.0.1", node.port), timeout=0.5) as s:
                     s.sendall(b"PING\r\n")

@@ -37,6 +37,9 @@ def redis_binary() -> str:
     pytest.skip(why)
 
 
+PORT_TRIES = 3  # ports tried for a server whose port the caller left to the harness
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -52,7 +55,21 @@ class RedisServer:
         self.port = port or free_port()
         self.extra = extra
         self.proc: subprocess.Popen[bytes] | None = None
-        self.start()
+        for attempt in range(PORT_TRIES):
+            try:
+                self.start()
+                return
+            except RuntimeError:
+                # a port picked free but bound by another process before the server bound it
+                # (``free_port`` cannot hold it): a new one, unless the caller chose this one
+                taken = "Address already in use" in self._log().read_text(errors="replace")
+                if port is not None or not taken or attempt == PORT_TRIES - 1:
+                    raise
+                self.proc = None
+                self.port = free_port()
+
+    def _log(self) -> Path:
+        return self.workdir / f"redis-{self.port}.log"
 
     @property
     def url(self) -> str:
@@ -60,7 +77,7 @@ class RedisServer:
 
     def start(self) -> None:
         assert self.proc is None
-        log = open(self.workdir / f"redis-{self.port}.log", "ab")  # noqa: SIM115 (kept for the child)
+        log = open(self._log(), "ab")  # noqa: SIM115 (kept for the child)
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(self.workdir), *self.extra],

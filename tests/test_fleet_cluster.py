@@ -236,3 +236,45 @@ def test_a_server_that_lost_the_key_secret_gets_it_back(tmp_path):
             assert cache.hasher.secret == secret and r.get("featcache:key-secret") == b"ab" * 32
     finally:
         server.kill()
+
+
+def test_a_port_taken_between_its_pick_and_its_bind_is_picked_again(tmp_path, monkeypatch):
+    """The harness itself: ``free_port`` picks a port it cannot hold, so another process may bind
+    it first (a CI run of 2026-12-04 lost 7 tests to a bus port taken so). The node then exits
+    with "Address already in use", and the cluster is formed again on new ports."""
+    import socket
+
+    binary, cli = _redis.redis_binary(), _cluster.cli_binary()
+    real = _redis.free_port
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        picks = iter([real(), taken])  # the first node's port, then its bus port: already bound
+        monkeypatch.setattr(_redis, "free_port", lambda: next(picks, None) or real())
+        c = _cluster.RedisCluster(binary, cli, tmp_path, primaries=3, replicas=0, proxied=False)
+        try:
+            assert taken not in {n.bus_port for n in c.nodes}
+            assert len(c.live()) == 3 and c.client(c.nodes[0]).ping()
+        finally:
+            c.close()
+    assert any("Address already in use" in p.read_text() for p in tmp_path.glob("node-*/redis.log"))
+
+
+def test_a_single_servers_taken_port_is_picked_again(tmp_path, monkeypatch):
+    """The same for ``_redis.RedisServer``, whose port the harness picks where the test does not."""
+    import socket
+
+    binary = _redis.redis_binary()
+    real = _redis.free_port
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        picks = iter([taken])
+        monkeypatch.setattr(_redis, "free_port", lambda: next(picks, None) or real())
+        server = _redis.RedisServer(binary, tmp_path)
+        try:
+            assert server.port != taken and server.client().ping()
+        finally:
+            server.kill()
