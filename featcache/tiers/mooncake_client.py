@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -33,6 +34,8 @@ OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
 TRANSFER_FAIL = -800
 RPC_FAIL = -900
+SECRET_SETTLE_S = 5.0  # how long a start waits for another replica's put of the key secret
+SECRET_RETRY_S = 0.05
 
 
 def outage(rc: int) -> bool:
@@ -155,12 +158,26 @@ def put_if_absent(store: Any, name: str, value: bytes) -> bytes | None:
     return None if exists == 0 and held == value else held
 
 
-def read_or_set_secret(config: CacheConfig, name: str, proposal: bytes) -> bytes:
+def read_or_set_secret(config: CacheConfig, name: str, proposal: bytes,
+                       settle_s: float = SECRET_SETTLE_S) -> bytes:
     """The fleet's key secret (hex bytes) in the store, set to ``proposal`` where none is (for
     ``featcache.keysecret``), through this process's client: the object lives in the segments
     of the replicas that hold it, and each running replica's publisher puts it again where it
-    is gone (``featcache.tiers.mooncake.SECRET_CHECK_S``)."""
+    is gone (``featcache.tiers.mooncake.SECRET_CHECK_S``).
+
+    Replicas started together race to set it: a put of the same name by another client may be
+    in flight, so that this one's put is refused, or its get finds nothing yet or fails to read
+    the other's segment (``TRANSFER_FAIL``). Such a call is tried again for up to ``settle_s``
+    (the other's put then lands, and its value is read), so that replicas started at once key
+    alike; a master that cannot be reached (``RPC_FAIL`` and below) is not waited on."""
     assert config.remote_url is not None
     store = shared_client(MooncakeSettings.from_url(config.remote_url))
-    held = put_if_absent(store, name, proposal)
-    return proposal if held is None else held
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            held = put_if_absent(store, name, proposal)
+            return proposal if held is None else held
+        except Failed as e:
+            if e.rc <= RPC_FAIL or time.monotonic() >= deadline:
+                raise
+        time.sleep(SECRET_RETRY_S)  # (start-up only: another replica's put landing)
