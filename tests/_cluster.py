@@ -195,12 +195,9 @@ class _Conn:
 
 
 # -- the cluster ---------------------------------------------------------------------------------
-PORT_TRIES = 3  # clusters formed before a port taken between its pick and its bind fails the test
-
-
 class PortTaken(RuntimeError):
-    """A node's port or bus port, free when it was picked, was bound by another process before
-    the node bound it (``free_port`` can only pick, not hold)."""
+    """A node's port or bus port was bound by another process before the node bound it
+    (``_redis.port_taken``)."""
 
 
 @dataclass(eq=False)
@@ -224,14 +221,14 @@ class RedisCluster:
         self.extra = extra
         self.node_timeout_ms = node_timeout_ms
         self.nodes: list[Node] = []
-        for attempt in range(PORT_TRIES):
+        for attempt in range(_redis.PORT_TRIES):
             try:
                 self._form(primaries, replicas, proxied)
                 return
             except PortTaken:
                 self.close()
                 self.nodes = []
-                if attempt == PORT_TRIES - 1:
+                if attempt == _redis.PORT_TRIES - 1:
                     raise
             except BaseException:
                 self.close()
@@ -297,9 +294,8 @@ class RedisCluster:
         while time.monotonic() < deadline:  # a child process starting: nothing to wait on but this
             assert node.proc is not None
             if node.proc.poll() is not None:
-                log = self.workdir / f"node-{node.port}" / "redis.log"
                 why = f"redis-server exited ({node.proc.returncode}); see {self.workdir}"
-                if "Address already in use" in log.read_text(errors="replace"):
+                if _redis.port_taken(self.workdir / f"node-{node.port}" / "redis.log"):
                     raise PortTaken(why)
                 raise RuntimeError(why)
             try:

@@ -37,7 +37,14 @@ def redis_binary() -> str:
     pytest.skip(why)
 
 
-PORT_TRIES = 3  # ports tried for a server whose port the caller left to the harness
+PORT_TRIES = 3  # ports tried for a server whose port the harness picked (a cluster: formations)
+
+
+def port_taken(log: Path) -> bool:
+    """Whether the redis-server that wrote ``log`` exited because its port (or cluster bus port),
+    free when ``free_port`` picked it, was bound by another process first (it can only pick a
+    port, not hold it)."""
+    return "Address already in use" in log.read_text(errors="replace")
 
 
 def free_port() -> int:
@@ -60,10 +67,8 @@ class RedisServer:
                 self.start()
                 return
             except RuntimeError:
-                # a port picked free but bound by another process before the server bound it
-                # (``free_port`` cannot hold it): a new one, unless the caller chose this one
-                taken = "Address already in use" in self._log().read_text(errors="replace")
-                if port is not None or not taken or attempt == PORT_TRIES - 1:
+                # a port taken before the server bound it: a new one, unless the caller chose it
+                if port is not None or not port_taken(self._log()) or attempt == PORT_TRIES - 1:
                     raise
                 self.proc = None
                 self.port = free_port()
