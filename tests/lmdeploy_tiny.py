@@ -30,7 +30,17 @@ from typing import Any
 
 INTERNVL = "InternVLForConditionalGeneration"
 QWEN2VL = "Qwen2VLForConditionalGeneration"
-DIRS = {INTERNVL: "internvl_hf_tiny", QWEN2VL: "qwen2vl_tiny"}
+INTERNS1 = "InternS1ForConditionalGeneration"  # Intern-S1: the InternVL-HF classes in lmdeploy
+QWEN3VL = "Qwen3VLForConditionalGeneration"
+QWEN3VL_MOE = "Qwen3VLMoeForConditionalGeneration"
+QWEN3_5 = "Qwen3_5ForConditionalGeneration"
+QWEN3_5_MOE = "Qwen3_5MoeForConditionalGeneration"
+DIRS = {INTERNVL: "internvl_hf_tiny", QWEN2VL: "qwen2vl_tiny", INTERNS1: "interns1_tiny",
+        QWEN3VL: "qwen3vl_tiny", QWEN3VL_MOE: "qwen3vl_moe_tiny", QWEN3_5: "qwen3_5_tiny",
+        QWEN3_5_MOE: "qwen3_5_moe_tiny"}
+# the processor-level ("new") preprocessing API of lmdeploy 0.18
+NEW_API = (QWEN3VL, QWEN3VL_MOE, QWEN3_5, QWEN3_5_MOE)
+QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS = 32 * 32, 32 * 32 * 64  # patch 16, merge 2: 1 to 64 tokens
 
 _LLM = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=4096)
@@ -90,12 +100,19 @@ class PromptPath:
         self._lmdeploy_only = True
         original = self.model.preprocess
 
-        def preprocess(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        def preprocess(messages: list[dict[str, Any]], *args: Any) -> Any:
             if self._lmdeploy_only:
                 self._record(messages)
-            return original(messages)
+            return original(messages, *args)
 
-        self.model.preprocess = preprocess
+        if self.encoder._uses_new_preprocess:  # lmdeploy reads the API off the signature
+            def new_api(messages: list[dict[str, Any]], input_prompt: Any = None,
+                        mm_processor_kwargs: Any = None) -> Any:
+                return preprocess(messages, input_prompt, mm_processor_kwargs)
+
+            self.model.preprocess = new_api
+        else:
+            self.model.preprocess = preprocess
 
     def _record(self, messages: list[dict[str, Any]]) -> None:
         self.calls.append([data.size for _, data, _ in self.model.collect_multimodal_items(messages)])
@@ -110,9 +127,9 @@ class PromptPath:
         inner = frontend.original
         self._lmdeploy_only = False
 
-        def preprocess(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        def preprocess(messages: list[dict[str, Any]], *args: Any) -> Any:
             self._record(messages)
-            return inner(messages)
+            return inner(messages, *args)
 
         frontend.original = preprocess
 
@@ -143,7 +160,9 @@ def register_processors() -> None:
             "get_attributes": get_attributes, "__module__": __name__,
             "__doc__": f"{base.__name__} without a video processor (which needs torchvision)."})
 
-    for base in (InternVLProcessor, Qwen2VLProcessor):
+    from transformers import Qwen3VLProcessor
+
+    for base in (InternVLProcessor, Qwen2VLProcessor, Qwen3VLProcessor):
         key = type(f"_{base.__name__}Key", (PretrainedConfig,), {"model_type": f"featcache-{base.__name__}"})
         AutoProcessor.register(key, without_video(base), exist_ok=True)
     _registered = True
@@ -153,7 +172,12 @@ def build(root: str, arch: str) -> str:
     """Write the tiny checkpoint of ``arch`` under ``root``; returns its directory."""
     out = os.path.join(root, DIRS[arch])
     os.makedirs(out, exist_ok=True)
-    {INTERNVL: _internvl_hf, QWEN2VL: _qwen2vl}[arch](out)
+    if arch == INTERNS1:
+        _internvl_hf(out, INTERNS1)
+    elif arch in NEW_API:
+        _qwen3(out, arch)
+    else:
+        {INTERNVL: _internvl_hf, QWEN2VL: _qwen2vl}[arch](out)
     return out
 
 
@@ -192,7 +216,7 @@ def _finish(out: str, cfg: Any, arch: str, tok: Any, processor: dict[str, Any]) 
         json.dump(processor, f, indent=2)
 
 
-def _internvl_hf(out: str) -> None:
+def _internvl_hf(out: str, arch: str = INTERNVL) -> None:
     from transformers import GotOcr2ImageProcessorPil, InternVLConfig
 
     tok = _tokenizer(
@@ -215,7 +239,7 @@ def _internvl_hf(out: str) -> None:
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **_LLM),
         image_token_id=tok.convert_tokens_to_ids("<IMG_CONTEXT>"), image_seq_length=4,
         downsample_ratio=0.5, tie_word_embeddings=False)
-    _finish(out, cfg, INTERNVL, tok,
+    _finish(out, cfg, arch, tok,
             {"processor_class": "NoVideoInternVLProcessor", "image_seq_length": 4})
 
 
@@ -240,3 +264,45 @@ def _qwen2vl(out: str) -> None:
         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.pad_token_id,
         tie_word_embeddings=False, **_LLM)
     _finish(out, cfg, QWEN2VL, tok, {"processor_class": "NoVideoQwen2VLProcessor"})
+
+
+def _qwen3(out: str, arch: str) -> None:
+    """Qwen3-VL / Qwen3.5 (and their MoE variants): patch 16, merge 2, mean and std 0.5, as
+    their public checkpoints; Qwen3-VL with two deepstack levels."""
+    import transformers
+    from transformers import Qwen2VLImageProcessorPil
+
+    tok = _tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
+                      "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
+        "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+        "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
+        "{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.save_pretrained(out)
+    Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
+                             image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+                             size={"shortest_edge": QWEN3_MIN_PIXELS, "longest_edge": QWEN3_MAX_PIXELS}
+                             ).save_pretrained(out)
+    ids = tok.convert_tokens_to_ids
+    vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=_LLM["hidden_size"],
+                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)
+    text = dict(vocab_size=len(tok), bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id, tie_word_embeddings=False, head_dim=64,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [8, 12, 12], "mrope_interleaved": True}, **_LLM)
+    if arch in (QWEN3VL, QWEN3VL_MOE):
+        vision["deepstack_visual_indexes"] = [0, 1]
+    if arch in (QWEN3VL_MOE, QWEN3_5_MOE):
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, decoder_sparse_step=1)
+    if arch in (QWEN3_5, QWEN3_5_MOE):
+        text.update(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                    linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32)
+    config_class = {QWEN3VL: "Qwen3VLConfig", QWEN3VL_MOE: "Qwen3VLMoeConfig",
+                    QWEN3_5: "Qwen3_5Config", QWEN3_5_MOE: "Qwen3_5MoeConfig"}[arch]
+    cfg = getattr(transformers, config_class)(
+        text_config=text, vision_config=vision, image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"), tie_word_embeddings=False)
+    _finish(out, cfg, arch, tok, {"processor_class": "NoVideoQwen3VLProcessor"})

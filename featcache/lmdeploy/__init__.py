@@ -247,7 +247,7 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
     install_frontend(encoder.model, cache, namespace, engine.prompt_processor)
     trust_image_ids_on(engine.prompt_processor, trust_image_ids)
     read_sources_under(engine.prompt_processor, media)
-    engine.engine.input_processor = KeyedInputProcessor(inner)
+    engine.engine.input_processor = KeyedInputProcessor(inner, spec.items)
     install_reports(engine, "in")
     if engine.backend_config.enable_prefix_caching:  # matches may end inside held images
         remove_prefix_hook = install_prefix_hook()

@@ -85,7 +85,7 @@ def widen(encoder: Any) -> None:
     The preprocess hooks are thread-safe. The encoder's own executor is kept for everything else
     it runs (``async_infer``: the vision model's ``forward``, which TurboMind's combined path
     routes through for every image request): that stays on one thread, as lmdeploy designed it.
-    Only the legacy ``preprocess(messages)`` is widened, the one featcache installs on."""
+    Either preprocessing API is widened (``request.newapi`` for the processor-level one)."""
     if mode() == "lmdeploy" or getattr(encoder, "_featcache_wide", None) is not None:
         return
     model = encoder.model
@@ -93,10 +93,15 @@ def widen(encoder: Any) -> None:
         return  # featcache is not installed on this model: lmdeploy's as it is
     wide = ThreadPoolExecutor(THREADS, thread_name_prefix="featcache-encoder")
 
+    new_api = bool(getattr(encoder, "_uses_new_preprocess", False))
+
     async def preprocess(messages: list[dict[str, Any]], input_prompt: Any = None,
-                         mm_processor_kwargs: Any = None) -> list[dict[str, Any]]:
-        # (the legacy API ignores the prompt and the processor options, as lmdeploy's does)
+                         mm_processor_kwargs: Any = None) -> Any:
         loop = asyncio.get_running_loop()
+        if new_api:  # the processor-level API: the prompt and the request's processor options
+            return await loop.run_in_executor(wide, model.preprocess, messages, input_prompt,
+                                              mm_processor_kwargs)
+        # (the legacy API ignores the prompt and the processor options, as lmdeploy's does)
         return await loop.run_in_executor(wide, model.preprocess, messages)
 
     encoder.preprocess = preprocess

@@ -28,16 +28,22 @@ log = logging.getLogger("featcache")
 
 
 class KeyedInputProcessor:
-    """Delegates to lmdeploy's input processor, then tags its MultiModalData with featcache keys."""
+    """Delegates to lmdeploy's input processor, then tags its MultiModalData with featcache keys.
+    ``items``: the key of the processor's ``MultiModalData`` list ("image", or the Qwen3 lineage's
+    "mm_data", one per item of any modality, in the request's order: ``families.ArchSpec``;
+    None: whichever of the two the processor made)."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, items: str | None = None) -> None:
         self.inner = inner
+        self.items = items
 
     def preprocess_input(self, input_ids: Any, input_multimodals: Any = None, **kwargs: Any) -> Any:
         result = self.inner.preprocess_input(input_ids, input_multimodals, **kwargs)
         if not input_multimodals or not hasattr(result, "input_multimodals"):
             return result
-        images = (result.input_multimodals or {}).get("image", [])
+        made = result.input_multimodals or {}
+        key = self.items or ("mm_data" if "mm_data" in made else "image")
+        images = made.get(key, [])
         if len(images) != len(input_multimodals):
             return result  # not one MultiModalData per item: leave the request to lmdeploy alone
         for source, data in zip(input_multimodals, images, strict=True):

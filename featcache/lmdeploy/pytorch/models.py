@@ -64,44 +64,13 @@ from ..request.frontend import SECTION
 from ..request.refs import REF_KEY, FeatRef
 from ..request.tags import FeatTag
 from . import ranks
+from .families import DEEPSTACK, MAIN_ONLY, SPECS, VISUAL, ArchSpec
 from .prefix import SKIP_KEY
 from .visioncost import VisionClock
 
 log = logging.getLogger("featcache")
 
 FLIGHT_WAIT_S = 10.0  # the longest a step waits for another thread's computation of its image
-
-
-def _empty(device: torch.device) -> torch.Tensor:
-    return torch.empty(0, device=device)
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    """Where one architecture's vision call lives and what its forward needs to reach it."""
-
-    module: str  # lmdeploy.pytorch.models.<module>
-    cls: str  # the top-level model class
-    vision: str  # the vision call: a method name or a submodule attribute
-    submodule: bool  # True: ``vision`` names an nn.Module attribute; False: a method
-    placeholders: dict[str, Callable[[torch.device], Any]]  # forward kwargs when every image hit
-
-
-SPECS: dict[str, ArchSpec] = {
-    "InternVLChatModel": ArchSpec(
-        "internvl", "InternVLChatModel", "extract_feature", False, {"pixel_values": _empty}),
-    "InternVLForConditionalGeneration": ArchSpec(
-        "internvl3_hf", "InternVLForConditionalGeneration", "get_image_features", False,
-        {"pixel_values": _empty}),
-    "Qwen2VLForConditionalGeneration": ArchSpec(
-        "qwen2_vl", "Qwen2VLForConditionalGeneration", "visual", True,
-        {"pixel_values": _empty, "vis_cu_seqlens": _empty,
-         "vis_pos_emb": lambda d: (_empty(d), _empty(d))}),
-    "Qwen2_5_VLForConditionalGeneration": ArchSpec(
-        "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "visual", True,
-        {"pixel_values": _empty, "vis_cu_seqlens": _empty, "vis_pos_emb": _empty,
-         "window_index": _empty, "cu_window_seqlens": _empty}),
-}
 
 
 @dataclass
@@ -126,9 +95,13 @@ _flights: weakref.WeakKeyDictionary[FeatureCache, SingleFlight[None]] = weakref.
 
 
 def patch_model_class(spec: ArchSpec) -> type:
-    """Wrap ``prepare_inputs_for_generation`` of the spec's class (idempotent)."""
+    """Wrap ``prepare_inputs_for_generation`` of the spec's class (idempotent). The wrapper goes
+    on the class that defines it (several classes of a lineage share one: Qwen3-VL-MoE inherits
+    Qwen3-VL's, Qwen3.5-MoE and MetaMoe Qwen3.5's), so every class that runs it is covered; the
+    declarations of classes that share a ``prepare`` differ only in ``module`` and ``cls``."""
     cls = getattr(importlib.import_module(f"lmdeploy.pytorch.models.{spec.module}"), spec.cls)
     cls = getattr(cls, "__wrapped__", cls)
+    cls = next(k for k in cls.__mro__ if "prepare_inputs_for_generation" in k.__dict__)
     original = cls.prepare_inputs_for_generation
     if getattr(original, "_featcache", False):
         return cls
@@ -139,7 +112,7 @@ def patch_model_class(spec: ArchSpec) -> type:
         if stale is not None:  # the last step of this thread ended before its vision call
             _land(stale)
         _step.plan = None
-        images = _step_images(context)
+        images = _step_images(context, spec.items)
         refs = _step_refs(images)
         if not any(refs):  # (a tagged image without pixels, where this process has no cache)
             _rebuild_misses(images, refs, [None] * len(refs), self)
@@ -157,9 +130,10 @@ def patch_model_class(spec: ArchSpec) -> type:
             saved = context.input_multimodals
             if any(taken):
                 served = {id(d) for d, t in zip(images, taken, strict=True) if t}
-                kept = [{**mm, "image": [d for d in mm.get("image", []) if id(d) not in served]}
+                kept = [{**mm, spec.items: [d for d in mm.get(spec.items, []) if id(d) not in served]}
                         if mm else mm for mm in saved]
-                context.input_multimodals = None if all(hit) else kept
+                left = any(v for mm in kept if mm for v in mm.values())
+                context.input_multimodals = kept if left else None
             try:
                 inputs = original(self, past_key_values, inputs_embeds, context)
             finally:
@@ -171,7 +145,11 @@ def patch_model_class(spec: ArchSpec) -> type:
             device = context.input_ids.device
             for name, make in spec.placeholders.items():
                 inputs[name] = make(device)
-            inputs["image_mask"] = context.input_ids == images[0].meta["image_token_id"]
+            if spec.step_inputs is None:
+                inputs["image_mask"] = context.input_ids == images[0].meta["image_token_id"]
+        if spec.step_inputs is not None and any(taken):
+            spec.step_inputs(self, _vision_module(self, spec), context,
+                             _step_items(context, spec.items), plan.tokens, inputs)
         _step.plan = plan
         return inputs
 
@@ -181,11 +159,27 @@ def patch_model_class(spec: ArchSpec) -> type:
     return cls
 
 
-def _step_images(context: Any) -> list[Any]:
+def _step_items(context: Any, key: str) -> list[Any]:
+    """Every ``MultiModalData`` of the step under ``key``, sequence by sequence."""
     mms = getattr(context, "input_multimodals", None) if context is not None else None
     if not mms:
         return []
-    return [d for mm in mms if mm for d in (mm.get("image") or [])]
+    return [d for mm in mms if mm for d in (mm.get(key) or [])]
+
+
+def _step_images(context: Any, key: str = "image") -> list[Any]:
+    """The step's items that its vision call takes, in that call's order: every item of an
+    "image" list; the ``VISUAL`` items of an "mm_data" list (video frames among them: featcache
+    keys none, so they are computed as lmdeploy computes them)."""
+    items = _step_items(context, key)
+    if key == "image":
+        return items
+    return [d for d in items if _modality(d) in VISUAL]
+
+
+def _modality(data: Any) -> str | None:
+    modality = getattr(data, "modality", None)
+    return getattr(modality, "value", modality)
 
 
 def _step_refs(images: list[Any]) -> list[FeatRef | None]:
@@ -339,19 +333,45 @@ def _has_pixels(data: Any) -> bool:
     return isinstance(pixels, torch.Tensor) and pixels.numel() > 0
 
 
+def _vision_module(model: Any, spec: ArchSpec) -> Any:
+    """The object that owns the vision call: the submodule at ``spec.vision``'s dotted path, or
+    the model itself for a method."""
+    if not spec.submodule:
+        return model
+    owner = model
+    for name in spec.vision.split("."):
+        owner = getattr(owner, name)
+    return owner
+
+
 def _ensure_vision_wrapper(model: Any, spec: ArchSpec) -> None:
-    owner = getattr(model, spec.vision) if spec.submodule else model
+    owner = _vision_module(model, spec)
     attr = "forward" if spec.submodule else spec.vision
     current = getattr(owner, attr)
     if getattr(current, "_featcache", False):
         return
     clock = VisionClock()  # this model's vision time per image token
 
-    def vision(*args: Any, **kwargs: Any) -> torch.Tensor:
+    def vision(*args: Any, **kwargs: Any) -> Any:
         plan = getattr(_step, "plan", None)
         _step.plan = None
         if plan is None:
             return current(*args, **kwargs)
+        if spec.output == DEEPSTACK:  # one entry: the main rows and every level's, side by side
+            levels = 1 + len(owner.deepstack_merger_list)
+
+            def run() -> torch.Tensor:
+                main, deep = current(*args, **kwargs)
+                if len(deep) + 1 != levels:
+                    raise RuntimeError(f"featcache: the vision model returned {len(deep)} deepstack "
+                                       f"levels, its declaration {levels - 1}")
+                return torch.cat([main, *deep], dim=-1)
+
+            served = _serve(plan, run, clock)
+            parts = [p.contiguous() for p in served.chunk(levels, dim=-1)]
+            return parts[0], parts[1:]
+        if spec.output == MAIN_ONLY:
+            return _serve(plan, lambda: current(*args, **kwargs)[0], clock), []
         return _serve(plan, lambda: current(*args, **kwargs), clock)
 
     vision._featcache = True  # type: ignore[attr-defined]

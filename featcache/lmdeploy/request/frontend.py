@@ -69,19 +69,28 @@ def install_frontend(vision_model: Any, cache: FeatureCache, namespace: str,
     if getattr(original, "_featcache", False):
         raise RuntimeError("featcache is already installed on this pipeline")
     if "mm_processor_kwargs" in inspect.signature(original).parameters:
-        # lmdeploy's new-API preprocess takes a request's processor options, which change the
-        # pixels: this hook would neither see nor key them
-        raise ValueError(f"featcache keys lmdeploy's legacy preprocess(messages) only; "
-                         f"{type(vision_model).__name__} takes per-request processor options")
-    # a miss is preprocessed by featcache where it reproduces lmdeploy exactly (``fastprep``)
-    frontend = Frontend(cache, FastPreprocess(vision_model, original, cache), namespace, tags=tags,
-                        hasher=hasher)
-    if prompt_processor is not None:
-        install_sources(prompt_processor, frontend)
+        # lmdeploy's processor-level API: the prompt and every image in one processor call
+        from .newapi import ProcessorFrontend
 
-    @functools.wraps(original)
-    def preprocess(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return frontend(messages)
+        frontend: Frontend = ProcessorFrontend(vision_model, cache, original, namespace, tags=tags,
+                                               hasher=hasher)
+        if prompt_processor is not None:
+            install_sources(prompt_processor, frontend)
+
+        @functools.wraps(original)
+        def preprocess(messages: list[dict[str, Any]], input_prompt: Any = None,
+                       mm_processor_kwargs: dict[str, Any] | None = None) -> Any:
+            return frontend(messages, input_prompt, mm_processor_kwargs)
+    else:
+        # a miss is preprocessed by featcache where it reproduces lmdeploy exactly (``fastprep``)
+        frontend = Frontend(cache, FastPreprocess(vision_model, original, cache), namespace,
+                            tags=tags, hasher=hasher)
+        if prompt_processor is not None:
+            install_sources(prompt_processor, frontend)
+
+        @functools.wraps(original)
+        def preprocess(messages: list[dict[str, Any]]) -> Any:  # type: ignore[misc]
+            return frontend(messages)
 
     preprocess._featcache = True  # type: ignore[attr-defined]
     preprocess.frontend = frontend  # type: ignore[attr-defined]
@@ -114,14 +123,19 @@ class Frontend(SourceResolver):
         self._logged = False
         self._warned_at: float | None = None  # the last bad image's warning (``_bad_image``)
 
-    def __call__(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def __call__(self, messages: list[dict[str, Any]], *args: Any) -> Any:
+        """lmdeploy's ``preprocess``: ``args`` are what follows ``messages`` in its API (none for
+        the legacy one; the prompt and the processor options for the new one, ``newapi``)."""
         binds = bindings(messages) if self.trust_image_ids == "verify" else []
         try:
-            out = self._preprocess(messages)
+            out = self._preprocess(messages, *args)
+        except MediaOptionError:
+            self.cache.count(SECTION, "options_refused")
+            raise  # the client's options: answered 400, never preprocessed
         except Exception:
             trace = traceback.format_exc()
             try:
-                out = self.original(decoded(messages))
+                out = self.original(decoded(messages), *args)
             except Exception:
                 # lmdeploy's own preprocessing refuses the request too (Qwen2-VL's aspect ratio
                 # over 200, say): the client's request, not featcache's failure; plain lmdeploy
@@ -152,10 +166,35 @@ class Frontend(SourceResolver):
         items = image_items(messages)
         if items is None:  # a video or other modality: not ours, leave the request alone
             return self.original(decoded(messages))
+        keys, hits = self._lookup(items)
+        if not hits:
+            messages = self.original(decoded(list(messages)))  # a copy: the fallback needs the original
+            self._tag_misses(preprocessed(messages), keys)
+            return messages
+        missed = [i for i in range(len(items)) if i not in hits]
+        outputs: list[dict[str, Any]] = []
+        if missed:
+            filtered = without(messages, [items[i] for i in hits])
+            outputs = preprocessed(self.original(filtered))
+            self._tag_misses(outputs, [keys[i] for i in missed])
+        miss_outputs = iter(outputs)
+        merged = [hits[i] if i in hits else next(miss_outputs) for i in range(len(items))]
+        messages.append(dict(role="preprocess", content=merged))
+        return messages
+
+    def _lookup(self, items: list[tuple[int, int, dict[str, Any]]], extra: dict[str, Any] | None = None
+                ) -> tuple[list[bytes | None], dict[int, dict[str, Any]]]:
+        """Each item's key (None: not cacheable) and the hits among them (item index -> the
+        per-image dict rebuilt from its entry's metadata, its ``FeatRef`` holding the lease),
+        counted. ``extra``: parameters of the request's that change every image's pixels
+        (``newapi``'s processor size): its images are keyed by their decoded pixels, never by
+        the encoded bytes their sources were keyed by (which did not know them)."""
         count = self.cache.count
         hits: dict[int, dict[str, Any]] = {}  # item index -> its per-image dict
         keys: list[bytes | None] = []
         for index, (_, _, item) in enumerate(items):
+            if extra and isinstance(item["data"], CachedImage):
+                item["data"] = item["data"].decode()
             if isinstance(item["data"], CachedImage):  # resolved from its bytes: a hit already
                 ref = item["data"].ref
                 keys.append(ref.key)
@@ -164,7 +203,7 @@ class Frontend(SourceResolver):
                 hits[index] = hit
                 count(SECTION, "decode_skipped")
                 continue
-            key = self._key(item)
+            key = self._key(item, extra)
             keys.append(key)
             if key is None:
                 continue
@@ -175,7 +214,7 @@ class Frontend(SourceResolver):
                     hit[REF_KEY] = tag
                     hits[index] = hit
                 continue
-            if _keyed_by_bytes(item):  # looked up when its source was resolved: a miss there
+            if _keyed_by_bytes(item) and not extra:  # looked up when its source was resolved
                 continue
             lease = self.cache.acquire(key)
             if lease is None:
@@ -194,27 +233,15 @@ class Frontend(SourceResolver):
         count(SECTION, "preprocess_skipped", len(hits))
         if self.tags:
             count(SECTION, "tagged", sum(1 for k in keys if k is not None))
+        return keys, hits
 
-        if not hits:
-            messages = self.original(decoded(list(messages)))  # a copy: the fallback needs the original
-            self._tag_misses(preprocessed(messages), keys)
-            return messages
-        missed = [i for i in range(len(items)) if i not in hits]
-        outputs: list[dict[str, Any]] = []
-        if missed:
-            filtered = without(messages, [items[i] for i in hits])
-            outputs = preprocessed(self.original(filtered))
-            self._tag_misses(outputs, [keys[i] for i in missed])
-        miss_outputs = iter(outputs)
-        merged = [hits[i] if i in hits else next(miss_outputs) for i in range(len(items))]
-        messages.append(dict(role="preprocess", content=merged))
-        return messages
-
-    def _key(self, item: dict[str, Any]) -> bytes | None:
-        if _keyed_by_bytes(item):
+    def _key(self, item: dict[str, Any], extra: dict[str, Any] | None = None) -> bytes | None:
+        if _keyed_by_bytes(item) and not extra:
             key: bytes = item["data"].info[KEY_INFO]  # keyed by its encoded bytes before decoding
             return key
         params = {k: v for k, v in item.items() if k not in ("type", "data")}
+        if extra:
+            params.update(extra)
         try:
             return self.hasher.image_key(item["data"], namespace=self.namespace, params=params)
         except (TypeError, ValueError) as e:

@@ -1,0 +1,192 @@
+"""The model families featcache caches on lmdeploy 0.18's PyTorch engine, as declarations.
+
+A family is data: where its vision call lives, which list of the step's ``MultiModalData`` holds
+its images, what the vision call returns, which forward inputs must be rebuilt over every image of
+the step, and which frontend API lmdeploy runs for it. ``models`` holds the one mechanism that
+serves every declaration; adding a family is its ``ArchSpec`` here, its tiny checkpoint and its
+tests (docs/lmdeploy.md, "Adding a model").
+
+``SUPPORT`` is one row per architecture string lmdeploy 0.18 accepts as a VLM (``check_vl_llm``
+plus the configs it recognises by shape): cached on which engine, or why it passes through.
+docs/lmdeploy.md's support table is tested against it (tests/test_families.py).
+
+Sources: shared survey of lmdeploy 0.18's models (every vision call, its outputs and inputs),
+verified on the installed package where a declaration relies on it; see each declaration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+TENSOR, DEEPSTACK, MAIN_ONLY = "tensor", "deepstack", "main"
+VISUAL = ("image", "video")  # the modalities of an ``mm_data`` list that the vision call takes
+LEGACY, PROCESSOR = "legacy", "processor"
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Where one architecture's vision call lives and what its forward needs to reach it."""
+
+    module: str  # lmdeploy.pytorch.models.<module>
+    cls: str  # the top-level model class
+    vision: str  # the vision call: a method name, or a submodule's dotted path ("model.visual")
+    submodule: bool  # True: ``vision`` names an nn.Module attribute; False: a method
+    placeholders: dict[str, Callable[[torch.device], Any]]  # forward kwargs when every image hit
+    # the key of the step's ``MultiModalData`` lists in ``context.input_multimodals``: "image"
+    # (every item an image), or "mm_data" (the Qwen3 lineage: images, video frames, audio and
+    # time series in one list; its ``VISUAL`` items are the vision call's inputs, in order)
+    items: str = "image"
+    # what the vision call returns: ``TENSOR`` ([rows, hidden] or [n, t, hidden]); ``DEEPSTACK``
+    # ((main, [one [rows, hidden] per deepstack level]): every level is cached, in one entry of
+    # [rows, (levels + 1) * hidden]); ``MAIN_ONLY`` ((main, levels the forward discards): only
+    # main is cached, the forward gets (main, []))
+    output: str = TENSOR
+    # forward inputs that describe every visual item of the step, rebuilt after lmdeploy's own
+    # prepare whenever featcache took items out of it: ``step_inputs(model, vision, context,
+    # items, tokens, inputs)`` updates ``inputs`` (``items``: the step's whole list; ``tokens``:
+    # the rows each visual item contributes, in the vision call's order). None: the legacy
+    # families, whose forward needs only an ``image_mask`` when every image hit.
+    step_inputs: Callable[..., None] | None = None
+    # lmdeploy's frontend API for this family: ``LEGACY`` ``preprocess(messages)`` or
+    # ``PROCESSOR`` ``preprocess(messages, input_prompt, mm_processor_kwargs)`` (``request.newapi``)
+    frontend: str = LEGACY
+    # TurboMind runs this architecture with its C++ vision model: featcache's native path
+    turbomind: bool = False
+
+
+def _empty(device: torch.device) -> torch.Tensor:
+    return torch.empty(0, device=device)
+
+
+def _pair(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return _empty(device), _empty(device)
+
+
+def qwen3_step_inputs(model: Any, vision: Any, context: Any, items: list[Any], tokens: list[int],
+                      inputs: dict[str, Any]) -> None:
+    """The Qwen3 lineage (``qwen3_vl.py``, ``qwen3_5.py``): the forward scatters the vision output
+    by ``multimodal_mask`` (lmdeploy builds it from the token ids of the items it was handed:
+    rebuilt here over every item of the step, as plain lmdeploy builds it), and splits and
+    re-concatenates that output by ``grid_thw.prod(-1) // merge**2`` (a no-op whose sizes must
+    sum to the rows returned: one row per visual item, ``[1, merge, merge * its rows]``). Where
+    the spec-decoding draft model takes the step's embeddings, it takes them with hits too."""
+    merge = int(vision.spatial_merge_size)
+    inputs["multimodal_mask"] = model.get_multimodal_mask(context.input_ids, items)
+    inputs["grid_thw"] = torch.tensor([[1, merge, merge * n] for n in tokens], dtype=torch.long)
+    if "return_input_embeds" in inputs and getattr(model, "is_spec_decoding", False):
+        inputs["return_input_embeds"] = True
+
+
+_INTERNVL_HF = ArchSpec("internvl3_hf", "InternVLForConditionalGeneration", "get_image_features",
+                        False, {"pixel_values": _empty}, turbomind=True)
+_QWEN3_VL = ArchSpec(
+    "qwen3_vl", "Qwen3VLForConditionalGeneration", "visual", True,
+    {"pixel_values": _empty, "vis_cu_seqlens": _empty, "vis_pos_emb": _pair, "pos_embeds": _empty},
+    items="mm_data", output=DEEPSTACK, step_inputs=qwen3_step_inputs, frontend=PROCESSOR)
+_QWEN3_5 = ArchSpec(
+    "qwen3_5", "Qwen3_5ForConditionalGeneration", "model.visual", True,
+    {"pixel_values": _empty, "vis_cu_seqlens": _empty, "vis_pos_emb": _pair, "pos_embeds": _empty},
+    items="mm_data", output=TENSOR, step_inputs=qwen3_step_inputs, frontend=PROCESSOR)
+
+
+def _as(spec: ArchSpec, module: str, cls: str, **changes: Any) -> ArchSpec:
+    return ArchSpec(**{**spec.__dict__, "module": module, "cls": cls, **changes})
+
+
+SPECS: dict[str, ArchSpec] = {
+    "InternVLChatModel": ArchSpec(
+        "internvl", "InternVLChatModel", "extract_feature", False, {"pixel_values": _empty},
+        turbomind=True),
+    "InternVLForConditionalGeneration": _INTERNVL_HF,
+    # Intern-S1 / S1-mini: lmdeploy runs them with the InternVL-HF class and frontend
+    # (module_map.py, vl/model/internvl3_hf.py's _arch)
+    "InternS1ForConditionalGeneration": _INTERNVL_HF,
+    "Qwen2VLForConditionalGeneration": ArchSpec(
+        "qwen2_vl", "Qwen2VLForConditionalGeneration", "visual", True,
+        {"pixel_values": _empty, "vis_cu_seqlens": _empty, "vis_pos_emb": _pair},
+        turbomind=True),
+    "Qwen2_5_VLForConditionalGeneration": ArchSpec(
+        "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "visual", True,
+        {"pixel_values": _empty, "vis_cu_seqlens": _empty, "vis_pos_emb": _empty,
+         "window_index": _empty, "cu_window_seqlens": _empty}, turbomind=True),
+    # Qwen3-VL: visual -> (main, deepstack levels), split by the step's grid after the call
+    "Qwen3VLForConditionalGeneration": _QWEN3_VL,
+    # its own forward (the same vision call), Qwen3-VL's prepare
+    "Qwen3VLMoeForConditionalGeneration": _as(_QWEN3_VL, "qwen3_vl_moe",
+                                              "Qwen3VLMoeForConditionalGeneration"),
+    # Qwen3.5: model.visual -> one tensor, split by the step's grid
+    "Qwen3_5ForConditionalGeneration": _QWEN3_5,
+    "Qwen3_5MoeForConditionalGeneration": _as(_QWEN3_5, "qwen3_5_moe",
+                                              "Qwen3_5MoeForConditionalGeneration"),
+}
+
+
+@dataclass(frozen=True)
+class Support:
+    """One row of the support table: an architecture string and what featcache does with it."""
+
+    arch: str
+    family: str
+    status: str  # "cached" or "passes through"
+    note: str  # engines and the frontend API where cached; the reason where not
+
+    @property
+    def cached(self) -> bool:
+        return self.status == "cached"
+
+
+def _cached(arch: str, family: str) -> Support:
+    spec = SPECS[arch]
+    engines = "PyTorch engine" + (", TurboMind (native path)" if spec.turbomind else "")
+    api = "legacy preprocess" if spec.frontend == LEGACY else "processor-level preprocess"
+    return Support(arch, family, "cached", f"{engines}; {api}")
+
+
+def _through(arch: str, family: str, why: str) -> Support:
+    return Support(arch, family, "passes through", why)
+
+
+_NOT_YET = "not yet declared: no tiny checkpoint and tests yet (issue 51)"
+
+SUPPORT: tuple[Support, ...] = (
+    _cached("InternVLChatModel", "InternVL 1.5-3.5"),
+    _cached("InternVLForConditionalGeneration", "InternVL3/3.5 -HF"),
+    _cached("InternS1ForConditionalGeneration", "Intern-S1, Intern-S1-mini"),
+    _cached("Qwen2VLForConditionalGeneration", "Qwen2-VL"),
+    _cached("Qwen2_5_VLForConditionalGeneration", "Qwen2.5-VL"),
+    _cached("Qwen3VLForConditionalGeneration", "Qwen3-VL"),
+    _cached("Qwen3VLMoeForConditionalGeneration", "Qwen3-VL-MoE"),
+    _cached("Qwen3_5ForConditionalGeneration", "Qwen3.5"),
+    _cached("Qwen3_5MoeForConditionalGeneration", "Qwen3.5-MoE"),
+    _through("InternS2PreviewForConditionalGeneration", "Intern-S2 Preview",
+             "the Qwen3.5-MoE engine class behind a remote processor: " + _NOT_YET),
+    _through("InternS2PreviewForCausalLM", "Intern-S2 Preview", "as above: " + _NOT_YET),
+    _through("InternS2MobiusForConditionalGeneration", "Intern-S2 Mobius", _NOT_YET),
+    _through("InternS2MobiusForCausalLM", "Intern-S2 Mobius", _NOT_YET),
+    _through("InternS1ProForConditionalGeneration", "Intern-S1-Pro", _NOT_YET),
+    _through("InternS1_1_ForConditionalGeneration", "Intern-S1.1", _NOT_YET),
+    _through("Qwen3OmniMoeForConditionalGeneration", "Qwen3-Omni (thinker)", _NOT_YET),
+    _through("Glm4vForConditionalGeneration", "GLM-4.1V", _NOT_YET),
+    _through("Gemma3ForConditionalGeneration", "Gemma 3", _NOT_YET),
+    _through("LlavaForConditionalGeneration", "LLaVA (HF)", _NOT_YET),
+    _through("LlavaNextForConditionalGeneration", "LLaVA-NeXT", _NOT_YET),
+    _through("Llama4ForConditionalGeneration", "Llama 4", _NOT_YET),
+    _through("KimiK25ForConditionalGeneration", "Kimi-K2.5", _NOT_YET),
+    _through("Kimi_K25ForConditionalGeneration", "Kimi-K2.5", _NOT_YET),
+    _through("Phi3VForCausalLM", "Phi-3-Vision", _NOT_YET),
+    _through("CogVLMForCausalLM", "CogVLM", _NOT_YET),
+    _through("ChatGLMModel", "GLM-4V (with a vision_config)", _NOT_YET),
+    _through("ChatGLMForConditionalGeneration", "GLM-4V (with a vision_config)", _NOT_YET),
+    _through("DeepseekVLV2ForCausalLM", "DeepSeek-VL2 (a language_config of DeepseekV2ForCausalLM)",
+             "one preprocessed entry and one fused vision-and-scatter call per request: no image "
+             "has an identity of its own in the engine"),
+    _through("MiniCPMV", "MiniCPM-V", "lmdeploy 0.18's engine drops its images (no vision model)"),
+    _through("MolmoForCausalLM", "Molmo", "no lmdeploy 0.18 engine builds it"),
+    _through("MultiModalityCausalLM", "DeepSeek-VL", "no lmdeploy 0.18 engine builds it"),
+    _through("LlavaLlamaForCausalLM", "LLaVA (original)", "no lmdeploy 0.18 engine builds it"),
+    _through("LlavaMistralForCausalLM", "LLaVA (original)", "no lmdeploy 0.18 engine builds it"),
+)
