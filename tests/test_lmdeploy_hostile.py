@@ -315,13 +315,29 @@ def test_request_processor_options_cannot_change_a_cached_answer(rig):
     assert not rig.cached.encoder._uses_new_preprocess  # the premise: a legacy preprocessor
 
 
-def test_a_preprocessor_that_takes_request_options_is_refused():
+def test_a_processor_level_preprocessor_gets_the_processor_frontend():
+    """lmdeploy's new API (``preprocess(messages, input_prompt, mm_processor_kwargs)``) is served
+    by ``newapi.ProcessorFrontend``; lmdeploy still reads the hooked method as the new API (it
+    decides by the signature), and request options reach the frontend."""
+    from lmdeploy.vl.engine import ImageEncoder
+
+    from featcache.lmdeploy.request.newapi import ProcessorFrontend
+
+    seen = []
+
     class NewApi:
         def preprocess(self, messages, input_prompt=None, mm_processor_kwargs=None):
-            return messages
+            seen.append((input_prompt, mm_processor_kwargs))
+            return dict(input_ids=[1], multimodal=[])
 
-    with counters_cache() as cache, pytest.raises(ValueError, match="legacy preprocess"):
-        install_frontend(NewApi(), cache, "test:hostile")
+    model = NewApi()
+    with counters_cache() as cache:
+        install_frontend(model, cache, "test:hostile")
+        assert isinstance(model.preprocess.frontend, ProcessorFrontend)
+        assert ImageEncoder._is_new_preprocess_api(model)
+        assert model.preprocess([{"role": "user", "content": "hi"}], "prompt", {"video": {}}) == \
+            dict(input_ids=[1], multimodal=[])
+    assert seen == [("prompt", {"video": {}})]
 
 
 @pytest.mark.parametrize("url, why", [

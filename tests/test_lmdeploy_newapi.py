@@ -1,0 +1,419 @@
+"""featcache on lmdeploy 0.18's processor-level preprocessing API and the Qwen3 lineage, on
+lmdeploy's real CPU code.
+
+Tiny Qwen3-VL and Qwen3.5 checkpoints (and their MoE variants; ``lmdeploy_tiny``) go through
+lmdeploy's real prompt path (``ImageEncoder`` + ``MultimodalProcessor``, the new-API
+``VisionModel.preprocess`` over transformers' ``Qwen3VLProcessor``), once plain and once with
+featcache's frontend (``request.newapi``): the two outputs must be equal (input ids, offsets,
+every per-image field; a miss's pixels ``torch.equal``) for requests that mix hits and misses,
+images of several sizes, text between them and a per-request size override, while a hit is
+never given to the image processor.
+
+From there the engine side: lmdeploy's real input processor (``Qwen3VLInputProcessor``, which
+Qwen3.5 uses too) inside ``KeyedInputProcessor``, the patched real
+``prepare_inputs_for_generation`` and the real forward of each class (Qwen3-VL: the top-level
+``forward``, deepstack included; Qwen3.5: the inner ``Qwen3_5Model.forward`` behind ``model.visual``),
+on stand-in model objects: the vision tower is a fake that computes each image's features (and
+each deepstack level) from its own pixels and lmdeploy's own position helpers; the language model
+is a recorder. So which pixels the tower was given and what lands where in the token embeddings
+(and in every deepstack level) is checked exactly, hits from the cache and misses computed.
+"""
+
+from __future__ import annotations
+
+import gc
+import types
+
+import _lmdeploy_stack
+import pytest
+import torch
+from torch import nn
+
+_lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
+
+import lmdeploy_tiny as tiny  # noqa: E402
+from lmdeploy.pytorch.models import qwen3_5, qwen3_vl  # noqa: E402
+from lmdeploy.pytorch.models.utils.model import DeployModelMixinV1  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
+
+from featcache import FeatureCache  # noqa: E402
+from featcache.lmdeploy.pytorch import families, models  # noqa: E402
+from featcache.lmdeploy.pytorch.engine import KeyedInputProcessor  # noqa: E402
+from featcache.lmdeploy.request.frontend import SECTION, install_frontend  # noqa: E402
+from featcache.lmdeploy.request.media import MediaOptionError  # noqa: E402
+from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
+
+HIDDEN = 256  # the tiny LLMs' hidden size
+PATCH_ROW = 3 * 2 * 16 * 16  # one Qwen3 patch row: channels * temporal * patch * patch
+MERGE = 4  # 2x2 patches merge into one image token
+LEVELS = 3  # the tiny Qwen3-VL: main output plus two deepstack levels
+FAMILIES = [tiny.QWEN3VL, tiny.QWEN3_5]
+
+
+def features(pixel_values: torch.Tensor) -> torch.Tensor:
+    """[tokens, HIDDEN]: each token from its own 4 merged patch rows."""
+    return pixel_values.float().reshape(-1, MERGE * PATCH_ROW)[:, :HIDDEN]
+
+
+def levels(pixel_values: torch.Tensor) -> list[torch.Tensor]:
+    """The fake Qwen3-VL tower's outputs: main, then each deepstack level (distinct values)."""
+    main = features(pixel_values)
+    return [main * (k + 1) + k for k in range(LEVELS)]
+
+
+class FakeVisual(nn.Module):
+    """Stands in for ``Qwen3VLVisionModel`` / ``Qwen3_5VisionModel``: lmdeploy's own position
+    helpers (``rot_pos_emb``, ``fast_pos_embed_interpolate``), a fake forward."""
+
+    rot_pos_ids = qwen3_vl.Qwen3VLVisionModel.rot_pos_ids
+    rot_pos_emb = qwen3_vl.Qwen3VLVisionModel.rot_pos_emb
+    fast_pos_embed_interpolate = qwen3_vl.Qwen3VLVisionModel.fast_pos_embed_interpolate
+
+    def __init__(self, config, deepstack: bool) -> None:
+        super().__init__()
+        vision = config.vision_config
+        self.spatial_merge_size = vision.spatial_merge_size
+        self.pos_embed = nn.Embedding(vision.num_position_embeddings, vision.hidden_size)
+        self.num_grid_per_side = int(vision.num_position_embeddings ** 0.5)
+        self.rotary_pos_emb = qwen3_vl.Qwen3VLVisionRotaryEmbedding(vision.hidden_size // vision.num_heads // 2)
+        self.deepstack = deepstack
+        if deepstack:
+            self.deepstack_merger_list = nn.ModuleList([nn.Identity() for _ in range(LEVELS - 1)])
+        self.calls: list[torch.Tensor] = []
+
+    def forward(self, hidden_states, cu_seqlens, rotary_pos_emb, pos_embeds):
+        assert pos_embeds.shape[0] == hidden_states.shape[0]  # lmdeploy's, for the pixels given
+        self.calls.append(hidden_states)
+        outs = levels(hidden_states)
+        return (outs[0], outs[1:]) if self.deepstack else outs[0]
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def __call__(self, **kwargs):
+        self.calls.append(kwargs)
+        return kwargs["inputs_embeds"]
+
+
+class FakeQwen3VL:
+    """Stands in for a ``Qwen3VLForConditionalGeneration`` in its own prepare and forward."""
+
+    get_multimodal_mask = DeployModelMixinV1.get_multimodal_mask
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self.embed = nn.Embedding(config.text_config.vocab_size, HIDDEN)
+        self.visual = FakeVisual(config, deepstack=True)
+        self.language_model = Recorder()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed
+
+    def run(self, inputs: dict) -> dict:
+        """lmdeploy's forward over what prepare made; what reached the language model."""
+        qwen3_vl.Qwen3VLForConditionalGeneration.forward(self, **inputs)
+        return self.language_model.calls[-1]
+
+
+class FakeQwen3_5:
+    """Stands in for a ``Qwen3_5ForConditionalGeneration`` (its prepare) and its inner
+    ``Qwen3_5Model`` (its forward), whose vision tower is ``model.visual``."""
+
+    get_multimodal_mask = DeployModelMixinV1.get_multimodal_mask
+    is_spec_decoding = False
+
+    def __init__(self, config) -> None:
+        self.config = config
+        embed = nn.Embedding(config.text_config.vocab_size, HIDDEN)
+        self.model = types.SimpleNamespace(visual=FakeVisual(config, deepstack=False),
+                                           language_model=Recorder(),
+                                           get_input_embeddings=lambda: embed)
+        self.embed = embed
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed
+
+    def run(self, inputs: dict) -> dict:
+        kwargs = {k: v for k, v in inputs.items() if k != "state_ids"}
+        qwen3_5.Qwen3_5Model.forward(self.model, state_ids=None, **kwargs)
+        return self.model.language_model.calls[-1]
+
+
+CLASSES = {tiny.QWEN3VL: qwen3_vl.Qwen3VLForConditionalGeneration,
+           tiny.QWEN3_5: qwen3_5.Qwen3_5ForConditionalGeneration}
+
+
+def step_context(input_ids: list[int], multimodals: list[dict] | None, config) -> types.SimpleNamespace:
+    """The fields of lmdeploy's ``StepContext`` that the models' ``prepare`` reads."""
+    full = sum(1 for t in getattr(config.text_config, "layer_types", []) if t == "full_attention")
+    linear = sum(1 for t in getattr(config.text_config, "layer_types", []) if t == "linear_attention")
+    return types.SimpleNamespace(
+        input_ids=torch.tensor([input_ids]), position_ids=None, attn_metadata=None,
+        input_embeddings=None, input_embedding_indexing=None, input_multimodals=multimodals,
+        mrope_position_ids=None, state_offsets=None, is_chunk_multimodal=False,
+        state_caches=[torch.zeros(1, linear), torch.zeros(1, linear)], _full=full)
+
+
+class Rig:
+    def __init__(self, arch: str, path: str) -> None:
+        self.arch = arch
+        self.config = AutoConfig.from_pretrained(path)
+        self.cache = FeatureCache(device="cpu", device_bytes="64MiB", host_bytes=0)
+        self.plain = tiny.PromptPath(path)
+        self.frontend = tiny.PromptPath(path)
+        install_frontend(self.frontend.model, self.cache, f"test:{arch}")
+        self.given: list[list[tuple[int, int]]] = []  # images the image processor was given
+        ip = self.frontend.model.processor.image_processor
+        given, call = self.given, type(ip).__call__
+
+        def recorded(this, images, *args, **kwargs):
+            given.append([im.size for im in images])
+            return call(this, images, *args, **kwargs)
+
+        ip.__class__ = type(f"Recorded{type(ip).__name__}", (type(ip),), {"__call__": recorded})
+        self.processor = KeyedInputProcessor(qwen3_vl.Qwen3VLInputProcessor(self.config, torch.float16),
+                                             families.SPECS[arch].items)
+
+    def close(self) -> None:
+        self.plain.close()
+        self.frontend.close()
+        gc.collect()
+        self.cache.close()
+
+    def prompt(self, *images, plain: bool = False, text: str = "describe", **kwargs) -> dict:
+        path = self.plain if plain else self.frontend
+        return path.prompt(tiny.messages(*(tiny.image_item(i) for i in images), text=text), **kwargs)
+
+    def fake_model(self):
+        return FakeQwen3VL(self.config) if self.arch == tiny.QWEN3VL else FakeQwen3_5(self.config)
+
+    def stats(self) -> dict[str, int]:
+        return self.cache.stats().get(SECTION, {})
+
+    def step(self, model, prompt: dict) -> dict:
+        """One prefill step of ``prompt`` through the input processor, prepare and forward;
+        what reached the language model."""
+        result = self.processor.preprocess_input(prompt["input_ids"], prompt["multimodal"])
+        context = step_context(prompt["input_ids"], [result.input_multimodals], self.config)
+        prepare = CLASSES[self.arch].prepare_inputs_for_generation
+        inputs = prepare(model, [None] * context._full, None, context)
+        return model.run(inputs)
+
+
+@pytest.fixture(params=FAMILIES, ids=["qwen3vl", "qwen3_5"])
+def rig(request, tmp_path_factory):
+    r = Rig(request.param, tiny.checkpoint(request.param, tmp_path_factory))
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def patched(rig, monkeypatch):
+    cls = CLASSES[rig.arch]
+    monkeypatch.setattr(cls, "prepare_inputs_for_generation", cls.prepare_inputs_for_generation)
+    assert models.patch_model_class(families.SPECS[rig.arch]) is cls
+    return rig
+
+
+A, B, C = (tiny.noise_image(100, 80, 0), tiny.noise_image(40, 300, 1), tiny.noise_image(500, 500, 2))
+
+
+def assert_same(plain: dict, ours: dict) -> None:
+    """featcache's output equals lmdeploy's: ids, offsets, every per-image field; a miss's
+    pixels equal, a hit's a 0-row placeholder."""
+    assert ours["input_ids"] == plain["input_ids"]
+    assert len(ours["multimodal"]) == len(plain["multimodal"])
+    for x, y in zip(plain["multimodal"], ours["multimodal"], strict=True):
+        assert set(y) - {REF_KEY} == set(x)
+        for name in x:
+            if name == "pixel_values":
+                continue
+            if isinstance(x[name], torch.Tensor):
+                assert torch.equal(x[name], y[name]) and x[name].dtype == y[name].dtype, name
+            else:
+                assert x[name] == y[name], name
+        ref = y[REF_KEY]
+        if ref.hit:
+            assert y["pixel_values"].shape == (0, *x["pixel_values"].shape[1:])
+            assert y["pixel_values"].dtype == x["pixel_values"].dtype
+        else:
+            assert torch.equal(y["pixel_values"], x["pixel_values"])
+            assert y["pixel_values"].dtype == x["pixel_values"].dtype
+
+
+def seed(rig: Rig, *images, **kwargs) -> dict[bytes, torch.Tensor]:
+    """Store features for ``images`` as a previous step's model would have (every level)."""
+    stored = {}
+    width = HIDDEN * (LEVELS if families.SPECS[rig.arch].output == families.DEEPSTACK else 1)
+    for item in rig.prompt(*images, **kwargs)["multimodal"]:
+        ref = item[REF_KEY]
+        start, end = item["offset"]
+        stored[ref.key] = torch.randn(end - start, width)
+        rig.cache.put(ref.key, stored[ref.key], meta=ref.meta)
+    return stored
+
+
+# -- the frontend --------------------------------------------------------------------------------
+
+def test_misses_are_lmdeploys_own_output(rig):
+    for images in [(A,), (A, B), (C, A, B)]:
+        assert_same(rig.prompt(*images, plain=True), rig.prompt(*images))
+    assert rig.stats()["hits"] == 0
+
+
+@pytest.mark.parametrize("images", [(A,), (B, A), (A, C, A), (C, B, A)], ids=["hit", "miss-hit",
+                                                                              "hit-miss-hit", "two-misses-hit"])
+def test_hits_expand_from_their_metadata_equal_to_lmdeploy(rig, images):
+    seed(rig, A)
+    rig.given.clear()
+    text = "compare these two: one <then> the other"
+    ours = rig.prompt(*images, text=text)
+    assert_same(rig.prompt(*images, plain=True, text=text), ours)
+    assert [r[REF_KEY].hit for r in ours["multimodal"]] == [im is A for im in images]
+    misses = [im.size for im in images if im is not A]
+    assert rig.given == ([misses] if misses else [])  # the image processor never saw a hit
+
+
+def test_a_size_override_is_in_the_key_and_equal_to_lmdeploy(rig):
+    seed(rig, C)
+    small = {"image": {"min_pixels": tiny.QWEN3_MIN_PIXELS, "max_pixels": 32 * 32 * 16}}
+    ours = rig.prompt(C, mm_processor_kwargs=small)
+    assert not ours["multimodal"][0][REF_KEY].hit  # another size: another entry
+    assert_same(rig.prompt(C, plain=True, mm_processor_kwargs=small), ours)
+    ref = ours["multimodal"][0][REF_KEY]
+    start, end = ours["multimodal"][0]["offset"]
+    rig.cache.put(ref.key, torch.randn(end - start, HIDDEN * LEVELS), meta=ref.meta)
+    again = rig.prompt(A, C, mm_processor_kwargs=small)
+    assert [r[REF_KEY].hit for r in again["multimodal"]] == [False, True]
+    assert_same(rig.prompt(A, C, plain=True, mm_processor_kwargs=small), again)
+    assert rig.prompt(C)["multimodal"][0][REF_KEY].hit  # the default size's entry is its own
+
+
+@pytest.mark.parametrize("options", [{"image": {"max_pixels": "1e9"}}, {"image": {"min_pixels": -4}},
+                                     {"image": {"max_pixels": True}}, {"image": [1]}, [1]])
+def test_bad_size_options_are_refused_before_any_work(rig, options):
+    with pytest.raises(MediaOptionError):
+        rig.prompt(A, mm_processor_kwargs=options)
+    assert rig.stats()["options_refused"] == 1
+    assert rig.given == []
+
+
+def test_a_failure_inside_featcache_falls_back_to_lmdeploy(rig, monkeypatch):
+    from featcache.lmdeploy.request import newapi
+
+    seed(rig, A)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(newapi, "get_mm_items_offset", broken, raising=False)
+    monkeypatch.setattr(newapi.ProcessorFrontend, "_expand", broken)
+    plain = rig.prompt(A, B, plain=True)
+    ours = rig.prompt(A, B)
+    assert ours["input_ids"] == plain["input_ids"]
+    assert all(torch.equal(x["pixel_values"], y["pixel_values"])
+               for x, y in zip(plain["multimodal"], ours["multimodal"], strict=True))
+    assert rig.stats()["frontend_errors"] == 1
+
+
+# -- the engine: prepare and forward on lmdeploy's real code --------------------------------------
+
+def expected(rig: Rig, prompt: dict, plain: dict, stored: dict[bytes, torch.Tensor]) -> list[torch.Tensor]:
+    """Per level, the rows every image should contribute, in order: a hit's stored rows, a
+    miss's fake-tower rows from lmdeploy's own pixels."""
+    n = LEVELS if rig.arch == tiny.QWEN3VL else 1
+    rows: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    for item, own in zip(prompt["multimodal"], plain["multimodal"], strict=True):
+        ref = item[REF_KEY]
+        if ref.hit:
+            parts = stored[ref.key].chunk(n, dim=-1)
+        else:
+            parts = levels(own["pixel_values"])[:n]
+        for k in range(n):
+            rows[k].append(parts[k])
+    return [torch.cat(r) for r in rows]
+
+
+@pytest.mark.parametrize("images", [(A, B), (B, A, C), (A,)], ids=["hit-miss", "miss-hit-miss", "hit"])
+def test_a_step_serves_hits_and_computes_misses_only(patched, images):
+    rig = patched
+    stored = seed(rig, A)
+    model = rig.fake_model()
+    visual = model.visual if rig.arch == tiny.QWEN3VL else model.model.visual
+    prompt = rig.prompt(*images)
+    plain = rig.prompt(*images, plain=True)
+    got = rig.step(model, prompt)
+    want = expected(rig, prompt, plain, stored)
+    mask = torch.tensor(prompt["input_ids"]) == prompt["multimodal"][0]["image_token_id"]
+    embeds = got["inputs_embeds"][0]
+    assert torch.equal(embeds[mask].float(), want[0])
+    assert torch.equal(embeds[~mask], model.embed(torch.tensor(prompt["input_ids"]))[~mask])
+    if rig.arch == tiny.QWEN3VL:
+        deep = got["deepstack_visual_embeds"]
+        assert len(deep) == LEVELS - 1
+        for k, level in enumerate(deep):
+            assert torch.equal(level.float(), want[k + 1])
+        assert torch.equal(got["visual_pos_masks"][0, :, 0], mask)
+    misses = [own["pixel_values"] for item, own in zip(prompt["multimodal"], plain["multimodal"], strict=True)
+              if not item[REF_KEY].hit]
+    if misses:
+        assert len(visual.calls) == 1 and torch.equal(visual.calls[0], torch.cat(misses).to(visual.calls[0]))
+    else:
+        assert visual.calls == []  # every image hit: the tower never ran
+    # each miss is now stored, every level of it, and the next request hits all of them
+    for item, own in zip(prompt["multimodal"], plain["multimodal"], strict=True):
+        if not item[REF_KEY].hit:
+            lease = rig.cache.acquire(item[REF_KEY].key)
+            assert lease is not None
+            want_rows = torch.cat(levels(own["pixel_values"])[:LEVELS if rig.arch == tiny.QWEN3VL else 1], -1)
+            assert torch.equal(lease.tensor.float(), want_rows)
+            lease.release()
+    again = rig.prompt(*images)
+    assert all(item[REF_KEY].hit for item in again["multimodal"])
+    calls = len(visual.calls)
+    got_again = rig.step(rig_model := model, again)
+    assert len(visual.calls) == calls
+    assert torch.equal(got_again["inputs_embeds"][0][mask], embeds[mask])
+    del rig_model
+
+
+def test_a_step_without_featcache_images_is_lmdeploys_own(patched):
+    rig = patched
+    model = rig.fake_model()
+    plain = rig.prompt(A, B, plain=True)  # no FeatRef anywhere: lmdeploy's prepare untouched
+    got = rig.step(model, plain)
+    mask = torch.tensor(plain["input_ids"]) == plain["multimodal"][0]["image_token_id"]
+    want = torch.cat([levels(m["pixel_values"])[0] for m in plain["multimodal"]])
+    assert torch.equal(got["inputs_embeds"][0][mask].float(), want)
+
+
+def test_a_declaration_that_drops_the_deepstack_levels_fails(tmp_path_factory, monkeypatch):
+    """A planted bug in the Qwen3-VL declaration (its output declared a plain tensor) does not
+    pass: the forward cannot take what the wrapper returns."""
+    rig = Rig(tiny.QWEN3VL, tiny.checkpoint(tiny.QWEN3VL, tmp_path_factory))
+    try:
+        cls = CLASSES[tiny.QWEN3VL]
+        monkeypatch.setattr(cls, "prepare_inputs_for_generation", cls.prepare_inputs_for_generation)
+        wrong = families.ArchSpec(**{**families.SPECS[tiny.QWEN3VL].__dict__, "output": families.TENSOR})
+        models.patch_model_class(wrong)
+        seed(rig, A)
+        with pytest.raises(Exception):
+            rig.step(rig.fake_model(), rig.prompt(A, B))
+    finally:
+        rig.close()
+
+
+def test_a_declaration_with_a_wrong_vision_path_fails(tmp_path_factory, monkeypatch):
+    rig = Rig(tiny.QWEN3_5, tiny.checkpoint(tiny.QWEN3_5, tmp_path_factory))
+    try:
+        cls = CLASSES[tiny.QWEN3_5]
+        monkeypatch.setattr(cls, "prepare_inputs_for_generation", cls.prepare_inputs_for_generation)
+        wrong = families.ArchSpec(**{**families.SPECS[tiny.QWEN3_5].__dict__, "vision": "visual"})
+        models.patch_model_class(wrong)
+        seed(rig, A)
+        with pytest.raises(AttributeError):
+            rig.step(rig.fake_model(), rig.prompt(A, B))
+    finally:
+        rig.close()
