@@ -66,6 +66,15 @@ def noise_image(width: int, height: int, seed: int = 0) -> Any:
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
 
 
+def tokens(item: dict[str, Any]) -> int:
+    """An image's token count in a preprocessed request: the legacy API's ``image_tokens``, the
+    processor-level API's span (``offset``: start, end)."""
+    if "image_tokens" in item:
+        return int(item["image_tokens"])
+    start, end = item["offset"]
+    return int(end) - int(start)
+
+
 def image_item(image: Any, **params: Any) -> dict[str, Any]:
     """An OpenAI-style content item for a PIL image, with per-image parameters."""
     return {"type": "image_data", "image_data": {"data": image, **params}}

@@ -76,7 +76,7 @@ def test_the_hostile_bytes_raise_what_pil_raises():
         assert type(e.value) is kind and not isinstance(e.value, OSError), name
 
 
-@pytest.fixture(params=[tiny.INTERNVL, tiny.QWEN2VL], ids=["internvl_hf", "qwen2vl"])
+@pytest.fixture(params=[tiny.INTERNVL, tiny.QWEN2VL, tiny.QWEN3VL], ids=["internvl_hf", "qwen2vl", "qwen3vl"])
 def path(request, tmp_path_factory):
     return tiny.checkpoint(request.param, tmp_path_factory)
 
@@ -170,7 +170,7 @@ REFUSED = {  # a request naming id "p" that is refused, and why
 }
 
 
-@pytest.fixture(params=[tiny.INTERNVL, tiny.QWEN2VL], ids=["internvl_hf", "qwen2vl"])
+@pytest.fixture(params=[tiny.INTERNVL, tiny.QWEN2VL, tiny.QWEN3VL], ids=["internvl_hf", "qwen2vl", "qwen3vl"])
 def verifying(request, tmp_path_factory):
     """``--trust-client-image-ids verify``, one process (ids alone are answered)."""
     r = Rig(tiny.checkpoint(request.param, tmp_path_factory))

@@ -202,6 +202,8 @@ def _is_image(item: dict[str, Any]) -> bool:
 
 def _meta(item: dict[str, Any], namespace: str) -> bytes:
     """An image's entry metadata: its per-image dict without what is the request's (its offset)
-    or a constant (its modality)."""
-    return encode_item({k: v for k, v in item.items() if k not in ("offset", "modality", REF_KEY)},
-                       namespace)
+    or a constant (its modality), with its token count (``image_tokens``: what ``featcache ls``
+    shows; not a field of lmdeploy's dict, never put in one)."""
+    start, end = item["offset"]
+    fields = {k: v for k, v in item.items() if k not in ("offset", "modality", REF_KEY)}
+    return encode_item({**fields, "image_tokens": int(end) - int(start)}, namespace)
