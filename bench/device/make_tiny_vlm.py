@@ -2,7 +2,7 @@
 """Build tiny, random-initialised, hub-free VLM checkpoints that lmdeploy 0.18 (PyTorch engine
 and TurboMind) can load. Run where the models are used (the GPU machine builds its own in seconds).
 
-    python3 bench/device/make_tiny_vlm.py OUT_DIR [--arch internvl|qwen2vl|internvl_chat|all]
+    python3 bench/device/make_tiny_vlm.py OUT_DIR [--arch internvl|qwen2vl|internvl_chat|qwen3vl|qwen3_5|all]
                                           [--dtype bfloat16|float16|float32]
 
 Writes OUT_DIR/internvl_hf_tiny, OUT_DIR/qwen2vl_tiny and/or OUT_DIR/internvl_chat_tiny:
@@ -243,10 +243,57 @@ def internvl_chat(out, dtype='bfloat16'):
     return out
 
 
+QWEN3_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
+    "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def qwen3(out, arch, dtype='bfloat16'):
+    """Qwen3-VL (``qwen3vl``: two deepstack levels) or Qwen3.5 (``qwen3_5``: one linear-attention
+    and one full-attention layer): patch 16, merge 2, mean/std 0.5 as their public checkpoints; a
+    2-layer ViT (hidden 128, head_dim 64) and a 2-layer LLM (hidden 256, head_dim 64)."""
+    import transformers
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+    os.makedirs(out, exist_ok=True)
+    tok = qwen_tokenizer(out, QWEN_VL_SPECIAL)
+    tok.chat_template = QWEN3_TEMPLATE
+    ip = Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
+                               image_std=[0.5] * 3, size={'shortest_edge': 32 * 32, 'longest_edge': 32 * 32 * 64})
+    proc = Qwen3VLProcessor(image_processor=ip, tokenizer=tok,
+                            video_processor=Qwen3VLVideoProcessor(patch_size=16, merge_size=2),
+                            chat_template=tok.chat_template)
+    proc.save_pretrained(out)
+    ids = tok.convert_tokens_to_ids
+    vision = dict(depth=2, hidden_size=128, intermediate_size=256, num_heads=2, out_hidden_size=LLM['hidden_size'],
+                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)
+    text = dict(vocab_size=len(tok), bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id, tie_word_embeddings=False, head_dim=64,
+                rope_parameters={'rope_type': 'default', 'rope_theta': 10000.0, 'mrope_section': [8, 12, 12],
+                                 'mrope_interleaved': True}, **LLM)
+    if arch == 'qwen3vl':
+        vision['deepstack_visual_indexes'] = [0, 1]
+        names = ('Qwen3VLConfig', 'Qwen3VLForConditionalGeneration')
+    else:
+        text.update(layer_types=['linear_attention', 'full_attention'], linear_num_value_heads=4,
+                    linear_num_key_heads=2, linear_key_head_dim=64, linear_value_head_dim=64)
+        names = ('Qwen3_5Config', 'Qwen3_5ForConditionalGeneration')
+    cfg = getattr(transformers, names[0])(
+        text_config=text, vision_config=vision, image_token_id=ids('<|image_pad|>'),
+        video_token_id=ids('<|video_pad|>'), vision_start_token_id=ids('<|vision_start|>'),
+        vision_end_token_id=ids('<|vision_end|>'), tie_word_embeddings=False)
+    cfg.architectures = [names[1]]
+    _save(getattr(transformers, names[1]), cfg, out, names[1], dtype, tok.eos_token_id, tok.pad_token_id)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('out')
-    ap.add_argument('--arch', default='all', choices=['internvl', 'qwen2vl', 'internvl_chat', 'both', 'all'])
+    ap.add_argument('--arch', default='all',
+                    choices=['internvl', 'qwen2vl', 'internvl_chat', 'qwen3vl', 'qwen3_5', 'both', 'all'])
     ap.add_argument('--dtype', default='bfloat16', choices=['bfloat16', 'float16', 'float32'])
     a = ap.parse_args()
     built = []
@@ -256,6 +303,9 @@ def main():
         built.append(qwen2vl(os.path.join(a.out, 'qwen2vl_tiny'), a.dtype))
     if a.arch in ('internvl_chat', 'all'):
         built.append(internvl_chat(os.path.join(a.out, 'internvl_chat_tiny'), a.dtype))
+    for arch in ('qwen3vl', 'qwen3_5'):
+        if a.arch in (arch, 'all'):
+            built.append(qwen3(os.path.join(a.out, f'{arch}_tiny'), arch, a.dtype))
     for b in built:
         size = sum(os.path.getsize(os.path.join(b, f)) for f in os.listdir(b))
         print(f'wrote {b} ({size / 1e6:.2f} MB): {sorted(os.listdir(b))}')

@@ -42,8 +42,12 @@ class VisionCounter:
 
         wrap(ivl.InternVLForConditionalGeneration, "get_image_features")
         wrap(legacy.InternVLChatModel, "extract_feature")  # InternVL2 (the seed models)
+        import lmdeploy.pytorch.models.qwen3_5 as q35
+        import lmdeploy.pytorch.models.qwen3_vl as q3
+
         for vt in (q2.Qwen2VisionTransformerPretrainedModel,
-                   q25.Qwen2_5_VisionTransformerPretrainedModel):
+                   q25.Qwen2_5_VisionTransformerPretrainedModel, q3.Qwen3VLVisionModel,
+                   q35.Qwen3_5VisionModel):
             wrap(getattr(vt, "__wrapped__", vt), "forward")
 
     def take(self) -> tuple[int, int]:
