@@ -44,7 +44,9 @@ from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
 HIDDEN = 256  # the tiny LLMs' hidden size
 PATCH_ROW = 3 * 2 * 14 * 14  # one Qwen2-VL patch row: channels * temporal * patch * patch
 MERGE = 4  # Qwen2-VL: 2x2 patches merge into one image token
+INTERNVLS = (tiny.INTERNVL, tiny.INTERNS1)  # Intern-S1: InternVL-HF's classes in lmdeploy
 CLASSES = {tiny.INTERNVL: internvl3_hf.InternVLForConditionalGeneration,
+           tiny.INTERNS1: internvl3_hf.InternVLForConditionalGeneration,  # lmdeploy's class for Intern-S1
            tiny.QWEN2VL: qwen2_vl.Qwen2VLForConditionalGeneration}
 
 
@@ -62,7 +64,7 @@ def qwen2_features(pixel_values: torch.Tensor) -> torch.Tensor:
 
 def per_image(arch: str, data: torch.Tensor) -> torch.Tensor:
     """The fake tower's features of one image, as [image tokens, HIDDEN]."""
-    f = internvl_features(data) if arch == tiny.INTERNVL else qwen2_features(data)
+    f = internvl_features(data) if arch in INTERNVLS else qwen2_features(data)
     return f.reshape(-1, HIDDEN)
 
 
@@ -151,7 +153,7 @@ class Rig:
         self.plain = tiny.PromptPath(path)  # lmdeploy alone
         self.frontend = tiny.PromptPath(path)  # lmdeploy + featcache
         install_frontend(self.frontend.model, self.cache, f"test:{arch}")
-        if arch == tiny.INTERNVL:  # as the engine builds it for PytorchEngineConfig(dtype='float16')
+        if arch in INTERNVLS:  # as the engine builds it for PytorchEngineConfig(dtype='float16')
             self.inner = internvl3_hf.InternVLProcessor(self.config, torch.float16)
         else:
             self.inner = qwen2_vl.Qwen2VLInputProcessor(self.config)
@@ -178,14 +180,14 @@ class Rig:
         return stored
 
     def fake_model(self):
-        return FakeInternVL(self.config.text_config.vocab_size) if self.arch == tiny.INTERNVL \
+        return FakeInternVL(self.config.text_config.vocab_size) if self.arch in INTERNVLS \
             else FakeQwen2VL(self.config)
 
     def stats(self) -> dict[str, int]:
         return self.cache.stats().get(SECTION, {})
 
 
-@pytest.fixture(params=[tiny.INTERNVL, tiny.QWEN2VL], ids=["internvl_hf", "qwen2vl"])
+@pytest.fixture(params=[tiny.INTERNVL, tiny.QWEN2VL, tiny.INTERNS1], ids=["internvl_hf", "qwen2vl", "interns1"])
 def rig(request, tmp_path_factory):
     r = Rig(request.param, tiny.checkpoint(request.param, tmp_path_factory))
     yield r

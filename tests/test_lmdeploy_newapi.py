@@ -37,7 +37,8 @@ from lmdeploy.pytorch.models.utils.model import DeployModelMixinV1  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
 from featcache import FeatureCache  # noqa: E402
-from featcache.lmdeploy.pytorch import families, models  # noqa: E402
+from featcache.lmdeploy import families
+from featcache.lmdeploy.pytorch import models  # noqa: E402
 from featcache.lmdeploy.pytorch.engine import KeyedInputProcessor  # noqa: E402
 from featcache.lmdeploy.request.frontend import SECTION, install_frontend  # noqa: E402
 from featcache.lmdeploy.request.media import MediaOptionError  # noqa: E402

@@ -64,7 +64,7 @@ from ..request.frontend import SECTION
 from ..request.refs import REF_KEY, FeatRef
 from ..request.tags import FeatTag
 from . import ranks
-from .families import DEEPSTACK, MAIN_ONLY, SPECS, VISUAL, ArchSpec
+from ..families import DEEPSTACK, MAIN_ONLY, SPECS, VISUAL, ArchSpec
 from .prefix import SKIP_KEY
 from .visioncost import VisionClock
 

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from ...core.cache import FeatureCache
+from ..families import SPECS
 from ..request.entry_meta import encode_item
 from ..request.frontend import SECTION, Frontend, install_frontend
 from ..request.identity import model_identity
@@ -51,9 +52,9 @@ from .common import check_host_cache, engine_vision_dtype
 log = logging.getLogger("featcache")
 
 _PERSON = b"featcache-tm-fp1"  # blake2b personalisation (16 bytes): fingerprints are ours alone
-# lmdeploy VisionModels whose TurboMind inputs the native path serves (legacy preprocess API)
-NATIVE_ARCHS = ("InternVLChatModel", "InternVLForConditionalGeneration",
-                "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+# lmdeploy VisionModels whose TurboMind inputs the native path serves (legacy preprocess API):
+# the declarations that say so (``families``)
+NATIVE_ARCHS = tuple(arch for arch, spec in SPECS.items() if spec.turbomind)
 
 Preprocess = Callable[[list[dict[str, Any]]], list[dict[str, Any]]]
 

@@ -190,3 +190,10 @@ SUPPORT: tuple[Support, ...] = (
     _through("LlavaLlamaForCausalLM", "LLaVA (original)", "no lmdeploy 0.18 engine builds it"),
     _through("LlavaMistralForCausalLM", "LLaVA (original)", "no lmdeploy 0.18 engine builds it"),
 )
+
+
+def support_table() -> str:
+    """docs/lmdeploy.md's support table, one row per architecture string (Markdown)."""
+    rows = ["| architecture | family | featcache | engines, API, or why not |", "|---|---|---|---|"]
+    rows += [f"| `{s.arch}` | {s.family} | {s.status} | {s.note} |" for s in SUPPORT]
+    return "\n".join(rows)
