@@ -295,8 +295,9 @@ def _qwen3(out: str, arch: str) -> None:
                              size={"shortest_edge": QWEN3_MIN_PIXELS, "longest_edge": QWEN3_MAX_PIXELS}
                              ).save_pretrained(out)
     ids = tok.convert_tokens_to_ids
-    vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=_LLM["hidden_size"],
-                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)
+    vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
+                  out_hidden_size=_LLM["hidden_size"], patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=64)
     text = dict(vocab_size=len(tok), bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                 pad_token_id=tok.pad_token_id, tie_word_embeddings=False, head_dim=64,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,

@@ -187,7 +187,8 @@ class Rig:
         return self.cache.stats().get(SECTION, {})
 
 
-@pytest.fixture(params=[tiny.INTERNVL, tiny.QWEN2VL, tiny.INTERNS1], ids=["internvl_hf", "qwen2vl", "interns1"])
+@pytest.fixture(params=[tiny.INTERNVL, tiny.QWEN2VL, tiny.INTERNS1],
+                ids=["internvl_hf", "qwen2vl", "interns1"])
 def rig(request, tmp_path_factory):
     r = Rig(request.param, tiny.checkpoint(request.param, tmp_path_factory))
     yield r

@@ -22,7 +22,7 @@ import lmdeploy_tiny as tiny  # noqa: E402
 from lmdeploy.vl.media.image import ImageMediaIO  # noqa: E402
 
 from featcache import FeatureCache, image_key  # noqa: E402
-from featcache.lmdeploy.request.frontend import SECTION, Frontend, install_frontend  # noqa: E402
+from featcache.lmdeploy.request.frontend import SECTION, install_frontend  # noqa: E402
 from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
 from featcache.lmdeploy.request.sources import encoded_bytes, source_of  # noqa: E402
 

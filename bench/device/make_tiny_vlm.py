@@ -261,14 +261,16 @@ def qwen3(out, arch, dtype='bfloat16'):
     tok = qwen_tokenizer(out, QWEN_VL_SPECIAL)
     tok.chat_template = QWEN3_TEMPLATE
     ip = Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
-                               image_std=[0.5] * 3, size={'shortest_edge': 32 * 32, 'longest_edge': 32 * 32 * 64})
+                               image_std=[0.5] * 3,
+                               size={'shortest_edge': 32 * 32, 'longest_edge': 32 * 32 * 64})
     proc = Qwen3VLProcessor(image_processor=ip, tokenizer=tok,
                             video_processor=Qwen3VLVideoProcessor(patch_size=16, merge_size=2),
                             chat_template=tok.chat_template)
     proc.save_pretrained(out)
     ids = tok.convert_tokens_to_ids
-    vision = dict(depth=2, hidden_size=128, intermediate_size=256, num_heads=2, out_hidden_size=LLM['hidden_size'],
-                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)
+    vision = dict(depth=2, hidden_size=128, intermediate_size=256, num_heads=2,
+                  out_hidden_size=LLM['hidden_size'], patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=64)
     text = dict(vocab_size=len(tok), bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                 pad_token_id=tok.pad_token_id, tie_word_embeddings=False, head_dim=64,
                 rope_parameters={'rope_type': 'default', 'rope_theta': 10000.0, 'mrope_section': [8, 12, 12],

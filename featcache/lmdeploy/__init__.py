@@ -5,9 +5,10 @@
         enable_prefix_caching=True))             # same arguments as lmdeploy.pipeline
     pipe(("describe", image))
 
-Supported architectures: InternVL (``InternVLChatModel``), InternVL-HF
-(``InternVLForConditionalGeneration``), Qwen2-VL and Qwen2.5-VL, on the PyTorch engine. Anything
-else passes through untouched, with one log line. See docs/lmdeploy.md.
+Supported architectures: the declarations of ``families.SPECS`` (InternVL, InternVL-HF, Intern-S1,
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and their MoE variants), on the PyTorch engine; the
+Qwen3 lineage through lmdeploy's processor-level preprocessing (``request.newapi``). Anything else
+passes through untouched, with one log line. See docs/lmdeploy.md's support table.
 
 Two modes, chosen from the engine config:
 - one process (tp=1, ``enable_mp_engine`` off): the frontend looks each image up, and a hit skips

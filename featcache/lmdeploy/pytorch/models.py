@@ -60,11 +60,13 @@ import torch
 
 from ...core.cache import FeatureCache
 from ...core.singleflight import Flight, SingleFlight
+from ..families import DEEPSTACK, MAIN_ONLY, SPECS, VISUAL, ArchSpec
+
+__all__ = ["SPECS", "ArchSpec", "patch_model_class"]  # (SPECS: the declarations, ``families``)
 from ..request.frontend import SECTION
 from ..request.refs import REF_KEY, FeatRef
 from ..request.tags import FeatTag
 from . import ranks
-from ..families import DEEPSTACK, MAIN_ONLY, SPECS, VISUAL, ArchSpec
 from .prefix import SKIP_KEY
 from .visioncost import VisionClock
 

@@ -1,7 +1,9 @@
 """The frontend hook: keys images before preprocessing, and skips preprocessing for hits.
 
 Installed on the instance ``VisionModel.preprocess(messages)`` of lmdeploy's ``ImageEncoder``
-(it runs on the encoder's worker thread, off the engine loop). For each image of a request:
+(it runs on the encoder's worker thread, off the engine loop); a model with lmdeploy's
+processor-level ``preprocess(messages, input_prompt, mm_processor_kwargs)`` gets
+``newapi.ProcessorFrontend``, this class with that API's output. For each image of a request:
 
 - key it (``image_key`` over the decoded image, the model identity and the image's parameters;
   images that came as data URLs or files are keyed by their encoded bytes before decoding, and
