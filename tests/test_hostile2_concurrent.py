@@ -105,7 +105,7 @@ def one_image_pixels(seq) -> torch.Tensor:
 
 def hooked_vision(rig, model, before):
     """Run ``before()`` ahead of each call of ``model``'s (fake) vision tower."""
-    if rig.arch == tiny.INTERNVL:
+    if rig.arch in eng.INTERNVLS:
         inner = model.get_image_features
 
         def features(*args, **kwargs):

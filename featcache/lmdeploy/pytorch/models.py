@@ -61,8 +61,6 @@ import torch
 from ...core.cache import FeatureCache
 from ...core.singleflight import Flight, SingleFlight
 from ..families import DEEPSTACK, MAIN_ONLY, SPECS, VISUAL, ArchSpec
-
-__all__ = ["SPECS", "ArchSpec", "patch_model_class"]  # (SPECS: the declarations, ``families``)
 from ..request.frontend import SECTION
 from ..request.refs import REF_KEY, FeatRef
 from ..request.tags import FeatTag
@@ -70,6 +68,7 @@ from . import ranks
 from .prefix import SKIP_KEY
 from .visioncost import VisionClock
 
+__all__ = ["SPECS", "ArchSpec", "patch_model_class"]  # (SPECS: the declarations, ``families``)
 log = logging.getLogger("featcache")
 
 FLIGHT_WAIT_S = 10.0  # the longest a step waits for another thread's computation of its image
