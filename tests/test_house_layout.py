@@ -113,4 +113,6 @@ def test_the_lmdeploy_integration_is_split_by_purpose():
     assert {p.name for p in lmdeploy.iterdir() if p.is_dir() and p.name != "__pycache__"} == {
         "request", "pytorch", "turbomind"}
     assert not list(lmdeploy.rglob("tm_*.py"))
-    assert {p.name for p in lmdeploy.glob("*.py")} == {"__init__.py", "fastprep.py", "media.py"}
+    # families.py: the model-family declarations both engines' paths read
+    assert {p.name for p in lmdeploy.glob("*.py")} == {"__init__.py", "fastprep.py", "media.py",
+                                                       "families.py"}

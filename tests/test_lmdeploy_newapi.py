@@ -4,7 +4,7 @@ lmdeploy's real CPU code.
 Tiny Qwen3-VL and Qwen3.5 checkpoints (and their MoE variants; ``lmdeploy_tiny``) go through
 lmdeploy's real prompt path (``ImageEncoder`` + ``MultimodalProcessor``, the new-API
 ``VisionModel.preprocess`` over transformers' ``Qwen3VLProcessor``), once plain and once with
-featcache's frontend (``request.newapi``): the two outputs must be equal (input ids, offsets,
+featcache's frontend (``ProcessorFrontend``): the two outputs must be equal (input ids, offsets,
 every per-image field; a miss's pixels ``torch.equal``) for requests that mix hits and misses,
 images of several sizes, text between them and a per-request size override, while a hit is
 never given to the image processor.
@@ -303,7 +303,7 @@ def test_bad_size_options_are_refused_before_any_work(rig, options):
 
 
 def test_a_failure_inside_featcache_falls_back_to_lmdeploy(rig, monkeypatch):
-    from featcache.lmdeploy.request import newapi
+    from featcache.lmdeploy.request import frontend as newapi
 
     seed(rig, A)
 

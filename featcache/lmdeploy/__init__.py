@@ -7,7 +7,7 @@
 
 Supported architectures: the declarations of ``families.SPECS`` (InternVL, InternVL-HF, Intern-S1,
 Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and their MoE variants), on the PyTorch engine; the
-Qwen3 lineage through lmdeploy's processor-level preprocessing (``request.newapi``). Anything else
+Qwen3 lineage through lmdeploy's processor-level preprocessing (``ProcessorFrontend``). Anything else
 passes through untouched, with one log line. See docs/lmdeploy.md's support table.
 
 Two modes, chosen from the engine config:

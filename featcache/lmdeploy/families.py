@@ -52,7 +52,7 @@ class ArchSpec:
     # families, whose forward needs only an ``image_mask`` when every image hit.
     step_inputs: Callable[..., None] | None = None
     # lmdeploy's frontend API for this family: ``LEGACY`` ``preprocess(messages)`` or
-    # ``PROCESSOR`` ``preprocess(messages, input_prompt, mm_processor_kwargs)`` (``request.newapi``)
+    # ``PROCESSOR`` ``preprocess(messages, input_prompt, mm_processor_kwargs)`` (``ProcessorFrontend``)
     frontend: str = LEGACY
     # TurboMind runs this architecture with its C++ vision model: featcache's native path
     turbomind: bool = False

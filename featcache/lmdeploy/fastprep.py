@@ -85,7 +85,7 @@ def widen(encoder: Any) -> None:
     The preprocess hooks are thread-safe. The encoder's own executor is kept for everything else
     it runs (``async_infer``: the vision model's ``forward``, which TurboMind's combined path
     routes through for every image request): that stays on one thread, as lmdeploy designed it.
-    Either preprocessing API is widened (``request.newapi`` for the processor-level one)."""
+    Either preprocessing API is widened (the processor-level one: ``ProcessorFrontend``)."""
     if mode() == "lmdeploy" or getattr(encoder, "_featcache_wide", None) is not None:
         return
     model = encoder.model

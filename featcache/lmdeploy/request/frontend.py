@@ -3,7 +3,7 @@
 Installed on the instance ``VisionModel.preprocess(messages)`` of lmdeploy's ``ImageEncoder``
 (it runs on the encoder's worker thread, off the engine loop); a model with lmdeploy's
 processor-level ``preprocess(messages, input_prompt, mm_processor_kwargs)`` gets
-``newapi.ProcessorFrontend``, this class with that API's output. For each image of a request:
+``ProcessorFrontend`` (below), this class with that API's output. For each image of a request:
 
 - key it (``image_key`` over the decoded image, the model identity and the image's parameters;
   images that came as data URLs or files are keyed by their encoded bytes before decoding, and
@@ -38,12 +38,14 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ...core.cache import FeatureCache
 from ...eviction.lrumap import LruMap
 from ...keys import KeyHasher
 from ..fastprep import FastPreprocess
 from .entry_meta import decode_item, encode_item
-from .media import LOCAL_FILES, MediaPolicy
+from .media import LOCAL_FILES, MediaPolicy, image_size
 from .media import MediaOptionError as MediaOptionError  # (its home: media; named here too)
 from .messages import decoded, image_items, preprocessed, without
 from .refs import REF_KEY, FeatRef
@@ -72,8 +74,6 @@ def install_frontend(vision_model: Any, cache: FeatureCache, namespace: str,
         raise RuntimeError("featcache is already installed on this pipeline")
     if "mm_processor_kwargs" in inspect.signature(original).parameters:
         # lmdeploy's processor-level API: the prompt and every image in one processor call
-        from .newapi import ProcessorFrontend
-
         frontend: Frontend = ProcessorFrontend(vision_model, cache, original, namespace, tags=tags,
                                                hasher=hasher)
         if prompt_processor is not None:
@@ -127,7 +127,7 @@ class Frontend(SourceResolver):
 
     def __call__(self, messages: list[dict[str, Any]], *args: Any) -> Any:
         """lmdeploy's ``preprocess``: ``args`` are what follows ``messages`` in its API (none for
-        the legacy one; the prompt and the processor options for the new one, ``newapi``)."""
+        the legacy one; the prompt and the processor options for the new one, ``ProcessorFrontend``)."""
         binds = bindings(messages) if self.trust_image_ids == "verify" else []
         try:
             out = self._preprocess(messages, *args)
@@ -189,7 +189,7 @@ class Frontend(SourceResolver):
         """Each item's key (None: not cacheable) and the hits among them (item index -> the
         per-image dict rebuilt from its entry's metadata, its ``FeatRef`` holding the lease),
         counted. ``extra``: parameters of the request's that change every image's pixels
-        (``newapi``'s processor size): its images are keyed by their decoded pixels, never by
+        (``ProcessorFrontend``'s processor size): its images are keyed by their decoded pixels, never by
         the encoded bytes their sources were keyed by (which did not know them)."""
         count = self.cache.count
         hits: dict[int, dict[str, Any]] = {}  # item index -> its per-image dict
@@ -274,3 +274,167 @@ def _keyed_by_bytes(item: dict[str, Any]) -> bool:
     """Whether the item's image was decoded by ``Frontend._served`` after its bytes' key missed."""
     info = getattr(item["data"], "info", None)
     return isinstance(info, dict) and isinstance(info.get(KEY_INFO), bytes)
+
+
+# -- lmdeploy's processor-level preprocessing API ---------------------------------------------
+
+# HF processors whose placeholder expansion is a function of each image's ``image_grid_thw``
+# alone (``replace_image_token``), shown equal to lmdeploy's output by the tests
+EXPANDING = ("Qwen2VLProcessor", "Qwen3VLProcessor")
+
+
+class ProcessorFrontend(Frontend):
+    """The frontend hook for lmdeploy's processor-level preprocessing API (``__call__`` is the
+    vision model's new-API ``preprocess``).
+
+Qwen3-VL, Qwen3.5 and the other families lmdeploy 0.18 added lately preprocess a request with
+``preprocess(messages, input_prompt, mm_processor_kwargs)`` (``VisionModel.preprocess`` in
+``lmdeploy/vl/model/base.py``): one call of the checkpoint's HF processor tokenizes the rendered
+prompt, runs the image processor over every image and expands each image's placeholder to its
+token count; ``get_expanded_mm_items`` then splits the bundle into one dict per image
+(``modality, pixel_values, image_grid_thw, offset, image_token_id``). There is no per-image call
+to skip, so ``ProcessorFrontend`` makes that output itself when any image hits:
+
+- every image is keyed (as the legacy frontend keys it, ``Frontend._lookup``), with the request's
+  image size override (``mm_processor_kwargs["image"]``'s ``min_pixels``/``max_pixels``, checked
+  here: ints, or the request is refused) in its key where it changes the pixels;
+- a hit's expansion (its ``image_grid_thw``, so its token count) comes from its entry's metadata;
+- the image processor runs on the misses only, with the keyword arguments the processor's own
+  call would give it (``_merge_kwargs``), their pixels cast as lmdeploy casts them;
+- the placeholders are expanded with the processor's own ``replace_image_token`` over every
+  image's grid, by its own ``get_text_with_replacements``, and tokenized by its tokenizer with
+  its text arguments; a prompt of token ids (lmdeploy's ``/generate``) is expanded by lmdeploy's
+  own ``get_expanded_input_ids``; offsets by lmdeploy's ``get_mm_items_offset``.
+
+Invariant: the output equals lmdeploy's own for the same request (input ids, offsets, every
+per-image field; tests/test_lmdeploy_newapi.py checks it against lmdeploy's real preprocessing
+for requests mixing hits and misses). Where this is not shown (a processor outside
+``EXPANDING``, a request with videos, audio or time series) lmdeploy's own preprocessing runs for
+the whole request and featcache only tags its images: hits then skip the vision model but not
+preprocessing (counted, ``preprocess_not_skipped``). Any failure falls back to lmdeploy's own
+preprocessing (``Frontend.__call__``: counted, never a failed request). With ``tags`` (several
+processes) every request takes that path: each image travels with its pixels and a ``FeatTag``,
+and the model processes skip the vision model for the images they hold (``ranks``).
+    """
+
+    def __init__(self, vision_model: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.model = vision_model
+        self.expands = _expands(getattr(vision_model, "processor", None))
+
+    def _preprocess(self, messages: list[dict[str, Any]], input_prompt: Any = None,
+                    mm_processor_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+        items = image_items(messages)
+        if not items:  # no image, or another modality among them: lmdeploy's own, untouched
+            return self.original(decoded(messages), input_prompt, mm_processor_kwargs)
+        size = image_size(self.model.processor.image_processor, mm_processor_kwargs)
+        keys, hits = self._lookup(items, None if size is None else {"processor_size": size})
+        if self.tags or not hits or not self.expands:
+            if hits and not self.tags:
+                self.cache.count(SECTION, "preprocess_not_skipped", len(hits))
+            out = self.original(decoded(messages), input_prompt, mm_processor_kwargs)
+            self._tag(out, keys, hits)
+            return out
+        return self._expand(items, keys, hits, input_prompt, size)
+
+    def _tag(self, out: dict[str, Any], keys: list[bytes | None],
+             hits: dict[int, dict[str, Any]]) -> None:
+        """lmdeploy's output for the whole request: each image's dict gets its ``FeatRef`` (a
+        hit's, holding its lease; a miss's, for the model to store its features) or ``FeatTag``."""
+        images = [m for m in out["multimodal"] if _is_image(m)]
+        if len(images) != len(keys):
+            raise RuntimeError(f"preprocess returned {len(images)} images for {len(keys)}")
+        for index, (item, key) in enumerate(zip(images, keys, strict=True)):
+            if key is None:
+                continue
+            hit = hits.get(index)
+            if hit is not None and not self.tags:
+                item[REF_KEY] = hit[REF_KEY]
+                continue
+            meta = _meta(item, self.namespace)
+            if self.sent is not None:  # several processes: tagged, sent with its pixels
+                item[REF_KEY] = FeatTag(key, meta)
+                self.sent.put(key, meta)
+            else:
+                item[REF_KEY] = FeatRef(self.cache, key, meta, None)
+
+    def _expand(self, items: list[tuple[int, int, dict[str, Any]]], keys: list[bytes | None],
+                hits: dict[int, dict[str, Any]], input_prompt: Any,
+                size: dict[str, int] | None) -> dict[str, Any]:
+        """The request's output, the processor run on its misses only (module docstring)."""
+        from lmdeploy.vl.constants import Modality
+        from lmdeploy.vl.model.preprocess_utils import get_expanded_input_ids, get_mm_items_offset
+
+        model = self.model
+        processor = model.processor
+        call: dict[str, Any] = {"padding": True, "return_tensors": "pt"}
+        if size is not None:
+            call["images_kwargs"] = {"size": size}
+        merged = processor._merge_kwargs(tokenizer_init_kwargs=processor.tokenizer.init_kwargs, **call)
+        missed = [i for i in range(len(items)) if i not in hits]
+        grids: list[torch.Tensor] = [hit["image_grid_thw"] for hit in hits.values()]
+        grid_of = dict(zip(hits, grids, strict=True))
+        pixels: list[torch.Tensor] = []
+        if missed:
+            out = processor.image_processor([items[i][2]["data"] for i in missed],
+                                            **merged["images_kwargs"])
+            bundle = model._postprocess_mm_output(out["pixel_values"], model.mm_feature_dtype)
+            rows = [int(g.prod()) for g in out["image_grid_thw"]]
+            if sum(rows) != bundle.shape[0]:
+                raise RuntimeError(f"the image processor made {bundle.shape[0]} rows for grids of {rows}")
+            pixels = [bundle] if len(missed) == 1 else [p.clone() for p in bundle.split(rows)]
+            grid_of.update(zip(missed, out["image_grid_thw"], strict=True))
+        every = torch.stack([torch.as_tensor(grid_of[i]) for i in range(len(items))])
+        token_id = model.mm_tokens.image_token_id
+        if isinstance(input_prompt, str):
+            replacements = [processor.replace_image_token({"image_grid_thw": every}, image_idx=i)
+                            for i in range(len(items))]
+            text, _ = processor.get_text_with_replacements([input_prompt], replacements)
+            text_kwargs = dict(merged["text_kwargs"])
+            for name in ("return_mm_token_type_ids", "return_text_replacement_offsets"):
+                text_kwargs.pop(name, None)
+            input_ids = processor.tokenizer(text, **text_kwargs)["input_ids"].flatten()
+        else:  # token ids (lmdeploy's /generate): each placeholder id expanded
+            collected = {Modality.IMAGE: {"image_grid_thw": every}}
+            input_ids = get_expanded_input_ids(input_prompt, collected, processor, model.mm_tokens)
+        offsets = get_mm_items_offset(input_ids=input_ids, mm_token_id=token_id)
+        if len(offsets) != len(items):
+            raise RuntimeError(f"the prompt holds {len(offsets)} image spans for {len(items)} images")
+        multimodal = []
+        miss_pixels = dict(zip(missed, pixels, strict=True))
+        for i, offset in enumerate(offsets):
+            hit = hits.get(i)
+            item = dict(modality=Modality.IMAGE,
+                        pixel_values=hit["pixel_values"] if hit is not None else miss_pixels[i],
+                        image_grid_thw=every[i], offset=offset, image_token_id=token_id)
+            key = keys[i]
+            if hit is not None:
+                item[REF_KEY] = hit[REF_KEY]
+            elif key is not None:
+                item[REF_KEY] = FeatRef(self.cache, key, _meta(item, self.namespace), None)
+            multimodal.append(item)
+        return dict(input_ids=input_ids.tolist(), multimodal=multimodal)
+
+
+def _expands(processor: Any) -> bool:
+    """Whether ``ProcessorFrontend._expand`` reproduces ``processor``'s call: one of
+    ``EXPANDING``, its expansion and text replacement its own, unchanged."""
+    if processor is None:
+        return False
+    names = {k.__name__ for k in type(processor).__mro__}
+    return (bool(names & set(EXPANDING)) and hasattr(processor, "get_text_with_replacements")
+            and hasattr(processor, "_merge_kwargs"))
+
+
+def _is_image(item: dict[str, Any]) -> bool:
+    modality = item.get("modality")
+    return getattr(modality, "value", modality) == "image"
+
+
+def _meta(item: dict[str, Any], namespace: str) -> bytes:
+    """An image's entry metadata: its per-image dict without what is the request's (its offset)
+    or a constant (its modality), with its token count (``image_tokens``: what ``featcache ls``
+    shows; not a field of lmdeploy's dict, never put in one)."""
+    start, end = item["offset"]
+    fields = {k: v for k, v in item.items() if k not in ("offset", "modality", REF_KEY)}
+    return encode_item({**fields, "image_tokens": int(end) - int(start)}, namespace)

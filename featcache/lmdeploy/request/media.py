@@ -317,3 +317,39 @@ def _convertible(mode: str) -> bool:
     except (ValueError, TypeError, KeyError, OSError):
         return False
     return True
+
+
+MAX_PIXELS = 1 << 40  # a size override past this is no image size
+
+
+def image_size(image_processor: Any, mm_processor_kwargs: Any) -> dict[str, int] | None:
+    """The image size a request's ``mm_processor_kwargs`` asks of the processor, where it differs
+    from the processor's own (lmdeploy's ``get_override_size``); None where it does not.
+    ``MediaOptionError`` (the client's request: answered 400) for options that are not a JSON
+    object, or pixel bounds that are not ints from 1 to ``MAX_PIXELS``."""
+    if mm_processor_kwargs is None:
+        return None
+    if not isinstance(mm_processor_kwargs, dict):
+        raise MediaOptionError("mm_processor_kwargs must be an object")
+    options = mm_processor_kwargs.get("image")
+    if not options:
+        return None
+    if not isinstance(options, dict):
+        raise MediaOptionError("mm_processor_kwargs.image must be an object")
+    for name in ("min_pixels", "max_pixels"):
+        value = options.get(name)
+        if value is not None and (type(value) is not int or not 0 < value <= MAX_PIXELS):
+            raise MediaOptionError(f"mm_processor_kwargs.image.{name} must be an integer from 1 to "
+                                   f"{MAX_PIXELS}, not {value!r:.40}")
+    from lmdeploy.vl.model.preprocess_utils import get_override_size
+
+    size = get_override_size(image_processor, options, modality="image")
+    if size is None:
+        return None
+    own = getattr(image_processor, "size", None)
+    try:
+        same = (size["shortest_edge"] == own["shortest_edge"]
+                and size["longest_edge"] == own["longest_edge"])
+    except (KeyError, TypeError):
+        same = False
+    return None if same else {k: int(v) for k, v in size.items()}
