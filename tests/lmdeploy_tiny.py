@@ -151,6 +151,15 @@ class PromptPath:
         self.encoder.executor.shutdown(wait=True)
 
 
+def featcache_prepare(monkeypatch: Any, cls: type, spec: Any) -> type:
+    """Patch featcache's ``prepare`` for ``spec`` in for one test (``patch_model_class``: it
+    returns the class it patched); ``cls``'s own, lmdeploy's, is put back after the test."""
+    from featcache.lmdeploy.pytorch.models import patch_model_class
+
+    monkeypatch.setattr(cls, "prepare_inputs_for_generation", cls.prepare_inputs_for_generation)
+    return patch_model_class(spec)
+
+
 def register_processors() -> None:
     """Make ``AutoProcessor`` resolve the checkpoints' ``NoVideo*Processor`` names (idempotent).
 

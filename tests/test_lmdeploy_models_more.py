@@ -273,8 +273,7 @@ def rig(request, tmp_path_factory):
 def patched(rig, monkeypatch):
     """The rig's model class with featcache's ``prepare`` (lmdeploy's own restored afterwards)."""
     cls = CLASSES[rig.arch]
-    monkeypatch.setattr(cls, "prepare_inputs_for_generation", cls.prepare_inputs_for_generation)
-    assert models.patch_model_class(models.SPECS[rig.arch]) is cls
+    assert tiny.featcache_prepare(monkeypatch, cls, models.SPECS[rig.arch]) is cls
     return cls
 
 

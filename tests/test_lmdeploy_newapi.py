@@ -38,7 +38,6 @@ from transformers import AutoConfig  # noqa: E402
 
 from featcache import FeatureCache  # noqa: E402
 from featcache.lmdeploy import families  # noqa: E402
-from featcache.lmdeploy.pytorch import models  # noqa: E402
 from featcache.lmdeploy.pytorch.engine import KeyedInputProcessor  # noqa: E402
 from featcache.lmdeploy.request.frontend import SECTION, install_frontend  # noqa: E402
 from featcache.lmdeploy.request.media import MediaOptionError  # noqa: E402
@@ -214,8 +213,7 @@ def rig(request, tmp_path_factory):
 @pytest.fixture
 def patched(rig, monkeypatch):
     cls = CLASSES[rig.arch]
-    monkeypatch.setattr(cls, "prepare_inputs_for_generation", cls.prepare_inputs_for_generation)
-    assert models.patch_model_class(families.SPECS[rig.arch]) is cls
+    assert tiny.featcache_prepare(monkeypatch, cls, families.SPECS[rig.arch]) is cls
     return rig
 
 
@@ -396,10 +394,8 @@ def test_a_declaration_that_drops_the_deepstack_levels_fails(tmp_path_factory, m
     pass: the forward cannot take what the wrapper returns."""
     rig = Rig(tiny.QWEN3VL, tiny.checkpoint(tiny.QWEN3VL, tmp_path_factory))
     try:
-        cls = CLASSES[tiny.QWEN3VL]
-        monkeypatch.setattr(cls, "prepare_inputs_for_generation", cls.prepare_inputs_for_generation)
         wrong = families.ArchSpec(**{**families.SPECS[tiny.QWEN3VL].__dict__, "output": families.TENSOR})
-        models.patch_model_class(wrong)
+        tiny.featcache_prepare(monkeypatch, CLASSES[tiny.QWEN3VL], wrong)
         seed(rig, A)
         with pytest.raises((TypeError, AttributeError, RuntimeError)):
             rig.step(rig.fake_model(), rig.prompt(A, B))
@@ -410,10 +406,8 @@ def test_a_declaration_that_drops_the_deepstack_levels_fails(tmp_path_factory, m
 def test_a_declaration_with_a_wrong_vision_path_fails(tmp_path_factory, monkeypatch):
     rig = Rig(tiny.QWEN3_5, tiny.checkpoint(tiny.QWEN3_5, tmp_path_factory))
     try:
-        cls = CLASSES[tiny.QWEN3_5]
-        monkeypatch.setattr(cls, "prepare_inputs_for_generation", cls.prepare_inputs_for_generation)
         wrong = families.ArchSpec(**{**families.SPECS[tiny.QWEN3_5].__dict__, "vision": "visual"})
-        models.patch_model_class(wrong)
+        tiny.featcache_prepare(monkeypatch, CLASSES[tiny.QWEN3_5], wrong)
         seed(rig, A)
         with pytest.raises(AttributeError):
             rig.step(rig.fake_model(), rig.prompt(A, B))

@@ -113,7 +113,8 @@ def patch_model_class(spec: ArchSpec) -> type:
         if stale is not None:  # the last step of this thread ended before its vision call
             _land(stale)
         _step.plan = None
-        images = _step_images(context, spec.items)
+        items = _step_items(context, spec.items)
+        images = _visual(items, spec.items)
         refs = _step_refs(images)
         if not any(refs):  # (a tagged image without pixels, where this process has no cache)
             _rebuild_misses(images, refs, [None] * len(refs), self)
@@ -149,8 +150,7 @@ def patch_model_class(spec: ArchSpec) -> type:
             if spec.step_inputs is None:
                 inputs["image_mask"] = context.input_ids == images[0].meta["image_token_id"]
         if spec.step_inputs is not None and any(taken):
-            spec.step_inputs(self, _vision_module(self, spec), context,
-                             _step_items(context, spec.items), plan.tokens, inputs)
+            spec.step_inputs(self, _vision_module(self, spec), context, items, plan.tokens, inputs)
         _step.plan = plan
         return inputs
 
@@ -168,11 +168,10 @@ def _step_items(context: Any, key: str) -> list[Any]:
     return [d for mm in mms if mm for d in (mm.get(key) or [])]
 
 
-def _step_images(context: Any, key: str = "image") -> list[Any]:
-    """The step's items that its vision call takes, in that call's order: every item of an
-    "image" list; the ``VISUAL`` items of an "mm_data" list (video frames among them: featcache
-    keys none, so they are computed as lmdeploy computes them)."""
-    items = _step_items(context, key)
+def _visual(items: list[Any], key: str) -> list[Any]:
+    """Of the step's ``items`` (its ``key`` list), those its vision call takes, in that call's
+    order: every item of an "image" list; the ``VISUAL`` items of an "mm_data" list (video frames
+    among them: featcache keys none, so they are computed as lmdeploy computes them)."""
     if key == "image":
         return items
     return [d for d in items if _modality(d) in VISUAL]

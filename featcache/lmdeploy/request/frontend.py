@@ -76,8 +76,6 @@ def install_frontend(vision_model: Any, cache: FeatureCache, namespace: str,
         # lmdeploy's processor-level API: the prompt and every image in one processor call
         frontend: Frontend = ProcessorFrontend(vision_model, cache, original, namespace, tags=tags,
                                                hasher=hasher)
-        if prompt_processor is not None:
-            install_sources(prompt_processor, frontend)
 
         @functools.wraps(original)
         def preprocess(messages: list[dict[str, Any]], input_prompt: Any = None,
@@ -87,12 +85,12 @@ def install_frontend(vision_model: Any, cache: FeatureCache, namespace: str,
         # a miss is preprocessed by featcache where it reproduces lmdeploy exactly (``fastprep``)
         frontend = Frontend(cache, FastPreprocess(vision_model, original, cache), namespace,
                             tags=tags, hasher=hasher)
-        if prompt_processor is not None:
-            install_sources(prompt_processor, frontend)
 
         @functools.wraps(original)
         def preprocess(messages: list[dict[str, Any]]) -> Any:  # type: ignore[misc]
             return frontend(messages)
+    if prompt_processor is not None:
+        install_sources(prompt_processor, frontend)
 
     preprocess._featcache = True  # type: ignore[attr-defined]
     preprocess.frontend = frontend  # type: ignore[attr-defined]
@@ -263,11 +261,15 @@ class Frontend(SourceResolver):
                 self.cache.count(SECTION, "uncacheable")
                 log.debug("featcache: image not cached (%s)", e)
                 continue
-            if self.sent is not None:  # several processes: what the model processes were sent
-                output[REF_KEY] = FeatTag(key, meta)
-                self.sent.put(key, meta)
-            else:
-                output[REF_KEY] = FeatRef(self.cache, key, meta, None)
+            output[REF_KEY] = self._miss_ref(key, meta)
+
+    def _miss_ref(self, key: bytes, meta: bytes) -> FeatRef | FeatTag:
+        """What rides with an image the model computes: a ``FeatRef`` for the model to store its
+        features under; several processes: a ``FeatTag``, remembered as sent (``sent``)."""
+        if self.sent is None:
+            return FeatRef(self.cache, key, meta, None)
+        self.sent.put(key, meta)
+        return FeatTag(key, meta)
 
 
 def _keyed_by_bytes(item: dict[str, Any]) -> bool:
@@ -287,34 +289,35 @@ class ProcessorFrontend(Frontend):
     """The frontend hook for lmdeploy's processor-level preprocessing API (``__call__`` is the
     vision model's new-API ``preprocess``).
 
-Qwen3-VL, Qwen3.5 and the other families lmdeploy 0.18 added lately preprocess a request with
-``preprocess(messages, input_prompt, mm_processor_kwargs)`` (``VisionModel.preprocess`` in
-``lmdeploy/vl/model/base.py``): one call of the checkpoint's HF processor tokenizes the rendered
-prompt, runs the image processor over every image and expands each image's placeholder to its
-token count; ``get_expanded_mm_items`` then splits the bundle into one dict per image
-(``modality, pixel_values, image_grid_thw, offset, image_token_id``). There is no per-image call
-to skip, so ``ProcessorFrontend`` makes that output itself when any image hits:
+    Qwen3-VL, Qwen3.5 and the other families lmdeploy 0.18 added lately preprocess a request with
+    ``preprocess(messages, input_prompt, mm_processor_kwargs)`` (``VisionModel.preprocess`` in
+    ``lmdeploy/vl/model/base.py``): one call of the checkpoint's HF processor tokenizes the rendered
+    prompt, runs the image processor over every image and expands each image's placeholder to its
+    token count; ``get_expanded_mm_items`` then splits the bundle into one dict per image
+    (``modality, pixel_values, image_grid_thw, offset, image_token_id``). There is no per-image call
+    to skip, so ``ProcessorFrontend`` makes that output itself when any image hits:
 
-- every image is keyed (as the legacy frontend keys it, ``Frontend._lookup``), with the request's
-  image size override (``mm_processor_kwargs["image"]``'s ``min_pixels``/``max_pixels``, checked
-  here: ints, or the request is refused) in its key where it changes the pixels;
-- a hit's expansion (its ``image_grid_thw``, so its token count) comes from its entry's metadata;
-- the image processor runs on the misses only, with the keyword arguments the processor's own
-  call would give it (``_merge_kwargs``), their pixels cast as lmdeploy casts them;
-- the placeholders are expanded with the processor's own ``replace_image_token`` over every
-  image's grid, by its own ``get_text_with_replacements``, and tokenized by its tokenizer with
-  its text arguments; a prompt of token ids (lmdeploy's ``/generate``) is expanded by lmdeploy's
-  own ``get_expanded_input_ids``; offsets by lmdeploy's ``get_mm_items_offset``.
+    - every image is keyed (as the legacy frontend keys it, ``Frontend._lookup``), with the request's
+      image size override (``mm_processor_kwargs["image"]``'s ``min_pixels``/``max_pixels``, checked
+      by ``media.image_size``: ints, or the request is refused) in its key where it changes the
+      pixels;
+    - a hit's expansion (its ``image_grid_thw``, so its token count) comes from its entry's metadata;
+    - the image processor runs on the misses only, with the keyword arguments the processor's own
+      call would give it (``_merge_kwargs``), their pixels cast as lmdeploy casts them;
+    - the placeholders are expanded with the processor's own ``replace_image_token`` over every
+      image's grid, by its own ``get_text_with_replacements``, and tokenized by its tokenizer with
+      its text arguments; a prompt of token ids (lmdeploy's ``/generate``) is expanded by lmdeploy's
+      own ``get_expanded_input_ids``; offsets by lmdeploy's ``get_mm_items_offset``.
 
-Invariant: the output equals lmdeploy's own for the same request (input ids, offsets, every
-per-image field; tests/test_lmdeploy_newapi.py checks it against lmdeploy's real preprocessing
-for requests mixing hits and misses). Where this is not shown (a processor outside
-``EXPANDING``, a request with videos, audio or time series) lmdeploy's own preprocessing runs for
-the whole request and featcache only tags its images: hits then skip the vision model but not
-preprocessing (counted, ``preprocess_not_skipped``). Any failure falls back to lmdeploy's own
-preprocessing (``Frontend.__call__``: counted, never a failed request). With ``tags`` (several
-processes) every request takes that path: each image travels with its pixels and a ``FeatTag``,
-and the model processes skip the vision model for the images they hold (``ranks``).
+    Invariant: the output equals lmdeploy's own for the same request (input ids, offsets, every
+    per-image field; tests/test_lmdeploy_newapi.py checks it against lmdeploy's real preprocessing
+    for requests mixing hits and misses). Where this is not shown (a processor outside
+    ``EXPANDING``, a request with videos, audio or time series) lmdeploy's own preprocessing runs for
+    the whole request and featcache only tags its images: hits then skip the vision model but not
+    preprocessing (counted, ``preprocess_not_skipped``). Any failure falls back to lmdeploy's own
+    preprocessing (``Frontend.__call__``: counted, never a failed request). With ``tags`` (several
+    processes) every request takes that path: each image travels with its pixels and a ``FeatTag``,
+    and the model processes skip the vision model for the images they hold (``ranks``).
     """
 
     def __init__(self, vision_model: Any, *args: Any, **kwargs: Any) -> None:
@@ -351,12 +354,7 @@ and the model processes skip the vision model for the images they hold (``ranks`
             if hit is not None and not self.tags:
                 item[REF_KEY] = hit[REF_KEY]
                 continue
-            meta = _meta(item, self.namespace)
-            if self.sent is not None:  # several processes: tagged, sent with its pixels
-                item[REF_KEY] = FeatTag(key, meta)
-                self.sent.put(key, meta)
-            else:
-                item[REF_KEY] = FeatRef(self.cache, key, meta, None)
+            item[REF_KEY] = self._miss_ref(key, _meta(item, self.namespace))  # (mp: with its pixels)
 
     def _expand(self, items: list[tuple[int, int, dict[str, Any]]], keys: list[bytes | None],
                 hits: dict[int, dict[str, Any]], input_prompt: Any,
@@ -411,7 +409,7 @@ and the model processes skip the vision model for the images they hold (``ranks`
             if hit is not None:
                 item[REF_KEY] = hit[REF_KEY]
             elif key is not None:
-                item[REF_KEY] = FeatRef(self.cache, key, _meta(item, self.namespace), None)
+                item[REF_KEY] = self._miss_ref(key, _meta(item, self.namespace))
             multimodal.append(item)
         return dict(input_ids=input_ids.tolist(), multimodal=multimodal)
 
