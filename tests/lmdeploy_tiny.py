@@ -35,12 +35,15 @@ QWEN3VL = "Qwen3VLForConditionalGeneration"
 QWEN3VL_MOE = "Qwen3VLMoeForConditionalGeneration"
 QWEN3_5 = "Qwen3_5ForConditionalGeneration"
 QWEN3_5_MOE = "Qwen3_5MoeForConditionalGeneration"
-DIRS = {INTERNVL: "internvl_hf_tiny", QWEN2VL: "qwen2vl_tiny", INTERNS1: "interns1_tiny",
+GLM4V = "Glm4vForConditionalGeneration"  # GLM-4.1V
+DIRS = {GLM4V: "glm4v_tiny", INTERNVL: "internvl_hf_tiny", QWEN2VL: "qwen2vl_tiny", INTERNS1: "interns1_tiny",
         QWEN3VL: "qwen3vl_tiny", QWEN3VL_MOE: "qwen3vl_moe_tiny", QWEN3_5: "qwen3_5_tiny",
         QWEN3_5_MOE: "qwen3_5_moe_tiny"}
 # the processor-level ("new") preprocessing API of lmdeploy 0.18
-NEW_API = (QWEN3VL, QWEN3VL_MOE, QWEN3_5, QWEN3_5_MOE)
+NEW_API = (QWEN3VL, QWEN3VL_MOE, QWEN3_5, QWEN3_5_MOE, GLM4V)
 QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS = 32 * 32, 32 * 32 * 64  # patch 16, merge 2: 1 to 64 tokens
+# GLM-4.1V's smart_resize counts the temporal factor (2) in its budget: 28*28*2 per token
+GLM4V_MIN_PIXELS, GLM4V_MAX_PIXELS = 28 * 28 * 2, 28 * 28 * 2 * 64
 
 _LLM = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=4096)
@@ -178,9 +181,9 @@ def register_processors() -> None:
             "get_attributes": get_attributes, "__module__": __name__,
             "__doc__": f"{base.__name__} without a video processor (which needs torchvision)."})
 
-    from transformers import Qwen3VLProcessor
+    from transformers import Glm4vProcessor, Qwen3VLProcessor
 
-    for base in (InternVLProcessor, Qwen2VLProcessor, Qwen3VLProcessor):
+    for base in (InternVLProcessor, Qwen2VLProcessor, Qwen3VLProcessor, Glm4vProcessor):
         key = type(f"_{base.__name__}Key", (PretrainedConfig,), {"model_type": f"featcache-{base.__name__}"})
         AutoProcessor.register(key, without_video(base), exist_ok=True)
     _registered = True
@@ -192,6 +195,8 @@ def build(root: str, arch: str) -> str:
     os.makedirs(out, exist_ok=True)
     if arch == INTERNS1:
         _internvl_hf(out, INTERNS1)
+    elif arch == GLM4V:
+        _glm4v(out)
     elif arch in NEW_API:
         _qwen3(out, arch)
     else:
@@ -325,3 +330,37 @@ def _qwen3(out: str, arch: str) -> None:
         video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
         vision_end_token_id=ids("<|vision_end|>"), tie_word_embeddings=False)
     _finish(out, cfg, arch, tok, {"processor_class": "NoVideoQwen3VLProcessor"})
+
+
+def _glm4v(out: str) -> None:
+    """GLM-4.1V: patch 14, merge 2, CLIP mean and std, its own smart_resize (a pixel budget that
+    counts the temporal factor, small images upscaled), the special tokens its processor reads."""
+    from transformers import Glm4vConfig, Glm4vImageProcessorPil
+
+    tok = _tokenizer(["<|endoftext|>", "[gMASK]", "<sop>", "<|user|>", "<|assistant|>", "<|im_end|>",
+                      "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>",
+                      "<|end_of_video|>", "<|video|>"])
+    tok.chat_template = (
+        "[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['content'] is string %}"
+        "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+        "<|begin_of_image|><|image|><|end_of_image|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
+        "{% endif %}{% endfor %}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n"
+        "{% endif %}")
+    tok.save_pretrained(out)
+    Glm4vImageProcessorPil(size={"shortest_edge": GLM4V_MIN_PIXELS, "longest_edge": GLM4V_MAX_PIXELS}
+                           ).save_pretrained(out)
+    ids = tok.convert_tokens_to_ids
+    cfg = Glm4vConfig(
+        text_config=dict(vocab_size=len(tok), bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, partial_rotary_factor=0.5,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [8, 12, 12], "partial_rotary_factor": 0.5},
+                         **{**_LLM, "num_attention_heads": 2, "num_key_value_heads": 1}),
+        vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
+                           out_hidden_size=_LLM["hidden_size"], patch_size=14, spatial_merge_size=2,
+                           temporal_patch_size=2, image_size=56),
+        image_token_id=ids("<|image|>"), video_token_id=ids("<|video|>"),
+        image_start_token_id=ids("<|begin_of_image|>"), image_end_token_id=ids("<|end_of_image|>"),
+        video_start_token_id=ids("<|begin_of_video|>"), video_end_token_id=ids("<|end_of_video|>"),
+        tie_word_embeddings=False)
+    _finish(out, cfg, GLM4V, tok, {"processor_class": "NoVideoGlm4vProcessor"})

@@ -32,7 +32,7 @@ from torch import nn
 _lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
 
 import lmdeploy_tiny as tiny  # noqa: E402
-from lmdeploy.pytorch.models import qwen3_5, qwen3_vl  # noqa: E402
+from lmdeploy.pytorch.models import glm4_1v, qwen3_5, qwen3_vl  # noqa: E402
 from lmdeploy.pytorch.models.utils.model import DeployModelMixinV1  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
@@ -44,15 +44,22 @@ from featcache.lmdeploy.request.media import MediaOptionError  # noqa: E402
 from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
 
 HIDDEN = 256  # the tiny LLMs' hidden size
-PATCH_ROW = 3 * 2 * 16 * 16  # one Qwen3 patch row: channels * temporal * patch * patch
 MERGE = 4  # 2x2 patches merge into one image token
 LEVELS = 3  # the tiny Qwen3-VL: main output plus two deepstack levels
-FAMILIES = [tiny.QWEN3VL, tiny.QWEN3_5]
+FAMILIES = [tiny.QWEN3VL, tiny.QWEN3_5, tiny.GLM4V]
+# each family's size override for one request: (min_pixels, max_pixels) a quarter of the default
+SMALL = {tiny.QWEN3VL: (tiny.QWEN3_MIN_PIXELS, 32 * 32 * 16), tiny.QWEN3_5: (tiny.QWEN3_MIN_PIXELS, 32 * 32 * 16),
+         tiny.GLM4V: (tiny.GLM4V_MIN_PIXELS, 28 * 28 * 2 * 16)}
 
 
 def features(pixel_values: torch.Tensor) -> torch.Tensor:
-    """[tokens, HIDDEN]: each token from its own 4 merged patch rows."""
-    return pixel_values.float().reshape(-1, MERGE * PATCH_ROW)[:, :HIDDEN]
+    """[tokens, HIDDEN]: each token from its own 4 merged patch rows (a Qwen3 patch row is
+    3 * 2 * 16 * 16 values, a GLM-4.1V one 3 * 2 * 14 * 14: either holds HIDDEN)."""
+    return pixel_values.float().reshape(-1, MERGE * pixel_values.shape[-1])[:, :HIDDEN]
+
+
+def n_levels(arch: str) -> int:
+    return LEVELS if families.SPECS[arch].output == families.DEEPSTACK else 1
 
 
 def levels(pixel_values: torch.Tensor) -> list[torch.Tensor]:
@@ -87,6 +94,26 @@ class FakeVisual(nn.Module):
         self.calls.append(hidden_states)
         outs = levels(hidden_states)
         return (outs[0], outs[1:]) if self.deepstack else outs[0]
+
+
+class FakeGlmVisual(nn.Module):
+    """Stands in for ``Glm4vVisionModel``: lmdeploy's own ``rot_pos_emb`` (which prepare calls),
+    a fake forward."""
+
+    rot_pos_emb = glm4_1v.Glm4vVisionModel.rot_pos_emb
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        vision = config.vision_config
+        self.spatial_merge_size = vision.spatial_merge_size
+        self.rotary_pos_emb = glm4_1v.Glm4vVisionRotaryEmbedding(vision.hidden_size // vision.num_heads // 2)
+        self.calls: list[torch.Tensor] = []
+
+    def forward(self, hidden_states, cu_seqlens, rotary_pos_emb, grid_thw, image_type_ids):
+        assert rotary_pos_emb[0].shape[0] == hidden_states.shape[0]  # lmdeploy's, for the pixels given
+        assert int(grid_thw.prod(-1).sum()) == hidden_states.shape[0]
+        self.calls.append(hidden_states)
+        return features(hidden_states)
 
 
 class Recorder:
@@ -142,8 +169,35 @@ class FakeQwen3_5:
         return self.model.language_model.calls[-1]
 
 
+GLM4V_CLASS = glm4_1v.Glm4vForConditionalGeneration.__wrapped__  # the class behind @vlm_model
+
+
+class FakeGlm4v:
+    """Stands in for a ``Glm4vForConditionalGeneration`` in its own prepare and forward."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self.embed = nn.Embedding(config.text_config.vocab_size, HIDDEN)
+        self.visual = FakeGlmVisual(config)
+        self.language_model = Recorder()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed
+
+    def run(self, inputs: dict) -> dict:
+        GLM4V_CLASS.forward(self, **inputs)
+        return self.language_model.calls[-1]
+
+
 CLASSES = {tiny.QWEN3VL: qwen3_vl.Qwen3VLForConditionalGeneration,
-           tiny.QWEN3_5: qwen3_5.Qwen3_5ForConditionalGeneration}
+           tiny.QWEN3_5: qwen3_5.Qwen3_5ForConditionalGeneration,
+           tiny.GLM4V: GLM4V_CLASS}
+FAKES = {tiny.QWEN3VL: FakeQwen3VL, tiny.QWEN3_5: FakeQwen3_5, tiny.GLM4V: FakeGlm4v}
+
+
+def vision_of(model):
+    """The fake tower of a fake model (where its declaration says the tower is)."""
+    return model.model.visual if isinstance(model, FakeQwen3_5) else model.visual
 
 
 def step_context(input_ids: list[int], multimodals: list[dict] | None, config) -> types.SimpleNamespace:
@@ -174,8 +228,9 @@ class Rig:
             return call(this, images, *args, **kwargs)
 
         ip.__class__ = type(f"Recorded{type(ip).__name__}", (type(ip),), {"__call__": recorded})
-        self.processor = KeyedInputProcessor(qwen3_vl.Qwen3VLInputProcessor(self.config, torch.float16),
-                                             families.SPECS[arch].items)
+        inner = (glm4_1v.Glm4vInputProcessor(self.config) if arch == tiny.GLM4V
+                 else qwen3_vl.Qwen3VLInputProcessor(self.config, torch.float16))
+        self.processor = KeyedInputProcessor(inner, families.SPECS[arch].items)
 
     def close(self) -> None:
         self.plain.close()
@@ -188,7 +243,7 @@ class Rig:
         return path.prompt(tiny.messages(*(tiny.image_item(i) for i in images), text=text), **kwargs)
 
     def fake_model(self):
-        return FakeQwen3VL(self.config) if self.arch == tiny.QWEN3VL else FakeQwen3_5(self.config)
+        return FAKES[self.arch](self.config)
 
     def stats(self) -> dict[str, int]:
         return self.cache.stats().get(SECTION, {})
@@ -203,7 +258,7 @@ class Rig:
         return model.run(inputs)
 
 
-@pytest.fixture(params=FAMILIES, ids=["qwen3vl", "qwen3_5"])
+@pytest.fixture(params=FAMILIES, ids=["qwen3vl", "qwen3_5", "glm4v"])
 def rig(request, tmp_path_factory):
     r = Rig(request.param, tiny.checkpoint(request.param, tmp_path_factory))
     yield r
@@ -246,7 +301,7 @@ def assert_same(plain: dict, ours: dict) -> None:
 def seed(rig: Rig, *images, **kwargs) -> dict[bytes, torch.Tensor]:
     """Store features for ``images`` as a previous step's model would have (every level)."""
     stored = {}
-    width = HIDDEN * (LEVELS if families.SPECS[rig.arch].output == families.DEEPSTACK else 1)
+    width = HIDDEN * n_levels(rig.arch)
     for item in rig.prompt(*images, **kwargs)["multimodal"]:
         ref = item[REF_KEY]
         start, end = item["offset"]
@@ -278,13 +333,14 @@ def test_hits_expand_from_their_metadata_equal_to_lmdeploy(rig, images):
 
 def test_a_size_override_is_in_the_key_and_equal_to_lmdeploy(rig):
     seed(rig, C)
-    small = {"image": {"min_pixels": tiny.QWEN3_MIN_PIXELS, "max_pixels": 32 * 32 * 16}}
+    low, high = SMALL[rig.arch]
+    small = {"image": {"min_pixels": low, "max_pixels": high}}
     ours = rig.prompt(C, mm_processor_kwargs=small)
     assert not ours["multimodal"][0][REF_KEY].hit  # another size: another entry
     assert_same(rig.prompt(C, plain=True, mm_processor_kwargs=small), ours)
     ref = ours["multimodal"][0][REF_KEY]
     start, end = ours["multimodal"][0]["offset"]
-    rig.cache.put(ref.key, torch.randn(end - start, HIDDEN * LEVELS), meta=ref.meta)
+    rig.cache.put(ref.key, torch.randn(end - start, HIDDEN * n_levels(rig.arch)), meta=ref.meta)
     again = rig.prompt(A, C, mm_processor_kwargs=small)
     assert [r[REF_KEY].hit for r in again["multimodal"]] == [False, True]
     assert_same(rig.prompt(A, C, plain=True, mm_processor_kwargs=small), again)
@@ -323,7 +379,7 @@ def test_a_failure_inside_featcache_falls_back_to_lmdeploy(rig, monkeypatch):
 def expected(rig: Rig, prompt: dict, plain: dict, stored: dict[bytes, torch.Tensor]) -> list[torch.Tensor]:
     """Per level, the rows every image should contribute, in order: a hit's stored rows, a
     miss's fake-tower rows from lmdeploy's own pixels."""
-    n = LEVELS if rig.arch == tiny.QWEN3VL else 1
+    n = n_levels(rig.arch)
     rows: list[list[torch.Tensor]] = [[] for _ in range(n)]
     for item, own in zip(prompt["multimodal"], plain["multimodal"], strict=True):
         ref = item[REF_KEY]
@@ -341,7 +397,7 @@ def test_a_step_serves_hits_and_computes_misses_only(patched, images):
     rig = patched
     stored = seed(rig, A)
     model = rig.fake_model()
-    visual = model.visual if rig.arch == tiny.QWEN3VL else model.model.visual
+    visual = vision_of(model)
     prompt = rig.prompt(*images)
     plain = rig.prompt(*images, plain=True)
     got = rig.step(model, prompt)
@@ -367,7 +423,7 @@ def test_a_step_serves_hits_and_computes_misses_only(patched, images):
         if not item[REF_KEY].hit:
             lease = rig.cache.acquire(item[REF_KEY].key)
             assert lease is not None
-            want_rows = torch.cat(levels(own["pixel_values"])[:LEVELS if rig.arch == tiny.QWEN3VL else 1], -1)
+            want_rows = torch.cat(levels(own["pixel_values"])[:n_levels(rig.arch)], -1)
             assert torch.equal(lease.tensor.float(), want_rows)
             lease.release()
     again = rig.prompt(*images)

@@ -2,7 +2,7 @@
 """Build tiny, random-initialised, hub-free VLM checkpoints that lmdeploy 0.18 (PyTorch engine
 and TurboMind) can load. Run where the models are used (the GPU machine builds its own in seconds).
 
-    python3 bench/device/make_tiny_vlm.py OUT_DIR [--arch internvl|qwen2vl|internvl_chat|qwen3vl|qwen3_5|all]
+    python3 bench/device/make_tiny_vlm.py OUT_DIR [--arch internvl|qwen2vl|internvl_chat|qwen3vl|qwen3_5|glm4v|all]
                                           [--dtype bfloat16|float16|float32]
 
 Writes OUT_DIR/internvl_hf_tiny, OUT_DIR/qwen2vl_tiny and/or OUT_DIR/internvl_chat_tiny:
@@ -291,11 +291,56 @@ def qwen3(out, arch, dtype='bfloat16'):
     return out
 
 
+GLM4V_SPECIAL = ['<|endoftext|>', '[gMASK]', '<sop>', '<|user|>', '<|assistant|>', '<|im_end|>',
+                 '<|begin_of_image|>', '<|end_of_image|>', '<|image|>', '<|begin_of_video|>',
+                 '<|end_of_video|>', '<|video|>']
+GLM4V_TEMPLATE = (
+    "[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['content'] is string %}"
+    "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+    "<|begin_of_image|><|image|><|end_of_image|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def glm4v(out, dtype='bfloat16'):
+    """GLM-4.1V (``Glm4vForConditionalGeneration``): patch 14, merge 2, CLIP mean/std, its own
+    smart_resize (1 to 64 tokens here); a 2-layer ViT (hidden 128, head_dim 64) and a 2-layer LLM
+    (hidden 256, 2 heads of 128 as the real one, half of each rotary, mrope). The tokenizer and template of
+    tests/lmdeploy_tiny.py's GLM-4.1V checkpoint."""
+    from transformers import Glm4vConfig, Glm4vForConditionalGeneration, Glm4vImageProcessor, Glm4vProcessor
+    from transformers import Glm4vVideoProcessor
+    os.makedirs(out, exist_ok=True)
+    tok = qwen_tokenizer(out, GLM4V_SPECIAL)
+    tok.chat_template = GLM4V_TEMPLATE
+    ip = Glm4vImageProcessor(size={'shortest_edge': 28 * 28 * 2, 'longest_edge': 28 * 28 * 2 * 64})
+    proc = Glm4vProcessor(image_processor=ip, tokenizer=tok, video_processor=Glm4vVideoProcessor(),
+                          chat_template=tok.chat_template)
+    proc.save_pretrained(out)
+    ids = tok.convert_tokens_to_ids
+    cfg = Glm4vConfig(
+        text_config=dict(vocab_size=len(tok), bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, partial_rotary_factor=0.5,
+                         rope_parameters={'rope_type': 'default', 'rope_theta': 10000.0,
+                                          'mrope_section': [8, 12, 12], 'partial_rotary_factor': 0.5},
+                         **{**LLM, 'num_attention_heads': 2, 'num_key_value_heads': 1}),
+        vision_config=dict(depth=2, hidden_size=128, intermediate_size=256, num_heads=2,
+                           out_hidden_size=LLM['hidden_size'], patch_size=14, spatial_merge_size=2,
+                           temporal_patch_size=2, image_size=56),
+        image_token_id=ids('<|image|>'), video_token_id=ids('<|video|>'),
+        image_start_token_id=ids('<|begin_of_image|>'), image_end_token_id=ids('<|end_of_image|>'),
+        video_start_token_id=ids('<|begin_of_video|>'), video_end_token_id=ids('<|end_of_video|>'),
+        tie_word_embeddings=False)
+    cfg.architectures = ['Glm4vForConditionalGeneration']
+    _save(Glm4vForConditionalGeneration, cfg, out, 'Glm4vForConditionalGeneration', dtype,
+          tok.eos_token_id, tok.pad_token_id)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('out')
     ap.add_argument('--arch', default='all',
-                    choices=['internvl', 'qwen2vl', 'internvl_chat', 'qwen3vl', 'qwen3_5', 'both', 'all'])
+                    choices=['internvl', 'qwen2vl', 'internvl_chat', 'qwen3vl', 'qwen3_5', 'glm4v', 'both',
+                             'all'])
     ap.add_argument('--dtype', default='bfloat16', choices=['bfloat16', 'float16', 'float32'])
     a = ap.parse_args()
     built = []
@@ -308,6 +353,8 @@ def main():
     for arch in ('qwen3vl', 'qwen3_5'):
         if a.arch in (arch, 'all'):
             built.append(qwen3(os.path.join(a.out, f'{arch}_tiny'), arch, a.dtype))
+    if a.arch in ('glm4v', 'all'):
+        built.append(glm4v(os.path.join(a.out, 'glm4v_tiny'), a.dtype))
     for b in built:
         size = sum(os.path.getsize(os.path.join(b, f)) for f in os.listdir(b))
         print(f'wrote {b} ({size / 1e6:.2f} MB): {sorted(os.listdir(b))}')

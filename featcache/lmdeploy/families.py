@@ -122,6 +122,12 @@ SPECS: dict[str, ArchSpec] = {
     "Qwen3_5ForConditionalGeneration": _QWEN3_5,
     "Qwen3_5MoeForConditionalGeneration": _as(_QWEN3_5, "qwen3_5_moe",
                                               "Qwen3_5MoeForConditionalGeneration"),
+    # GLM-4.1V: Qwen2-VL's shape (visual -> [rows, hidden], the "image" list, an image_mask over
+    # the step's ids) with two more grid inputs, behind the processor-level frontend
+    "Glm4vForConditionalGeneration": ArchSpec(
+        "glm4_1v", "Glm4vForConditionalGeneration", "visual", True,
+        {"pixel_values": _empty, "vis_cu_seqlens": _empty, "vis_pos_emb": _pair,
+         "image_type_ids": _empty, "grid_thw": _empty}, frontend=PROCESSOR),
 }
 
 
@@ -170,7 +176,7 @@ SUPPORT: tuple[Support, ...] = (
     _through("InternS1ProForConditionalGeneration", "Intern-S1-Pro", _NOT_YET),
     _through("InternS1_1_ForConditionalGeneration", "Intern-S1.1", _NOT_YET),
     _through("Qwen3OmniMoeForConditionalGeneration", "Qwen3-Omni (thinker)", _NOT_YET),
-    _through("Glm4vForConditionalGeneration", "GLM-4.1V", _NOT_YET),
+    _cached("Glm4vForConditionalGeneration", "GLM-4.1V"),
     _through("Gemma3ForConditionalGeneration", "Gemma 3", _NOT_YET),
     _through("LlavaForConditionalGeneration", "LLaVA (HF)", _NOT_YET),
     _through("LlavaNextForConditionalGeneration", "LLaVA-NeXT", _NOT_YET),
