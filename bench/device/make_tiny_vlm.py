@@ -2,7 +2,8 @@
 """Build tiny, random-initialised, hub-free VLM checkpoints that lmdeploy 0.18 (PyTorch engine
 and TurboMind) can load. Run where the models are used (the GPU machine builds its own in seconds).
 
-    python3 bench/device/make_tiny_vlm.py OUT_DIR [--arch internvl|qwen2vl|internvl_chat|qwen3vl|qwen3_5|glm4v|all]
+    python3 bench/device/make_tiny_vlm.py OUT_DIR
+        [--arch internvl|qwen2vl|internvl_chat|qwen3vl|qwen3_5|glm4v|all]
                                           [--dtype bfloat16|float16|float32]
 
 Writes OUT_DIR/internvl_hf_tiny, OUT_DIR/qwen2vl_tiny and/or OUT_DIR/internvl_chat_tiny:
@@ -304,10 +305,15 @@ GLM4V_TEMPLATE = (
 def glm4v(out, dtype='bfloat16'):
     """GLM-4.1V (``Glm4vForConditionalGeneration``): patch 14, merge 2, CLIP mean/std, its own
     smart_resize (1 to 64 tokens here); a 2-layer ViT (hidden 128, head_dim 64) and a 2-layer LLM
-    (hidden 256, 2 heads of 128 as the real one, half of each rotary, mrope). The tokenizer and template of
-    tests/lmdeploy_tiny.py's GLM-4.1V checkpoint."""
-    from transformers import Glm4vConfig, Glm4vForConditionalGeneration, Glm4vImageProcessor, Glm4vProcessor
-    from transformers import Glm4vVideoProcessor
+    (hidden 256, 2 heads of 128 as the real one, half of each rotary, mrope). The tokenizer and
+    template of tests/lmdeploy_tiny.py's GLM-4.1V checkpoint."""
+    from transformers import (
+        Glm4vConfig,
+        Glm4vForConditionalGeneration,
+        Glm4vImageProcessor,
+        Glm4vProcessor,
+        Glm4vVideoProcessor,
+    )
     os.makedirs(out, exist_ok=True)
     tok = qwen_tokenizer(out, GLM4V_SPECIAL)
     tok.chat_template = GLM4V_TEMPLATE
