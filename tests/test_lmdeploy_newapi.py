@@ -49,7 +49,8 @@ LEVELS = 3  # the tiny Qwen3-VL: main output plus two deepstack levels
 FAMILIES = [tiny.QWEN3VL, tiny.QWEN3_5, tiny.GLM4V]
 # each family's size override for one request: (min_pixels, max_pixels) a quarter of the default
 SMALL = {tiny.QWEN3VL: (tiny.QWEN3_MIN_PIXELS, 32 * 32 * 16),
-         tiny.QWEN3_5: (tiny.QWEN3_MIN_PIXELS, 32 * 32 * 16), tiny.GLM4V: (tiny.GLM4V_MIN_PIXELS, 28 * 28 * 2 * 16)}
+         tiny.QWEN3_5: (tiny.QWEN3_MIN_PIXELS, 32 * 32 * 16),
+         tiny.GLM4V: (tiny.GLM4V_MIN_PIXELS, 28 * 28 * 2 * 16)}
 
 
 def features(pixel_values: torch.Tensor) -> torch.Tensor:
