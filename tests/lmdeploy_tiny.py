@@ -36,7 +36,10 @@ QWEN3VL_MOE = "Qwen3VLMoeForConditionalGeneration"
 QWEN3_5 = "Qwen3_5ForConditionalGeneration"
 QWEN3_5_MOE = "Qwen3_5MoeForConditionalGeneration"
 GLM4V = "Glm4vForConditionalGeneration"  # GLM-4.1V
-DIRS = {GLM4V: "glm4v_tiny", INTERNVL: "internvl_hf_tiny", QWEN2VL: "qwen2vl_tiny", INTERNS1: "interns1_tiny",
+GEMMA3 = "Gemma3ForConditionalGeneration"
+GEMMA3_TOKENS = 4  # the tiny Gemma 3: 56 px images, patch 14, 2x2 pooled: 4 tokens an image
+DIRS = {GEMMA3: "gemma3_tiny", GLM4V: "glm4v_tiny", INTERNVL: "internvl_hf_tiny", QWEN2VL: "qwen2vl_tiny",
+        INTERNS1: "interns1_tiny",
         QWEN3VL: "qwen3vl_tiny", QWEN3VL_MOE: "qwen3vl_moe_tiny", QWEN3_5: "qwen3_5_tiny",
         QWEN3_5_MOE: "qwen3_5_moe_tiny"}
 # the processor-level ("new") preprocessing API of lmdeploy 0.18
@@ -197,6 +200,8 @@ def build(root: str, arch: str) -> str:
         _internvl_hf(out, INTERNS1)
     elif arch == GLM4V:
         _glm4v(out)
+    elif arch == GEMMA3:
+        _gemma3(out)
     elif arch in NEW_API:
         _qwen3(out, arch)
     else:
@@ -364,3 +369,32 @@ def _glm4v(out: str) -> None:
         video_start_token_id=ids("<|begin_of_video|>"), video_end_token_id=ids("<|end_of_video|>"),
         tie_word_embeddings=False)
     _finish(out, cfg, GLM4V, tok, {"processor_class": "NoVideoGlm4vProcessor"})
+
+
+def _gemma3(out: str) -> None:
+    """Gemma 3: SigLIP at 56 px (patch 14), its patches average-pooled 2x2 into 4 tokens an image
+    (the public checkpoints: 896 px, 256 tokens); a fixed bilinear resize, mean and std 0.5."""
+    from transformers import Gemma3Config, Gemma3ImageProcessorPil
+
+    tok = _tokenizer(["<|endoftext|>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<|im_end|>",
+                      "<start_of_image>", "<end_of_image>", "<image_soft_token>"],
+                     extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                           "image_token": "<image_soft_token>"})
+    tok.chat_template = (
+        "<bos>{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
+        "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+    tok.save_pretrained(out)
+    Gemma3ImageProcessorPil(size={"height": 56, "width": 56}, image_mean=[0.5] * 3,
+                            image_std=[0.5] * 3).save_pretrained(out)
+    ids = tok.convert_tokens_to_ids
+    cfg = Gemma3Config(
+        text_config=dict(vocab_size=len(tok), bos_token_id=ids("<bos>"), eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, head_dim=64, sliding_window=64,
+                         **{**_LLM, "num_hidden_layers": 2}),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=2, image_size=56, patch_size=14),
+        mm_tokens_per_image=GEMMA3_TOKENS, boi_token_index=ids("<start_of_image>"),
+        eoi_token_index=ids("<end_of_image>"), image_token_index=ids("<image_soft_token>"),
+        tie_word_embeddings=False)
+    _finish(out, cfg, GEMMA3, tok, {"processor_class": "Gemma3Processor",
+                                    "image_seq_length": GEMMA3_TOKENS})

@@ -3,7 +3,7 @@
 and TurboMind) can load. Run where the models are used (the GPU machine builds its own in seconds).
 
     python3 bench/device/make_tiny_vlm.py OUT_DIR
-        [--arch internvl|qwen2vl|internvl_chat|qwen3vl|qwen3_5|glm4v|all]
+        [--arch internvl|qwen2vl|internvl_chat|qwen3vl|qwen3_5|glm4v|gemma3|all]
                                           [--dtype bfloat16|float16|float32]
 
 Writes OUT_DIR/internvl_hf_tiny, OUT_DIR/qwen2vl_tiny and/or OUT_DIR/internvl_chat_tiny:
@@ -341,12 +341,52 @@ def glm4v(out, dtype='bfloat16'):
     return out
 
 
+def gemma3(out, dtype='bfloat16'):
+    """Gemma 3 (``Gemma3ForConditionalGeneration``): SigLIP at 56 px (patch 14, hidden 128, head_dim
+    64), 2x2 pooled into 4 tokens an image (the public checkpoints: 896 px, 256 tokens), a fixed
+    bilinear resize with mean/std 0.5; a 2-layer Gemma 3 LLM (hidden 256, head_dim 64, sliding
+    window 64). The tokenizer and template of tests/lmdeploy_tiny.py's Gemma 3 checkpoint."""
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessor,
+        Gemma3Processor,
+        Qwen2TokenizerFast,
+    )
+    os.makedirs(out, exist_ok=True)
+    tmp = _bpe_tokenizer_file(out, ['<|endoftext|>', '<bos>', '<start_of_turn>', '<end_of_turn>',
+                                    '<|im_end|>', '<start_of_image>', '<end_of_image>', '<image_soft_token>'])
+    image_tokens = {'boi_token': '<start_of_image>', 'eoi_token': '<end_of_image>',
+                    'image_token': '<image_soft_token>'}
+    tok = Qwen2TokenizerFast(tokenizer_file=tmp, eos_token='<|im_end|>', pad_token='<|endoftext|>',
+                             extra_special_tokens=image_tokens)
+    os.remove(tmp)
+    tok.chat_template = (
+        "<bos>{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
+        "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+    ip = Gemma3ImageProcessor(size={'height': 56, 'width': 56}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    Gemma3Processor(image_processor=ip, tokenizer=tok, chat_template=tok.chat_template,
+                    image_seq_length=4).save_pretrained(out)
+    ids = tok.convert_tokens_to_ids
+    cfg = Gemma3Config(
+        text_config=dict(vocab_size=len(tok), bos_token_id=ids('<bos>'), eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, head_dim=64, sliding_window=64, **LLM),
+        vision_config=dict(model_type='siglip_vision_model', hidden_size=128, intermediate_size=256,
+                           num_hidden_layers=2, num_attention_heads=2, image_size=56, patch_size=14),
+        mm_tokens_per_image=4, boi_token_index=ids('<start_of_image>'), eoi_token_index=ids('<end_of_image>'),
+        image_token_index=ids('<image_soft_token>'), tie_word_embeddings=False)
+    cfg.architectures = ['Gemma3ForConditionalGeneration']
+    _save(Gemma3ForConditionalGeneration, cfg, out, 'Gemma3ForConditionalGeneration', dtype,
+          tok.eos_token_id, tok.pad_token_id)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('out')
     ap.add_argument('--arch', default='all',
-                    choices=['internvl', 'qwen2vl', 'internvl_chat', 'qwen3vl', 'qwen3_5', 'glm4v', 'both',
-                             'all'])
+                    choices=['internvl', 'qwen2vl', 'internvl_chat', 'qwen3vl', 'qwen3_5', 'glm4v', 'gemma3',
+                             'both', 'all'])
     ap.add_argument('--dtype', default='bfloat16', choices=['bfloat16', 'float16', 'float32'])
     a = ap.parse_args()
     built = []
@@ -361,6 +401,8 @@ def main():
             built.append(qwen3(os.path.join(a.out, f'{arch}_tiny'), arch, a.dtype))
     if a.arch in ('glm4v', 'all'):
         built.append(glm4v(os.path.join(a.out, 'glm4v_tiny'), a.dtype))
+    if a.arch in ('gemma3', 'all'):
+        built.append(gemma3(os.path.join(a.out, 'gemma3_tiny'), a.dtype))
     for b in built:
         size = sum(os.path.getsize(os.path.join(b, f)) for f in os.listdir(b))
         print(f'wrote {b} ({size / 1e6:.2f} MB): {sorted(os.listdir(b))}')

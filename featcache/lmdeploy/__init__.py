@@ -33,6 +33,7 @@ from typing import Any
 
 from ..config import DEFAULT_DIR, DEFAULTS, EVICTIONS
 from ..core.cache import FeatureCache
+from .families import PREFIX_CACHED
 from .fastprep import widen
 from .pytorch.budgets import EngineSizedCache, check_budgets, chosen_budgets, default_cache
 from .pytorch.engine import KeyedInputProcessor, keep_prefix_caching
@@ -48,8 +49,9 @@ from .request.sources import trust_image_ids as trust_image_ids_on
 from .request.tags import FeatTag
 from .turbomind import wrap_turbomind
 
-__all__ = ["DEFAULT_DIR", "SECTION", "SPECS", "FeatRef", "FeatTag", "MediaPolicy", "RequestReport",
-           "chosen_budgets", "default_cache", "model_stats", "multi_process", "pipeline", "wrap"]
+__all__ = ["DEFAULT_DIR", "PREFIX_CACHED", "SECTION", "SPECS", "FeatRef", "FeatTag", "MediaPolicy",
+           "RequestReport", "chosen_budgets", "default_cache", "model_stats", "multi_process", "pipeline",
+           "wrap"]
 
 log = logging.getLogger("featcache")
 
@@ -106,7 +108,7 @@ def pipeline(model_path: str, *, cache: FeatureCache | None = None, namespace: s
             cache = counters_cache()
     wanted = bool(getattr(backend_config, "enable_prefix_caching", False)) and isinstance(
         backend_config, lmdeploy.PytorchEngineConfig)
-    with keep_prefix_caching(wanted, supported=set(SPECS)):
+    with keep_prefix_caching(wanted, supported=PREFIX_CACHED):
         pipe = lmdeploy.pipeline(model_path, **pipeline_kwargs)
     if cache is None:  # built once the engine is (lmdeploy may choose the backend)
         try:

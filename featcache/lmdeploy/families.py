@@ -35,7 +35,9 @@ class ArchSpec:
     cls: str  # the top-level model class
     vision: str  # the vision call: a method name, or a submodule's dotted path ("model.visual")
     submodule: bool  # True: ``vision`` names an nn.Module attribute; False: a method
-    placeholders: dict[str, Callable[[torch.device], Any]]  # forward kwargs when every image hit
+    # forward kwargs when every image of the step hit: ``make(device, images)`` (``images``: the
+    # step's visual ``MultiModalData``, every one a hit with a 0-row placeholder as its data)
+    placeholders: dict[str, Callable[[torch.device, list[Any]], Any]]
     # the key of the step's ``MultiModalData`` lists in ``context.input_multimodals``: "image"
     # (every item an image), or "mm_data" (the Qwen3 lineage: images, video frames, audio and
     # time series in one list; its ``VISUAL`` items are the vision call's inputs, in order)
@@ -56,14 +58,24 @@ class ArchSpec:
     frontend: str = LEGACY
     # TurboMind runs this architecture with its C++ vision model: featcache's native path
     turbomind: bool = False
+    # featcache keeps the engine's prefix caching on for it (its images keyed by content). False
+    # where the forward assumes every image's whole span is in the step (Gemma 3's bidirectional
+    # image-attention masks, built from the step's own ids with positions from 0)
+    prefix_caching: bool = True
 
 
-def _empty(device: torch.device) -> torch.Tensor:
+def _empty(device: torch.device, images: list[Any]) -> torch.Tensor:
     return torch.empty(0, device=device)
 
 
-def _pair(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return _empty(device), _empty(device)
+def _pair(device: torch.device, images: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    return _empty(device, images), _empty(device, images)
+
+
+def _step_pixels(device: torch.device, images: list[Any]) -> torch.Tensor:
+    """The hits' own 0-row pixels, joined as lmdeploy's prepare joins pixels: a forward that reads
+    the pixels' dtype (Gemma 3's attention masks) sees the one plain lmdeploy's forward sees."""
+    return torch.cat([d.data for d in images]).to(device)
 
 
 def qwen3_step_inputs(model: Any, vision: Any, context: Any, items: list[Any], tokens: list[int],
@@ -124,11 +136,20 @@ SPECS: dict[str, ArchSpec] = {
                                               "Qwen3_5MoeForConditionalGeneration"),
     # GLM-4.1V: Qwen2-VL's shape (visual -> [rows, hidden], the "image" list, an image_mask over
     # the step's ids) with two more grid inputs, behind the processor-level frontend
+    # Gemma 3: get_image_features -> [images, tokens, hidden]; its forward builds bidirectional
+    # image masks in the pixels' dtype whenever pixels are given, so an all-hit step passes the
+    # hits' 0-row pixels (in the model's dtype); prefix caching stays off, as lmdeploy leaves it
+    "Gemma3ForConditionalGeneration": ArchSpec(
+        "gemma3_vl", "Gemma3ForConditionalGeneration", "get_image_features", False,
+        {"pixel_values": _step_pixels}, prefix_caching=False),
     "Glm4vForConditionalGeneration": ArchSpec(
         "glm4_1v", "Glm4vForConditionalGeneration", "visual", True,
         {"pixel_values": _empty, "vis_cu_seqlens": _empty, "vis_pos_emb": _pair,
          "image_type_ids": _empty, "grid_thw": _empty}, frontend=PROCESSOR),
 }
+
+# the architectures whose engine prefix caching featcache keeps on (``keep_prefix_caching``)
+PREFIX_CACHED = frozenset(arch for arch, spec in SPECS.items() if spec.prefix_caching)
 
 
 @dataclass(frozen=True)
@@ -149,7 +170,8 @@ def _cached(arch: str, family: str) -> Support:
     spec = SPECS[arch]
     engines = "PyTorch engine" + (", TurboMind (native path)" if spec.turbomind else "")
     api = "legacy preprocess" if spec.frontend == LEGACY else "processor-level preprocess"
-    return Support(arch, family, "cached", f"{engines}; {api}")
+    prefix = "" if spec.prefix_caching else "; engine prefix caching stays off (full-prefill masks)"
+    return Support(arch, family, "cached", f"{engines}; {api}{prefix}")
 
 
 def _through(arch: str, family: str, why: str) -> Support:
@@ -177,7 +199,7 @@ SUPPORT: tuple[Support, ...] = (
     _through("InternS1_1_ForConditionalGeneration", "Intern-S1.1", _NOT_YET),
     _through("Qwen3OmniMoeForConditionalGeneration", "Qwen3-Omni (thinker)", _NOT_YET),
     _cached("Glm4vForConditionalGeneration", "GLM-4.1V"),
-    _through("Gemma3ForConditionalGeneration", "Gemma 3", _NOT_YET),
+    _cached("Gemma3ForConditionalGeneration", "Gemma 3"),
     _through("LlavaForConditionalGeneration", "LLaVA (HF)", _NOT_YET),
     _through("LlavaNextForConditionalGeneration", "LLaVA-NeXT", _NOT_YET),
     _through("Llama4ForConditionalGeneration", "Llama 4", _NOT_YET),

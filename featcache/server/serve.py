@@ -41,7 +41,7 @@ from typing import Any
 
 from ..config import ENGINE_PROCESSES, REPORTS
 from ..core.cache import FeatureCache
-from ..lmdeploy import SPECS, keep_prefix_caching, multi_process, wrap
+from ..lmdeploy import PREFIX_CACHED, keep_prefix_caching, multi_process, wrap
 from ..lmdeploy.request.media import MediaPolicy
 from ..lmdeploy.turbomind import PATHS
 from ..warm import loading
@@ -255,7 +255,7 @@ def featcache_engine(cache: FeatureCache, namespace: str | None,
                     from ..lmdeploy.pytorch.processes import FeatcacheEngineConfig
 
                     kwargs["backend_config"] = FeatcacheEngineConfig.of(config, model_cache)
-            with keep_prefix_caching(wanted, supported=set(SPECS)), \
+            with keep_prefix_caching(wanted, supported=PREFIX_CACHED), \
                     loading(str(kwargs.get("model_path", model))):
                 engine = engine_class(**kwargs)
             if elsewhere and engines is not None:

@@ -146,7 +146,7 @@ def patch_model_class(spec: ArchSpec) -> type:
         if all(hit):
             device = context.input_ids.device
             for name, make in spec.placeholders.items():
-                inputs[name] = make(device)
+                inputs[name] = make(device, images)
             if spec.step_inputs is None:
                 inputs["image_mask"] = context.input_ids == images[0].meta["image_token_id"]
         if spec.step_inputs is not None and any(taken):
