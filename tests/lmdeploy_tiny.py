@@ -36,14 +36,19 @@ QWEN3VL_MOE = "Qwen3VLMoeForConditionalGeneration"
 QWEN3_5 = "Qwen3_5ForConditionalGeneration"
 QWEN3_5_MOE = "Qwen3_5MoeForConditionalGeneration"
 GLM4V = "Glm4vForConditionalGeneration"  # GLM-4.1V
+# Intern-S1-Pro / S1.1 ship remote-code configs and processors (time series beside images): a
+# stand-in, Qwen3-VL's config and processor under its architecture string (lmdeploy's classes for
+# it are real: its vision model, input processor, prepare and forward)
+INTERNS1PRO = "InternS1ProForConditionalGeneration"
 GEMMA3 = "Gemma3ForConditionalGeneration"
 GEMMA3_TOKENS = 4  # the tiny Gemma 3: 56 px images, patch 14, 2x2 pooled: 4 tokens an image
-DIRS = {GEMMA3: "gemma3_tiny", GLM4V: "glm4v_tiny", INTERNVL: "internvl_hf_tiny", QWEN2VL: "qwen2vl_tiny",
+DIRS = {INTERNS1PRO: "interns1pro_standin", GEMMA3: "gemma3_tiny", GLM4V: "glm4v_tiny",
+        INTERNVL: "internvl_hf_tiny", QWEN2VL: "qwen2vl_tiny",
         INTERNS1: "interns1_tiny",
         QWEN3VL: "qwen3vl_tiny", QWEN3VL_MOE: "qwen3vl_moe_tiny", QWEN3_5: "qwen3_5_tiny",
         QWEN3_5_MOE: "qwen3_5_moe_tiny"}
 # the processor-level ("new") preprocessing API of lmdeploy 0.18
-NEW_API = (QWEN3VL, QWEN3VL_MOE, QWEN3_5, QWEN3_5_MOE, GLM4V)
+NEW_API = (QWEN3VL, QWEN3VL_MOE, QWEN3_5, QWEN3_5_MOE, GLM4V, INTERNS1PRO)
 QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS = 32 * 32, 32 * 32 * 64  # patch 16, merge 2: 1 to 64 tokens
 # GLM-4.1V's smart_resize counts the temporal factor (2) in its budget: 28*28*2 per token
 GLM4V_MIN_PIXELS, GLM4V_MAX_PIXELS = 28 * 28 * 2, 28 * 28 * 2 * 64
@@ -321,14 +326,14 @@ def _qwen3(out: str, arch: str) -> None:
                 pad_token_id=tok.pad_token_id, tie_word_embeddings=False, head_dim=64,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                  "mrope_section": [8, 12, 12], "mrope_interleaved": True}, **_LLM)
-    if arch in (QWEN3VL, QWEN3VL_MOE):
+    if arch in (QWEN3VL, QWEN3VL_MOE, INTERNS1PRO):
         vision["deepstack_visual_indexes"] = [0, 1]
     if arch in (QWEN3VL_MOE, QWEN3_5_MOE):
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, decoder_sparse_step=1)
     if arch in (QWEN3_5, QWEN3_5_MOE):
         text.update(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
                     linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32)
-    config_class = {QWEN3VL: "Qwen3VLConfig", QWEN3VL_MOE: "Qwen3VLMoeConfig",
+    config_class = {QWEN3VL: "Qwen3VLConfig", QWEN3VL_MOE: "Qwen3VLMoeConfig", INTERNS1PRO: "Qwen3VLConfig",
                     QWEN3_5: "Qwen3_5Config", QWEN3_5_MOE: "Qwen3_5MoeConfig"}[arch]
     cfg = getattr(transformers, config_class)(
         text_config=text, vision_config=vision, image_token_id=ids("<|image_pad|>"),

@@ -32,7 +32,7 @@ from torch import nn
 _lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
 
 import lmdeploy_tiny as tiny  # noqa: E402
-from lmdeploy.pytorch.models import glm4_1v, qwen3_5, qwen3_vl  # noqa: E402
+from lmdeploy.pytorch.models import glm4_1v, interns1_pro, qwen3_5, qwen3_vl  # noqa: E402
 from lmdeploy.pytorch.models.utils.model import DeployModelMixinV1  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
@@ -46,11 +46,12 @@ from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
 HIDDEN = 256  # the tiny LLMs' hidden size
 MERGE = 4  # 2x2 patches merge into one image token
 LEVELS = 3  # the tiny Qwen3-VL: main output plus two deepstack levels
-FAMILIES = [tiny.QWEN3VL, tiny.QWEN3_5, tiny.GLM4V]
+FAMILIES = [tiny.QWEN3VL, tiny.QWEN3_5, tiny.GLM4V, tiny.INTERNS1PRO]
 # each family's size override for one request: (min_pixels, max_pixels) a quarter of the default
 SMALL = {tiny.QWEN3VL: (tiny.QWEN3_MIN_PIXELS, 32 * 32 * 16),
          tiny.QWEN3_5: (tiny.QWEN3_MIN_PIXELS, 32 * 32 * 16),
-         tiny.GLM4V: (tiny.GLM4V_MIN_PIXELS, 28 * 28 * 2 * 16)}
+         tiny.GLM4V: (tiny.GLM4V_MIN_PIXELS, 28 * 28 * 2 * 16),
+         tiny.INTERNS1PRO: (tiny.QWEN3_MIN_PIXELS, 32 * 32 * 16)}
 
 
 def features(pixel_values: torch.Tensor) -> torch.Tensor:
@@ -146,6 +147,17 @@ class FakeQwen3VL:
         return self.language_model.calls[-1]
 
 
+class FakeInternS1Pro(FakeQwen3VL):
+    """Stands in for an ``InternS1ProForConditionalGeneration``: Qwen3-VL's tower (deepstack
+    levels and all), a forward that drops the levels."""
+
+    enable_return_routed_experts = False
+
+    def run(self, inputs: dict) -> dict:
+        interns1_pro.InternS1ProForConditionalGeneration.forward(self, **inputs)
+        return self.language_model.calls[-1]
+
+
 class FakeQwen3_5:
     """Stands in for a ``Qwen3_5ForConditionalGeneration`` (its prepare) and its inner
     ``Qwen3_5Model`` (its forward), whose vision tower is ``model.visual``."""
@@ -192,8 +204,9 @@ class FakeGlm4v:
 
 CLASSES = {tiny.QWEN3VL: qwen3_vl.Qwen3VLForConditionalGeneration,
            tiny.QWEN3_5: qwen3_5.Qwen3_5ForConditionalGeneration,
-           tiny.GLM4V: GLM4V_CLASS}
-FAKES = {tiny.QWEN3VL: FakeQwen3VL, tiny.QWEN3_5: FakeQwen3_5, tiny.GLM4V: FakeGlm4v}
+           tiny.GLM4V: GLM4V_CLASS, tiny.INTERNS1PRO: interns1_pro.InternS1ProForConditionalGeneration}
+FAKES = {tiny.QWEN3VL: FakeQwen3VL, tiny.QWEN3_5: FakeQwen3_5, tiny.GLM4V: FakeGlm4v,
+         tiny.INTERNS1PRO: FakeInternS1Pro}
 
 
 def vision_of(model):
@@ -230,7 +243,8 @@ class Rig:
 
         ip.__class__ = type(f"Recorded{type(ip).__name__}", (type(ip),), {"__call__": recorded})
         inner = (glm4_1v.Glm4vInputProcessor(self.config) if arch == tiny.GLM4V
-                 else qwen3_vl.Qwen3VLInputProcessor(self.config, torch.float16))
+                 else interns1_pro.InternS1ProInputProcessor(self.config, torch.float16)
+                 if arch == tiny.INTERNS1PRO else qwen3_vl.Qwen3VLInputProcessor(self.config, torch.float16))
         self.processor = KeyedInputProcessor(inner, families.SPECS[arch].items)
 
     def close(self) -> None:
@@ -259,7 +273,7 @@ class Rig:
         return model.run(inputs)
 
 
-@pytest.fixture(params=FAMILIES, ids=["qwen3vl", "qwen3_5", "glm4v"])
+@pytest.fixture(params=FAMILIES, ids=["qwen3vl", "qwen3_5", "glm4v", "interns1pro"])
 def rig(request, tmp_path_factory):
     r = Rig(request.param, tiny.checkpoint(request.param, tmp_path_factory))
     yield r
@@ -470,3 +484,31 @@ def test_a_declaration_with_a_wrong_vision_path_fails(tmp_path_factory, monkeypa
             rig.step(rig.fake_model(), rig.prompt(A, B))
     finally:
         rig.close()
+
+
+def test_a_processor_that_overrides_its_expansion_takes_lmdeploys_preprocessing(rig):
+    """A checkpoint's remote-code processor (Intern-S2's, Intern-S1-Pro's) that overrides what
+    featcache would reproduce is not reproduced: lmdeploy preprocesses the whole request, a hit
+    is tagged (the vision model is still skipped for it) and counted as not skipping preprocessing."""
+    from featcache.lmdeploy.request import frontend as newapi
+
+    processor = rig.frontend.model.processor
+    base = type(processor)
+    remote = type(f"Remote{base.__name__}", (base,), {
+        "__module__": "transformers_modules.remote.processing",
+        "replace_image_token": lambda self, *a, **k: base.replace_image_token(self, *a, **k)})
+    processor.__class__ = remote
+    ours = rig.frontend.model.preprocess.frontend
+    ours.expands = newapi._expands(processor)
+    assert not ours.expands
+    seed(rig, A)
+    rig.given.clear()
+    plain, got = rig.prompt(A, B, plain=True), rig.prompt(A, B)
+    assert got["input_ids"] == plain["input_ids"]
+    for x, y in zip(plain["multimodal"], got["multimodal"], strict=True):
+        assert torch.equal(x["pixel_values"], y["pixel_values"])
+    assert [item[REF_KEY].hit for item in got["multimodal"]] == [True, False]
+    assert rig.given == [[A.size, B.size]]  # both preprocessed, by lmdeploy
+    assert rig.stats()["preprocess_not_skipped"] == 1
+    processor.__class__ = base
+    assert newapi._expands(processor)

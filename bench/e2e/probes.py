@@ -42,12 +42,16 @@ class VisionCounter:
 
         wrap(ivl.InternVLForConditionalGeneration, "get_image_features")
         wrap(legacy.InternVLChatModel, "extract_feature")  # InternVL2 (the seed models)
+        import lmdeploy.pytorch.models.gemma3_vl as gemma3
+        import lmdeploy.pytorch.models.glm4_1v as glm4v
+
+        wrap(gemma3.Gemma3ForConditionalGeneration, "get_image_features")
         import lmdeploy.pytorch.models.qwen3_5 as q35
         import lmdeploy.pytorch.models.qwen3_vl as q3
 
         for vt in (q2.Qwen2VisionTransformerPretrainedModel,
                    q25.Qwen2_5_VisionTransformerPretrainedModel, q3.Qwen3VLVisionModel,
-                   q35.Qwen3_5VisionModel):
+                   q35.Qwen3_5VisionModel, glm4v.Glm4vVisionModel):
             wrap(getattr(vt, "__wrapped__", vt), "forward")
 
     def take(self) -> tuple[int, int]:
@@ -79,11 +83,13 @@ class PromptLogits:
                 out = orig(self_, *a, **k)
                 if not _is_decoding(a, k):
                     meta = k.get("attn_metadata", a[3] if len(a) > 3 else None)
-                    logits = self_.get_logits(out)
+                    hidden = out["hidden_states"] if isinstance(out, dict) else out  # (Qwen3.5: a dict)
+                    logits = self_.get_logits(hidden)
                     flat = logits.reshape(-1, logits.shape[-1])
                     lens = [int(x) for x in getattr(meta, "q_seqlens", torch.tensor([flat.shape[0]]))]
                     parts = flat.split(lens) if sum(lens) == flat.shape[0] else [flat]
                     mask = k.get("image_mask")  # the image's tokens in this step (a prefill with pixels)
+                    mask = k.get("multimodal_mask") if mask is None else mask  # (the Qwen3 lineage)
                     first = mask.reshape(-1).nonzero() if mask is not None else None
                     rec.last = [q[-1].float().cpu() for q in parts]
                     rec.rows.append(dict(seqlens=lens, image_at=int(first[0]) if first is not None

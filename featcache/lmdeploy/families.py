@@ -136,6 +136,21 @@ SPECS: dict[str, ArchSpec] = {
                                               "Qwen3_5MoeForConditionalGeneration"),
     # GLM-4.1V: Qwen2-VL's shape (visual -> [rows, hidden], the "image" list, an image_mask over
     # the step's ids) with two more grid inputs, behind the processor-level frontend
+    # Intern-S2 Preview: lmdeploy builds it with the Qwen3.5-MoE class (module_map.py), behind the
+    # checkpoint's own (remote) processor
+    "InternS2PreviewForConditionalGeneration": _as(_QWEN3_5, "qwen3_5_moe",
+                                                   "Qwen3_5MoeForConditionalGeneration"),
+    "InternS2PreviewForCausalLM": _as(_QWEN3_5, "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"),
+    # Intern-S2 Mobius: its own class, Qwen3.5's prepare and forward (model.visual, one tensor)
+    "InternS2MobiusForConditionalGeneration": _as(_QWEN3_5, "interns2_mobius",
+                                                  "InternS2MobiusForConditionalGeneration"),
+    "InternS2MobiusForCausalLM": _as(_QWEN3_5, "interns2_mobius", "InternS2MobiusForConditionalGeneration"),
+    # Intern-S1-Pro / S1.1: Qwen3-VL's tower and prepare; its forward drops the deepstack levels
+    # (``image_embeds, _ = self.visual(...)``): only the main rows are cached
+    "InternS1ProForConditionalGeneration": _as(_QWEN3_VL, "interns1_pro",
+                                               "InternS1ProForConditionalGeneration", output=MAIN_ONLY),
+    "InternS1_1_ForConditionalGeneration": _as(_QWEN3_VL, "interns1_pro",
+                                               "InternS1ProForConditionalGeneration", output=MAIN_ONLY),
     # Gemma 3: get_image_features -> [images, tokens, hidden]; its forward builds bidirectional
     # image masks in the pixels' dtype whenever pixels are given, so an all-hit step passes the
     # hits' 0-row pixels (in the model's dtype); prefix caching stays off, as lmdeploy leaves it
@@ -190,13 +205,12 @@ SUPPORT: tuple[Support, ...] = (
     _cached("Qwen3VLMoeForConditionalGeneration", "Qwen3-VL-MoE"),
     _cached("Qwen3_5ForConditionalGeneration", "Qwen3.5"),
     _cached("Qwen3_5MoeForConditionalGeneration", "Qwen3.5-MoE"),
-    _through("InternS2PreviewForConditionalGeneration", "Intern-S2 Preview",
-             "the Qwen3.5-MoE engine class behind a remote processor: " + _NOT_YET),
-    _through("InternS2PreviewForCausalLM", "Intern-S2 Preview", "as above: " + _NOT_YET),
-    _through("InternS2MobiusForConditionalGeneration", "Intern-S2 Mobius", _NOT_YET),
-    _through("InternS2MobiusForCausalLM", "Intern-S2 Mobius", _NOT_YET),
-    _through("InternS1ProForConditionalGeneration", "Intern-S1-Pro", _NOT_YET),
-    _through("InternS1_1_ForConditionalGeneration", "Intern-S1.1", _NOT_YET),
+    _cached("InternS2PreviewForConditionalGeneration", "Intern-S2 Preview"),
+    _cached("InternS2PreviewForCausalLM", "Intern-S2 Preview"),
+    _cached("InternS2MobiusForConditionalGeneration", "Intern-S2 Mobius"),
+    _cached("InternS2MobiusForCausalLM", "Intern-S2 Mobius"),
+    _cached("InternS1ProForConditionalGeneration", "Intern-S1-Pro"),
+    _cached("InternS1_1_ForConditionalGeneration", "Intern-S1.1"),
     _through("Qwen3OmniMoeForConditionalGeneration", "Qwen3-Omni (thinker)", _NOT_YET),
     _cached("Glm4vForConditionalGeneration", "GLM-4.1V"),
     _cached("Gemma3ForConditionalGeneration", "Gemma 3"),

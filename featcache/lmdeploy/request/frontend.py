@@ -414,14 +414,26 @@ class ProcessorFrontend(Frontend):
         return dict(input_ids=input_ids.tolist(), multimodal=multimodal)
 
 
+# what ``_expand`` calls or reproduces of a processor: defined by transformers, never overridden
+_EXPANSION = ("__call__", "replace_image_token", "get_text_with_replacements", "_merge_kwargs")
+
+
 def _expands(processor: Any) -> bool:
     """Whether ``ProcessorFrontend._expand`` reproduces ``processor``'s call: one of
-    ``EXPANDING``, its expansion and text replacement its own, unchanged."""
+    ``EXPANDING`` (or a subclass of one), whose call, expansion and text replacement are
+    transformers' own. A checkpoint's remote-code processor that overrides any of them (Intern-S2's
+    and Intern-S1-Pro's ship their own, with time series) takes lmdeploy's preprocessing, its
+    images tagged: hits still skip the vision model."""
     if processor is None:
         return False
-    names = {k.__name__ for k in type(processor).__mro__}
-    return (bool(names & set(EXPANDING)) and hasattr(processor, "get_text_with_replacements")
-            and hasattr(processor, "_merge_kwargs"))
+    mro = type(processor).__mro__
+    if not {k.__name__ for k in mro} & set(EXPANDING):
+        return False
+    for name in _EXPANSION:
+        owner = next((k for k in mro if name in vars(k)), None)
+        if owner is None or not owner.__module__.startswith("transformers."):
+            return False
+    return True
 
 
 def _is_image(item: dict[str, Any]) -> bool:
