@@ -41,8 +41,10 @@ GLM4V = "Glm4vForConditionalGeneration"  # GLM-4.1V
 # it are real: its vision model, input processor, prepare and forward)
 INTERNS1PRO = "InternS1ProForConditionalGeneration"
 GEMMA3 = "Gemma3ForConditionalGeneration"
+LLAVA = "LlavaForConditionalGeneration"  # LLaVA (HF): llava-1.5-hf, llava-interleave-qwen-hf
+LLAVA_TOKENS = 16  # the tiny LLaVA: CLIP at 56 px, patch 14, CLS dropped: 16 tokens an image
 GEMMA3_TOKENS = 4  # the tiny Gemma 3: 56 px images, patch 14, 2x2 pooled: 4 tokens an image
-DIRS = {INTERNS1PRO: "interns1pro_standin", GEMMA3: "gemma3_tiny", GLM4V: "glm4v_tiny",
+DIRS = {LLAVA: "llava_tiny", INTERNS1PRO: "interns1pro_standin", GEMMA3: "gemma3_tiny", GLM4V: "glm4v_tiny",
         INTERNVL: "internvl_hf_tiny", QWEN2VL: "qwen2vl_tiny",
         INTERNS1: "interns1_tiny",
         QWEN3VL: "qwen3vl_tiny", QWEN3VL_MOE: "qwen3vl_moe_tiny", QWEN3_5: "qwen3_5_tiny",
@@ -207,6 +209,8 @@ def build(root: str, arch: str) -> str:
         _glm4v(out)
     elif arch == GEMMA3:
         _gemma3(out)
+    elif arch == LLAVA:
+        _llava(out)
     elif arch in NEW_API:
         _qwen3(out, arch)
     else:
@@ -403,3 +407,30 @@ def _gemma3(out: str) -> None:
         tie_word_embeddings=False)
     _finish(out, cfg, GEMMA3, tok, {"processor_class": "Gemma3Processor",
                                     "image_seq_length": GEMMA3_TOKENS})
+
+
+def _llava(out: str) -> None:
+    """LLaVA (HF): CLIP at 56 px (patch 14; the public checkpoints: 336 px, 576 tokens), the
+    second-last layer's patch tokens (CLS dropped), a two-layer projector; shortest-edge resize and
+    centre crop with CLIP's mean and std; a Qwen2 LLM as llava-interleave-qwen's."""
+    from transformers import CLIPImageProcessorPil, LlavaConfig
+
+    tok = _tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>"])
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.save_pretrained(out)
+    CLIPImageProcessorPil(size={"shortest_edge": 56},
+                          crop_size={"height": 56, "width": 56}).save_pretrained(out)
+    cfg = LlavaConfig(
+        vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=2, image_size=56, patch_size=14,
+                           projection_dim=64),
+        text_config=dict(model_type="qwen2", vocab_size=len(tok), architectures=["Qwen2ForCausalLM"],
+                         tie_word_embeddings=False, bos_token_id=tok.pad_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **_LLM),
+        image_token_index=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
+        vision_feature_select_strategy="default", pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    _finish(out, cfg, LLAVA, tok, {"processor_class": "LlavaProcessor", "patch_size": 14,
+                                   "vision_feature_select_strategy": "default", "image_token": "<image>",
+                                   "num_additional_image_tokens": 1})

@@ -3,7 +3,7 @@
 and TurboMind) can load. Run where the models are used (the GPU machine builds its own in seconds).
 
     python3 bench/device/make_tiny_vlm.py OUT_DIR
-        [--arch internvl|qwen2vl|internvl_chat|qwen3vl|qwen3_5|glm4v|gemma3|all]
+        [--arch internvl|qwen2vl|internvl_chat|qwen3vl|qwen3_5|glm4v|gemma3|llava|all]
                                           [--dtype bfloat16|float16|float32]
 
 Writes OUT_DIR/internvl_hf_tiny, OUT_DIR/qwen2vl_tiny and/or OUT_DIR/internvl_chat_tiny:
@@ -381,12 +381,39 @@ def gemma3(out, dtype='bfloat16'):
     return out
 
 
+def llava(out, dtype='bfloat16'):
+    """LLaVA (HF) (``LlavaForConditionalGeneration``): CLIP at 56 px (patch 14, hidden 128, head_dim
+    64), the second-last layer's 16 patch tokens (CLS dropped), a 2-layer projector, a Qwen2 LLM
+    as llava-interleave-qwen's; shortest-edge resize and centre crop. The tokenizer and template of
+    tests/lmdeploy_tiny.py's LLaVA checkpoint."""
+    from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    os.makedirs(out, exist_ok=True)
+    tok = qwen_tokenizer(out, ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<image>'])
+    ip = CLIPImageProcessor(size={'shortest_edge': 56}, crop_size={'height': 56, 'width': 56})
+    LlavaProcessor(image_processor=ip, tokenizer=tok, patch_size=14, vision_feature_select_strategy='default',
+                   image_token='<image>', num_additional_image_tokens=1,
+                   chat_template=tok.chat_template).save_pretrained(out)
+    cfg = LlavaConfig(
+        vision_config=dict(model_type='clip_vision_model', hidden_size=128, intermediate_size=256,
+                           num_hidden_layers=2, num_attention_heads=2, image_size=56, patch_size=14,
+                           projection_dim=128),
+        text_config=dict(model_type='qwen2', vocab_size=len(tok), tie_word_embeddings=False,
+                         bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, **LLM),
+        image_token_index=tok.convert_tokens_to_ids('<image>'), vision_feature_layer=-2,
+        vision_feature_select_strategy='default', pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    cfg.architectures = ['LlavaForConditionalGeneration']
+    _save(LlavaForConditionalGeneration, cfg, out, 'LlavaForConditionalGeneration', dtype,
+          tok.eos_token_id, tok.pad_token_id)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('out')
     ap.add_argument('--arch', default='all',
                     choices=['internvl', 'qwen2vl', 'internvl_chat', 'qwen3vl', 'qwen3_5', 'glm4v', 'gemma3',
-                             'both', 'all'])
+                             'llava', 'both', 'all'])
     ap.add_argument('--dtype', default='bfloat16', choices=['bfloat16', 'float16', 'float32'])
     a = ap.parse_args()
     built = []
@@ -403,6 +430,8 @@ def main():
         built.append(glm4v(os.path.join(a.out, 'glm4v_tiny'), a.dtype))
     if a.arch in ('gemma3', 'all'):
         built.append(gemma3(os.path.join(a.out, 'gemma3_tiny'), a.dtype))
+    if a.arch in ('llava', 'all'):
+        built.append(llava(os.path.join(a.out, 'llava_tiny'), a.dtype))
     for b in built:
         size = sum(os.path.getsize(os.path.join(b, f)) for f in os.listdir(b))
         print(f'wrote {b} ({size / 1e6:.2f} MB): {sorted(os.listdir(b))}')

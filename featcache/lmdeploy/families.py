@@ -151,6 +151,9 @@ SPECS: dict[str, ArchSpec] = {
                                                "InternS1ProForConditionalGeneration", output=MAIN_ONLY),
     "InternS1_1_ForConditionalGeneration": _as(_QWEN3_VL, "interns1_pro",
                                                "InternS1ProForConditionalGeneration", output=MAIN_ONLY),
+    # LLaVA (HF): get_image_features(pixels, layer, strategy) -> [1, images * tokens, hidden]
+    "LlavaForConditionalGeneration": ArchSpec(
+        "llava", "LlavaForConditionalGeneration", "get_image_features", False, {"pixel_values": _empty}),
     # Gemma 3: get_image_features -> [images, tokens, hidden]; its forward builds bidirectional
     # image masks in the pixels' dtype whenever pixels are given, so an all-hit step passes the
     # hits' 0-row pixels (in the model's dtype); prefix caching stays off, as lmdeploy leaves it
@@ -214,7 +217,7 @@ SUPPORT: tuple[Support, ...] = (
     _through("Qwen3OmniMoeForConditionalGeneration", "Qwen3-Omni (thinker)", _NOT_YET),
     _cached("Glm4vForConditionalGeneration", "GLM-4.1V"),
     _cached("Gemma3ForConditionalGeneration", "Gemma 3"),
-    _through("LlavaForConditionalGeneration", "LLaVA (HF)", _NOT_YET),
+    _cached("LlavaForConditionalGeneration", "LLaVA (HF)"),
     _through("LlavaNextForConditionalGeneration", "LLaVA-NeXT", _NOT_YET),
     _through("Llama4ForConditionalGeneration", "Llama 4", _NOT_YET),
     _through("KimiK25ForConditionalGeneration", "Kimi-K2.5", _NOT_YET),

@@ -1,16 +1,19 @@
-"""featcache on Gemma 3 (``Gemma3ForConditionalGeneration``), on lmdeploy 0.18's real CPU code.
+"""featcache on the legacy-API families declared after InternVL and Qwen2-VL, on lmdeploy 0.18's
+real CPU code: Gemma 3 (``Gemma3ForConditionalGeneration``) and LLaVA (``LlavaForConditionalGeneration``).
 
-Gemma 3 takes lmdeploy's legacy preprocessing (one image-processor call per request: a fixed
-bilinear resize) and its forward does two things with the pixels it is handed: the vision call
+Both take lmdeploy's legacy preprocessing (``preprocess(messages)``: per request for Gemma 3, per
+image for LLaVA), run by featcache on the misses only, and a method as their vision call
+(``get_image_features``). Gemma 3's preprocessing is a fixed bilinear resize, and its forward
+does two things with the pixels it is handed: the vision call
 (``get_image_features`` -> [images, tokens, hidden]) and, whenever pixels are given, bidirectional
 attention masks among the image tokens built in the pixels' dtype. So a step whose images all hit
 must still hand the forward pixels of the model's dtype (the hits' own 0-row pixels), and engine
 prefix caching stays off (the masks assume every image's whole span is in the step).
 
-A tiny checkpoint (``lmdeploy_tiny``) goes through lmdeploy's real prompt path, plain and with
-featcache's frontend; then lmdeploy's real input processor inside ``KeyedInputProcessor``, the
-patched real ``prepare_inputs_for_generation`` and the real ``forward`` (its real mask builder)
-of ``Gemma3ForConditionalGeneration``, on a stand-in model whose vision tower is a fake that
+Each family's tiny checkpoint (``lmdeploy_tiny``) goes through lmdeploy's real prompt path, plain
+and with featcache's frontend; then lmdeploy's real input processor inside
+``KeyedInputProcessor``, the patched real ``prepare_inputs_for_generation`` and the real
+``forward`` (Gemma 3's real mask builder), on a stand-in model whose vision call is a fake that
 computes each image's features from its own pixels and whose language model is a recorder.
 """
 
@@ -27,7 +30,7 @@ from torch import nn
 _lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
 
 import lmdeploy_tiny as tiny  # noqa: E402
-from lmdeploy.pytorch.models import gemma3_vl  # noqa: E402
+from lmdeploy.pytorch.models import gemma3_vl, llava  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
 from featcache import FeatureCache  # noqa: E402
@@ -40,12 +43,15 @@ HIDDEN = 256  # the tiny LLM's hidden size
 DTYPE = torch.float16  # the model dtype the engine casts pixels to
 CLASS = gemma3_vl.Gemma3ForConditionalGeneration
 SPEC = families.SPECS[tiny.GEMMA3]
+FAMILIES = [tiny.GEMMA3, tiny.LLAVA]
+CLASSES = {tiny.GEMMA3: CLASS, tiny.LLAVA: llava.LlavaForConditionalGeneration}
+TOKENS = {tiny.GEMMA3: tiny.GEMMA3_TOKENS, tiny.LLAVA: tiny.LLAVA_TOKENS}  # an image's
 
 
-def features(pixel_values: torch.Tensor) -> torch.Tensor:
+def features(pixel_values: torch.Tensor, tokens: int = tiny.GEMMA3_TOKENS) -> torch.Tensor:
     """[images, tokens, HIDDEN]: each image's tokens from its own pixels (float32)."""
     flat = pixel_values.float().reshape(pixel_values.shape[0], -1)
-    return flat[:, :tiny.GEMMA3_TOKENS * HIDDEN].reshape(-1, tiny.GEMMA3_TOKENS, HIDDEN)
+    return flat[:, :tokens * HIDDEN].reshape(-1, tokens, HIDDEN)
 
 
 class Recorder:
@@ -63,6 +69,8 @@ class Recorder:
     def __call__(self, input_ids, position_ids, inputs_embeds=None, **kwargs):
         self.calls.append(dict(inputs_embeds=inputs_embeds, **kwargs))
         return inputs_embeds
+
+    forward = __call__
 
 
 class FakeGemma3:
@@ -89,15 +97,62 @@ class FakeGemma3:
         return self.language_model.calls[-1]
 
 
+class FakeLlava:
+    """Stands in for a ``LlavaForConditionalGeneration``: its own prepare and forward; a fake
+    vision call returning, as lmdeploy's, [1, images * tokens, hidden]."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self.language_model = Recorder(config.text_config.vocab_size)
+        self.calls: list[torch.Tensor] = []
+
+    def get_image_features(self, pixel_values, vision_feature_layer=-1,
+                           vision_feature_select_strategy="default"):
+        assert (vision_feature_layer, vision_feature_select_strategy) == (-2, "default")  # the config's
+        self.calls.append(pixel_values)
+        return features(pixel_values, tiny.LLAVA_TOKENS).to(pixel_values.dtype).flatten(0, 1)[None]
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.language_model.get_input_embeddings()
+
+    def run(self, inputs: dict) -> dict:
+        llava.LlavaForConditionalGeneration.forward(self, **inputs)
+        return self.language_model.calls[-1]
+
+
+FAKES = {tiny.GEMMA3: FakeGemma3, tiny.LLAVA: FakeLlava}
+
+
 class Rig:
-    def __init__(self, path: str) -> None:
+    def __init__(self, arch: str, path: str) -> None:
+        self.arch = arch
+        self.tokens = TOKENS[arch]
         self.config = AutoConfig.from_pretrained(path)
         self.cache = FeatureCache(device="cpu", device_bytes="64MiB", host_bytes=0)
         self.plain = tiny.PromptPath(path)
         self.frontend = tiny.PromptPath(path)
-        install_frontend(self.frontend.model, self.cache, "test:gemma3")
+        install_frontend(self.frontend.model, self.cache, f"test:{arch}")
         self.frontend.record_featcache()
-        self.processor = KeyedInputProcessor(gemma3_vl.Gemma3VLInputProcessor(self.config, DTYPE))
+        inner = (gemma3_vl.Gemma3VLInputProcessor(self.config, DTYPE) if arch == tiny.GEMMA3
+                 else llava.LLavaInputProcessor(self.config, DTYPE))
+        self.processor = KeyedInputProcessor(inner)
+        self.cls = CLASSES[arch]
+
+    def fake_model(self):
+        return FAKES[self.arch](self.config)
+
+    def plain_step(self, prompt: dict) -> tuple[object, dict]:
+        """The same step without featcache: lmdeploy's own prepare (and input processor)."""
+        model = self.fake_model()
+        result = self.processor.inner.preprocess_input(prompt["input_ids"], prompt["multimodal"])
+        n = len(prompt["input_ids"])
+        context = types.SimpleNamespace(
+            input_ids=torch.tensor([prompt["input_ids"]]), position_ids=torch.arange(n)[None],
+            attn_metadata=None, input_embeddings=None, input_embedding_indexing=None,
+            input_multimodals=[result.input_multimodals])
+        prepare = getattr(self.cls.prepare_inputs_for_generation, "__wrapped__",
+                          self.cls.prepare_inputs_for_generation)
+        return model, model.run(prepare(model, None, None, context))
 
     def close(self) -> None:
         self.plain.close()
@@ -109,29 +164,37 @@ class Rig:
         path = self.plain if plain else self.frontend
         return path.prompt(tiny.messages(*(tiny.image_item(i) for i in images), text=text))
 
-    def step(self, model: FakeGemma3, prompt: dict) -> dict:
+    def step(self, model, prompt: dict) -> dict:
         """One prefill step of ``prompt``: input processor, prepare, forward; what reached the
         language model."""
         result = self.processor.preprocess_input(prompt["input_ids"], prompt["multimodal"])
         n = len(prompt["input_ids"])
         context = types.SimpleNamespace(
             input_ids=torch.tensor([prompt["input_ids"]]), position_ids=torch.arange(n)[None],
+            attn_metadata=None, input_embeddings=None, input_embedding_indexing=None,
             input_multimodals=[result.input_multimodals])
-        inputs = CLASS.prepare_inputs_for_generation(model, None, None, context)
+        inputs = self.cls.prepare_inputs_for_generation(model, None, None, context)
         return model.run(inputs)
 
 
-@pytest.fixture
-def rig(tmp_path_factory):
-    r = Rig(tiny.checkpoint(tiny.GEMMA3, tmp_path_factory))
+@pytest.fixture(params=FAMILIES, ids=["gemma3", "llava"])
+def rig(request, tmp_path_factory):
+    r = Rig(request.param, tiny.checkpoint(request.param, tmp_path_factory))
     yield r
     r.close()
 
 
 @pytest.fixture
 def patched(rig, monkeypatch):
-    assert tiny.featcache_prepare(monkeypatch, CLASS, SPEC) is CLASS
+    assert tiny.featcache_prepare(monkeypatch, rig.cls, families.SPECS[rig.arch]) is rig.cls
     return rig
+
+
+@pytest.fixture
+def gemma(tmp_path_factory):
+    r = Rig(tiny.GEMMA3, tiny.checkpoint(tiny.GEMMA3, tmp_path_factory))
+    yield r
+    r.close()
 
 
 A, B, C = (tiny.noise_image(100, 80, 0), tiny.noise_image(40, 300, 1), tiny.noise_image(500, 500, 2))
@@ -142,21 +205,22 @@ def seed(rig: Rig, *images) -> dict[bytes, torch.Tensor]:
     stored = {}
     for item in rig.prompt(*images)["multimodal"]:
         ref = item[REF_KEY]
-        stored[ref.key] = torch.randn(tiny.GEMMA3_TOKENS, HIDDEN).to(DTYPE)
+        stored[ref.key] = torch.randn(rig.tokens, HIDDEN).to(DTYPE)
         rig.cache.put(ref.key, stored[ref.key], meta=ref.meta)
     return stored
 
 
 def assert_same(plain: dict, ours: dict) -> None:
     """featcache's prompt equals lmdeploy's: ids, and every per-image field the engine reads (the
-    pixels of a miss; a hit's are a 0-row placeholder of their dtype). ``num_crops`` is left out:
-    lmdeploy 0.18 slices it by the image's index in the request (``[:idx:idx + 1]``: empty for the
-    first image, one zero after), and no engine code reads it."""
+    pixels of a miss; a hit's are a 0-row placeholder of their dtype). Gemma 3's ``num_crops`` is
+    left out: lmdeploy 0.18 slices it by the image's index in the request (``[:idx:idx + 1]``:
+    empty for the first image, one zero after), and no engine code reads it."""
     assert ours["input_ids"] == plain["input_ids"]
     assert len(ours["multimodal"]) == len(plain["multimodal"])
     for x, y in zip(plain["multimodal"], ours["multimodal"], strict=True):
-        for name in ("offset", "image_tokens", "image_token_id"):
-            assert x[name] == y[name], name
+        assert set(y) - {REF_KEY} == set(x)
+        for name in set(x) - {"num_crops", "pixel_values"}:
+            assert x[name] == y[name] or list(x[name]) == list(y[name]), name
         if y[REF_KEY].hit:
             assert y["pixel_values"].shape == (0, *x["pixel_values"].shape[1:])
         else:
@@ -183,12 +247,12 @@ def test_a_step_serves_hits_computes_misses_and_keeps_lmdeploys_masks(patched, i
     stored = seed(rig, A)
     prompt = rig.prompt(*images)
     plain = rig.prompt(*images, plain=True)
-    model = FakeGemma3(rig.config)
+    model = rig.fake_model()
     got = rig.step(model, prompt)
     ids = torch.tensor(prompt["input_ids"])
-    mask = ids == rig.config.image_token_index
+    mask = ids == prompt["multimodal"][0]["image_token_id"]
     want = torch.cat([stored[item[REF_KEY].key] if item[REF_KEY].hit
-                      else features(own["pixel_values"].to(DTYPE))[0].to(DTYPE)
+                      else features(own["pixel_values"].to(DTYPE), rig.tokens)[0].to(DTYPE)
                       for item, own in zip(prompt["multimodal"], plain["multimodal"], strict=True)])
     embeds = got["inputs_embeds"][0]
     assert torch.equal(embeds[mask], want.to(embeds.dtype))
@@ -199,19 +263,21 @@ def test_a_step_serves_hits_computes_misses_and_keeps_lmdeploys_masks(patched, i
         assert len(model.calls) == 1 and torch.equal(model.calls[0], torch.cat(misses).to(DTYPE))
     else:
         assert model.calls == []  # every image hit: the tower never ran
-    # the masks plain lmdeploy's forward builds for this prompt: the same values, the same dtype
-    plain_model = FakeGemma3(rig.config)
-    plain_inputs = CLASS.prepare_inputs_for_generation.__wrapped__(
-        plain_model, None, None, types.SimpleNamespace(
-            input_ids=ids[None], position_ids=torch.arange(len(ids))[None],
-            input_multimodals=[gemma3_vl.Gemma3VLInputProcessor(rig.config, DTYPE).preprocess_input(
-                plain["input_ids"], plain["multimodal"]).input_multimodals]))
-    want_masks = plain_model.run(plain_inputs)
-    assert got["has_images"] and want_masks["has_images"]
-    for name in ("global_attn_masks", "local_attn_masks"):
-        for ours, theirs in zip(got[name], want_masks[name], strict=True):
-            assert ours.dtype == theirs.dtype == DTYPE
-            assert torch.equal(ours, theirs)
+    # plain lmdeploy's step of the same prompt: the same embeddings, and every other input its
+    # language model gets (Gemma 3's masks: the same values, the same dtype)
+    _, theirs = rig.plain_step(plain)
+    computed = torch.cat([features(own["pixel_values"].to(DTYPE), rig.tokens)[0].to(DTYPE)
+                          for own in plain["multimodal"]])  # (plain computes the hits too)
+    assert torch.equal(theirs["inputs_embeds"][0][mask], computed.to(embeds.dtype))
+    assert set(got) == set(theirs)
+    for name in set(got) - {"inputs_embeds"}:
+        if isinstance(got[name], list) and got[name] and isinstance(got[name][0], torch.Tensor):
+            for x, y in zip(got[name], theirs[name], strict=True):
+                assert x.dtype == y.dtype and torch.equal(x, y), name
+        else:
+            assert got[name] == theirs[name], name
+    if rig.arch == tiny.GEMMA3:
+        assert got["has_images"] and all(m.dtype == DTYPE for m in got["global_attn_masks"])
     # each miss is now stored, and the next request hits all of its images
     again = rig.prompt(*images)
     assert all(item[REF_KEY].hit for item in again["multimodal"])
@@ -222,30 +288,28 @@ def test_a_step_serves_hits_computes_misses_and_keeps_lmdeploys_masks(patched, i
     assert rig.cache.stats()[SECTION]["vision_skipped"] >= len(images)
 
 
-def test_an_all_hit_step_hands_the_forward_pixels_of_the_model_dtype(patched):
-    """The planted bug this guards: an all-hit placeholder of another dtype (``_empty``'s float32)
-    changes the masks' dtype from what plain lmdeploy's forward builds."""
-    rig = patched
-    seed(rig, A)
-    result = rig.processor.preprocess_input(rig.prompt(A)["input_ids"], rig.prompt(A)["multimodal"])
-    context = types.SimpleNamespace(input_ids=torch.tensor([rig.prompt(A)["input_ids"]]),
-                                    position_ids=torch.arange(len(rig.prompt(A)["input_ids"]))[None],
+def test_gemma3_all_hit_step_hands_the_forward_pixels_of_the_model_dtype(gemma, monkeypatch):
+    tiny.featcache_prepare(monkeypatch, CLASS, SPEC)
+    seed(gemma, A)
+    prompt = gemma.prompt(A)
+    result = gemma.processor.preprocess_input(prompt["input_ids"], prompt["multimodal"])
+    context = types.SimpleNamespace(input_ids=torch.tensor([prompt["input_ids"]]),
+                                    position_ids=torch.arange(len(prompt["input_ids"]))[None],
                                     input_multimodals=[result.input_multimodals])
-    inputs = CLASS.prepare_inputs_for_generation(FakeGemma3(rig.config), None, None, context)
+    inputs = CLASS.prepare_inputs_for_generation(FakeGemma3(gemma.config), None, None, context)
     assert inputs["pixel_values"].dtype == DTYPE and inputs["pixel_values"].shape[0] == 0
 
 
-def test_a_float32_placeholder_would_change_the_masks(tmp_path_factory, monkeypatch):
-    rig = Rig(tiny.checkpoint(tiny.GEMMA3, tmp_path_factory))
-    try:
-        wrong = families.ArchSpec(**{**SPEC.__dict__, "placeholders": {
-            "pixel_values": lambda device, images: torch.empty(0, device=device)}})
-        tiny.featcache_prepare(monkeypatch, CLASS, wrong)
-        seed(rig, A)
-        got = rig.step(FakeGemma3(rig.config), rig.prompt(A))
-        assert got["global_attn_masks"][0].dtype != DTYPE  # what the test above rules out
-    finally:
-        rig.close()
+def test_gemma3_declaration_with_a_float32_placeholder_fails(gemma, monkeypatch):
+    """A planted bug: an all-hit placeholder of another dtype (``_empty``'s float32) changes the
+    masks' dtype from what plain lmdeploy's forward builds, which the step test catches."""
+    wrong = families.ArchSpec(**{**SPEC.__dict__, "placeholders": {
+        "pixel_values": lambda device, images: torch.empty(0, device=device)}})
+    tiny.featcache_prepare(monkeypatch, CLASS, wrong)
+    seed(gemma, A)
+    got = gemma.step(FakeGemma3(gemma.config), gemma.prompt(A))
+    _, theirs = gemma.plain_step(gemma.prompt(A, plain=True))
+    assert got["global_attn_masks"][0].dtype != theirs["global_attn_masks"][0].dtype
 
 
 def test_prefix_caching_is_never_turned_on_for_gemma3():
