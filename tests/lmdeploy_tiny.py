@@ -41,16 +41,16 @@ GLM4V = "Glm4vForConditionalGeneration"  # GLM-4.1V
 # it are real: its vision model, input processor, prepare and forward)
 INTERNS1PRO = "InternS1ProForConditionalGeneration"
 GEMMA3 = "Gemma3ForConditionalGeneration"
+QWEN3_OMNI = "Qwen3OmniMoeForConditionalGeneration"  # Qwen3-Omni (lmdeploy serves its thinker)
 LLAVA = "LlavaForConditionalGeneration"  # LLaVA (HF): llava-1.5-hf, llava-interleave-qwen-hf
 LLAVA_TOKENS = 16  # the tiny LLaVA: CLIP at 56 px, patch 14, CLS dropped: 16 tokens an image
 GEMMA3_TOKENS = 4  # the tiny Gemma 3: 56 px images, patch 14, 2x2 pooled: 4 tokens an image
-DIRS = {LLAVA: "llava_tiny", INTERNS1PRO: "interns1pro_standin", GEMMA3: "gemma3_tiny", GLM4V: "glm4v_tiny",
-        INTERNVL: "internvl_hf_tiny", QWEN2VL: "qwen2vl_tiny",
-        INTERNS1: "interns1_tiny",
+DIRS = {INTERNVL: "internvl_hf_tiny", QWEN2VL: "qwen2vl_tiny", INTERNS1: "interns1_tiny",
         QWEN3VL: "qwen3vl_tiny", QWEN3VL_MOE: "qwen3vl_moe_tiny", QWEN3_5: "qwen3_5_tiny",
-        QWEN3_5_MOE: "qwen3_5_moe_tiny"}
+        QWEN3_5_MOE: "qwen3_5_moe_tiny", GLM4V: "glm4v_tiny", GEMMA3: "gemma3_tiny",
+        INTERNS1PRO: "interns1pro_standin", LLAVA: "llava_tiny", QWEN3_OMNI: "qwen3_omni_tiny"}
 # the processor-level ("new") preprocessing API of lmdeploy 0.18
-NEW_API = (QWEN3VL, QWEN3VL_MOE, QWEN3_5, QWEN3_5_MOE, GLM4V, INTERNS1PRO)
+NEW_API = (QWEN3VL, QWEN3VL_MOE, QWEN3_5, QWEN3_5_MOE, GLM4V, INTERNS1PRO, QWEN3_OMNI)
 QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS = 32 * 32, 32 * 32 * 64  # patch 16, merge 2: 1 to 64 tokens
 # GLM-4.1V's smart_resize counts the temporal factor (2) in its budget: 28*28*2 per token
 GLM4V_MIN_PIXELS, GLM4V_MAX_PIXELS = 28 * 28 * 2, 28 * 28 * 2 * 64
@@ -59,6 +59,7 @@ _LLM = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_att
             num_key_value_heads=2, max_position_embeddings=4096)
 
 _registered = False
+NO_VIDEO: dict[str, type] = {}  # processor class name -> its NoVideo* class (``register_processors``)
 _built: dict[str, str] = {}
 
 
@@ -187,16 +188,34 @@ def register_processors() -> None:
         def get_attributes(cls: type) -> list[str]:
             return [a for a in base.get_attributes() if a != "video_processor"]
 
-        return type(f"NoVideo{base.__name__}", (base,), {
-            "get_attributes": get_attributes, "__module__": __name__,
-            "__doc__": f"{base.__name__} without a video processor (which needs torchvision)."})
+        body = {"get_attributes": get_attributes, "__module__": __name__,
+                "__doc__": f"{base.__name__} without a video processor (which needs torchvision)."}
+        if base.__name__ == "Qwen3OmniMoeProcessor":  # its __init__ passes its parts by position
+            body["__init__"] = _omni_init
+        return type(f"NoVideo{base.__name__}", (base,), body)
 
-    from transformers import Glm4vProcessor, Qwen3VLProcessor
+    from transformers import Glm4vProcessor, Qwen3OmniMoeProcessor, Qwen3VLProcessor
 
-    for base in (InternVLProcessor, Qwen2VLProcessor, Qwen3VLProcessor, Glm4vProcessor):
+    for base in (InternVLProcessor, Qwen2VLProcessor, Qwen3VLProcessor, Glm4vProcessor,
+                 Qwen3OmniMoeProcessor):
         key = type(f"_{base.__name__}Key", (PretrainedConfig,), {"model_type": f"featcache-{base.__name__}"})
-        AutoProcessor.register(key, without_video(base), exist_ok=True)
+        NO_VIDEO[base.__name__] = without_video(base)
+        AutoProcessor.register(key, NO_VIDEO[base.__name__], exist_ok=True)
     _registered = True
+
+
+def _omni_init(self: Any, image_processor: Any = None, feature_extractor: Any = None, tokenizer: Any = None,
+               chat_template: Any = None, **kwargs: Any) -> None:
+    """``Qwen3OmniMoeProcessor.__init__`` without its video processor: its parts by name, then its
+    token attributes, read off the tokenizer as its own ``__init__`` reads them."""
+    from transformers import ProcessorMixin
+
+    ProcessorMixin.__init__(self, image_processor=image_processor, feature_extractor=feature_extractor,
+                            tokenizer=tokenizer, chat_template=chat_template)
+    for name in ("image_token", "audio_token", "video_token", "image_token_id", "audio_token_id",
+                 "video_token_id", "vision_bos_token", "vision_eos_token", "audio_bos_token",
+                 "audio_eos_token"):
+        setattr(self, name, getattr(tokenizer, name))
 
 
 def build(root: str, arch: str) -> str:
@@ -211,6 +230,8 @@ def build(root: str, arch: str) -> str:
         _gemma3(out)
     elif arch == LLAVA:
         _llava(out)
+    elif arch == QWEN3_OMNI:
+        _qwen3_omni(out)
     elif arch in NEW_API:
         _qwen3(out, arch)
     else:
@@ -249,8 +270,13 @@ def _finish(out: str, cfg: Any, arch: str, tok: Any, processor: dict[str, Any]) 
     eos, pad = tok.eos_token_id, tok.pad_token_id
     with open(os.path.join(out, "generation_config.json"), "w") as f:
         json.dump(dict(eos_token_id=eos, pad_token_id=pad, bos_token_id=pad), f, indent=2)
-    with open(os.path.join(out, "processor_config.json"), "w") as f:
-        json.dump(processor, f, indent=2)
+    path = os.path.join(out, "processor_config.json")
+    saved = {}
+    if os.path.exists(path):  # written by the processor itself: kept, ``processor`` over it
+        with open(path) as f:
+            saved = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**saved, **processor}, f, indent=2)
 
 
 def _internvl_hf(out: str, arch: str = INTERNVL) -> None:
@@ -434,3 +460,47 @@ def _llava(out: str) -> None:
     _finish(out, cfg, LLAVA, tok, {"processor_class": "LlavaProcessor", "patch_size": 14,
                                    "vision_feature_select_strategy": "default", "image_token": "<image>",
                                    "num_additional_image_tokens": 1})
+
+
+def _qwen3_omni(out: str) -> None:
+    """Qwen3-Omni (its thinker: what lmdeploy serves): Qwen3-VL's image path (patch 16, merge 2,
+    mean and std 0.5, two deepstack levels) beside a Whisper audio encoder; MoE LLM."""
+    from transformers import Qwen2VLImageProcessorPil, Qwen3OmniMoeConfig, WhisperFeatureExtractor
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+               "<|image_pad|>", "<|video_pad|>", "<|audio_start|>", "<|audio_end|>", "<|audio_pad|>"]
+    tok = _tokenizer(special, extra_special_tokens={
+        "image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "audio_token": "<|audio_pad|>",
+        "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
+        "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>"})
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
+        "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+        "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
+        "{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    ip = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
+                                  image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+                                  size={"shortest_edge": QWEN3_MIN_PIXELS, "longest_edge": QWEN3_MAX_PIXELS})
+    # its image processor and feature extractor in one processor_config.json, as the processor saves them
+    register_processors()
+    NO_VIDEO["Qwen3OmniMoeProcessor"](image_processor=ip, tokenizer=tok,
+                                      feature_extractor=WhisperFeatureExtractor(feature_size=128)).save_pretrained(out)
+    ids = tok.convert_tokens_to_ids
+    thinker = dict(
+        text_config=dict(vocab_size=len(tok), head_dim=64, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=128, decoder_sparse_step=1,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [8, 12, 12], "mrope_interleaved": True}, **_LLM),
+        vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
+                           out_hidden_size=_LLM["hidden_size"], patch_size=16, spatial_merge_size=2,
+                           temporal_patch_size=2, num_position_embeddings=64,
+                           deepstack_visual_indexes=[0, 1]),
+        audio_config=dict(d_model=64, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=128,
+                          output_dim=_LLM["hidden_size"], num_mel_bins=128),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        audio_token_id=ids("<|audio_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"), audio_start_token_id=ids("<|audio_start|>"),
+        audio_end_token_id=ids("<|audio_end|>"))
+    cfg = Qwen3OmniMoeConfig(thinker_config=thinker, enable_audio_output=False)
+    _finish(out, cfg, QWEN3_OMNI, tok, {"processor_class": "NoVideoQwen3OmniMoeProcessor"})

@@ -32,7 +32,13 @@ from torch import nn
 _lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
 
 import lmdeploy_tiny as tiny  # noqa: E402
-from lmdeploy.pytorch.models import glm4_1v, interns1_pro, qwen3_5, qwen3_vl  # noqa: E402
+from lmdeploy.pytorch.models import (  # noqa: E402
+    glm4_1v,
+    interns1_pro,
+    qwen3_5,
+    qwen3_omni_moe_thinker,
+    qwen3_vl,
+)
 from lmdeploy.pytorch.models.utils.model import DeployModelMixinV1  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
@@ -46,12 +52,14 @@ from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
 HIDDEN = 256  # the tiny LLMs' hidden size
 MERGE = 4  # 2x2 patches merge into one image token
 LEVELS = 3  # the tiny Qwen3-VL: main output plus two deepstack levels
-FAMILIES = [tiny.QWEN3VL, tiny.QWEN3_5, tiny.GLM4V, tiny.INTERNS1PRO]
+FAMILIES = [tiny.QWEN3VL, tiny.QWEN3_5, tiny.GLM4V, tiny.INTERNS1PRO, tiny.QWEN3_OMNI]
+OMNI_CLASS = qwen3_omni_moe_thinker.Qwen3OmniMoeThinkerForConditionalGeneration
 # each family's size override for one request: (min_pixels, max_pixels) a quarter of the default
 SMALL = {tiny.QWEN3VL: (tiny.QWEN3_MIN_PIXELS, 32 * 32 * 16),
          tiny.QWEN3_5: (tiny.QWEN3_MIN_PIXELS, 32 * 32 * 16),
          tiny.GLM4V: (tiny.GLM4V_MIN_PIXELS, 28 * 28 * 2 * 16),
-         tiny.INTERNS1PRO: (tiny.QWEN3_MIN_PIXELS, 32 * 32 * 16)}
+         tiny.INTERNS1PRO: (tiny.QWEN3_MIN_PIXELS, 32 * 32 * 16),
+         tiny.QWEN3_OMNI: (tiny.QWEN3_MIN_PIXELS, 32 * 32 * 16)}
 
 
 def features(pixel_values: torch.Tensor) -> torch.Tensor:
@@ -158,6 +166,20 @@ class FakeInternS1Pro(FakeQwen3VL):
         return self.language_model.calls[-1]
 
 
+class FakeQwen3Omni(FakeQwen3VL):
+    """Stands in for Qwen3-Omni's thinker: Qwen3-VL's tower, its own prepare and forward (an
+    ``image_mask`` over the visual items, no audio here)."""
+
+    def __init__(self, config) -> None:
+        super().__init__(types.SimpleNamespace(text_config=config.thinker_config.text_config,
+                                               vision_config=config.thinker_config.vision_config))
+        self.config = config
+
+    def run(self, inputs: dict) -> dict:
+        OMNI_CLASS.forward(self, **inputs)
+        return self.language_model.calls[-1]
+
+
 class FakeQwen3_5:
     """Stands in for a ``Qwen3_5ForConditionalGeneration`` (its prepare) and its inner
     ``Qwen3_5Model`` (its forward), whose vision tower is ``model.visual``."""
@@ -204,9 +226,10 @@ class FakeGlm4v:
 
 CLASSES = {tiny.QWEN3VL: qwen3_vl.Qwen3VLForConditionalGeneration,
            tiny.QWEN3_5: qwen3_5.Qwen3_5ForConditionalGeneration,
-           tiny.GLM4V: GLM4V_CLASS, tiny.INTERNS1PRO: interns1_pro.InternS1ProForConditionalGeneration}
+           tiny.GLM4V: GLM4V_CLASS, tiny.INTERNS1PRO: interns1_pro.InternS1ProForConditionalGeneration,
+           tiny.QWEN3_OMNI: OMNI_CLASS}
 FAKES = {tiny.QWEN3VL: FakeQwen3VL, tiny.QWEN3_5: FakeQwen3_5, tiny.GLM4V: FakeGlm4v,
-         tiny.INTERNS1PRO: FakeInternS1Pro}
+         tiny.INTERNS1PRO: FakeInternS1Pro, tiny.QWEN3_OMNI: FakeQwen3Omni}
 
 
 def vision_of(model):
@@ -216,8 +239,9 @@ def vision_of(model):
 
 def step_context(input_ids: list[int], multimodals: list[dict] | None, config) -> types.SimpleNamespace:
     """The fields of lmdeploy's ``StepContext`` that the models' ``prepare`` reads."""
-    full = sum(1 for t in getattr(config.text_config, "layer_types", []) if t == "full_attention")
-    linear = sum(1 for t in getattr(config.text_config, "layer_types", []) if t == "linear_attention")
+    text = getattr(config, "thinker_config", config).text_config  # (Qwen3-Omni: its thinker's)
+    full = sum(1 for t in getattr(text, "layer_types", []) if t == "full_attention")
+    linear = sum(1 for t in getattr(text, "layer_types", []) if t == "linear_attention")
     return types.SimpleNamespace(
         input_ids=torch.tensor([input_ids]), position_ids=None, attn_metadata=None,
         input_embeddings=None, input_embedding_indexing=None, input_multimodals=multimodals,
@@ -242,9 +266,10 @@ class Rig:
             return call(this, images, *args, **kwargs)
 
         ip.__class__ = type(f"Recorded{type(ip).__name__}", (type(ip),), {"__call__": recorded})
-        inner = (glm4_1v.Glm4vInputProcessor(self.config) if arch == tiny.GLM4V
-                 else interns1_pro.InternS1ProInputProcessor(self.config, torch.float16)
-                 if arch == tiny.INTERNS1PRO else qwen3_vl.Qwen3VLInputProcessor(self.config, torch.float16))
+        inner = {tiny.GLM4V: lambda: glm4_1v.Glm4vInputProcessor(self.config),
+                 tiny.INTERNS1PRO: lambda: interns1_pro.InternS1ProInputProcessor(self.config, torch.float16),
+                 tiny.QWEN3_OMNI: lambda: qwen3_omni_moe_thinker.Qwen3OmniInputProcessor(self.config),
+                 }.get(arch, lambda: qwen3_vl.Qwen3VLInputProcessor(self.config, torch.float16))()
         self.processor = KeyedInputProcessor(inner, families.SPECS[arch].items)
 
     def close(self) -> None:
@@ -273,7 +298,7 @@ class Rig:
         return model.run(inputs)
 
 
-@pytest.fixture(params=FAMILIES, ids=["qwen3vl", "qwen3_5", "glm4v", "interns1pro"])
+@pytest.fixture(params=FAMILIES, ids=["qwen3vl", "qwen3_5", "glm4v", "interns1pro", "qwen3_omni"])
 def rig(request, tmp_path_factory):
     r = Rig(request.param, tiny.checkpoint(request.param, tmp_path_factory))
     yield r
@@ -421,7 +446,7 @@ def test_a_step_serves_hits_and_computes_misses_only(patched, images):
     embeds = got["inputs_embeds"][0]
     assert torch.equal(embeds[mask].float(), want[0])
     assert torch.equal(embeds[~mask], model.embed(torch.tensor(prompt["input_ids"]))[~mask])
-    if rig.arch == tiny.QWEN3VL:
+    if n_levels(rig.arch) > 1:
         deep = got["deepstack_visual_embeds"]
         assert len(deep) == LEVELS - 1
         for k, level in enumerate(deep):

@@ -93,6 +93,23 @@ def qwen3_step_inputs(model: Any, vision: Any, context: Any, items: list[Any], t
         inputs["return_input_embeds"] = True
 
 
+def omni_step_inputs(model: Any, vision: Any, context: Any, items: list[Any], tokens: list[int],
+                     inputs: dict[str, Any]) -> None:
+    """Qwen3-Omni's thinker (``qwen3_omni_moe_thinker.py``): as the Qwen3 lineage, but its forward
+    scatters by ``image_mask``, built over the step's visual items only (its audio items have a
+    mask of their own, which lmdeploy's prepare builds from the items featcache leaves it)."""
+    merge = int(vision.spatial_merge_size)
+    visual = [d for d in items if modality_of(d) in VISUAL]
+    inputs["image_mask"] = model.get_multimodal_mask(context.input_ids, visual)
+    inputs["grid_thw"] = torch.tensor([[1, merge, merge * n] for n in tokens], dtype=torch.long)
+
+
+def modality_of(data: Any) -> str | None:
+    """A ``MultiModalData``'s modality as a string ("image", "video", "audio", ...), or None."""
+    modality = getattr(data, "modality", None)
+    return getattr(modality, "value", modality)
+
+
 _INTERNVL_HF = ArchSpec("internvl3_hf", "InternVLForConditionalGeneration", "get_image_features",
                         False, {"pixel_values": _empty}, turbomind=True)
 _QWEN3_VL = ArchSpec(
@@ -154,6 +171,11 @@ SPECS: dict[str, ArchSpec] = {
     # LLaVA (HF): get_image_features(pixels, layer, strategy) -> [1, images * tokens, hidden]
     "LlavaForConditionalGeneration": ArchSpec(
         "llava", "LlavaForConditionalGeneration", "get_image_features", False, {"pixel_values": _empty}),
+    # Qwen3-Omni: lmdeploy serves its thinker, Qwen3-VL's tower (deepstack levels) beside an audio
+    # tower; the step's "mm_data" list holds audio too (left to lmdeploy), its image mask its own
+    "Qwen3OmniMoeForConditionalGeneration": _as(
+        _QWEN3_VL, "qwen3_omni_moe_thinker", "Qwen3OmniMoeThinkerForConditionalGeneration",
+        step_inputs=omni_step_inputs),
     # Gemma 3: get_image_features -> [images, tokens, hidden]; its forward builds bidirectional
     # image masks in the pixels' dtype whenever pixels are given, so an all-hit step passes the
     # hits' 0-row pixels (in the model's dtype); prefix caching stays off, as lmdeploy leaves it
@@ -214,7 +236,7 @@ SUPPORT: tuple[Support, ...] = (
     _cached("InternS2MobiusForCausalLM", "Intern-S2 Mobius"),
     _cached("InternS1ProForConditionalGeneration", "Intern-S1-Pro"),
     _cached("InternS1_1_ForConditionalGeneration", "Intern-S1.1"),
-    _through("Qwen3OmniMoeForConditionalGeneration", "Qwen3-Omni (thinker)", _NOT_YET),
+    _cached("Qwen3OmniMoeForConditionalGeneration", "Qwen3-Omni (thinker)"),
     _cached("Glm4vForConditionalGeneration", "GLM-4.1V"),
     _cached("Gemma3ForConditionalGeneration", "Gemma 3"),
     _cached("LlavaForConditionalGeneration", "LLaVA (HF)"),

@@ -60,7 +60,7 @@ import torch
 
 from ...core.cache import FeatureCache
 from ...core.singleflight import Flight, SingleFlight
-from ..families import DEEPSTACK, MAIN_ONLY, SPECS, VISUAL, ArchSpec
+from ..families import DEEPSTACK, MAIN_ONLY, SPECS, VISUAL, ArchSpec, modality_of
 from ..request.frontend import SECTION
 from ..request.refs import REF_KEY, FeatRef
 from ..request.tags import FeatTag
@@ -174,12 +174,7 @@ def _visual(items: list[Any], key: str) -> list[Any]:
     among them: featcache keys none, so they are computed as lmdeploy computes them)."""
     if key == "image":
         return items
-    return [d for d in items if _modality(d) in VISUAL]
-
-
-def _modality(data: Any) -> str | None:
-    modality = getattr(data, "modality", None)
-    return getattr(modality, "value", modality)
+    return [d for d in items if modality_of(d) in VISUAL]
 
 
 def _step_refs(images: list[Any]) -> list[FeatRef | None]:

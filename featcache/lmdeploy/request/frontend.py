@@ -282,7 +282,7 @@ def _keyed_by_bytes(item: dict[str, Any]) -> bool:
 
 # HF processors whose placeholder expansion is a function of each image's ``image_grid_thw``
 # alone (``replace_image_token``), shown equal to lmdeploy's output by the tests
-EXPANDING = ("Qwen2VLProcessor", "Qwen3VLProcessor", "Glm4vProcessor")
+EXPANDING = ("Qwen2VLProcessor", "Qwen3VLProcessor", "Glm4vProcessor", "Qwen3OmniMoeProcessor")
 
 
 class ProcessorFrontend(Frontend):
