@@ -93,7 +93,8 @@ def _same(got: dict[str, Any], want: dict[str, Any]) -> bool:
                for a, b in zip(got.values(), want.values(), strict=True))
 
 
-TINY = {"tiny-qwen2vl": "QWEN2VL", "tiny-internvl-hf": "INTERNVL"}  # tests/lmdeploy_tiny.py's
+TINY = {"tiny-qwen2vl": "QWEN2VL", "tiny-internvl-hf": "INTERNVL",  # tests/lmdeploy_tiny.py's
+        "tiny-qwen3vl": "QWEN3VL", "tiny-qwen3_5": "QWEN3_5", "tiny-glm4v": "GLM4V"}
 
 
 def _stages_model(name: str, root: str) -> str:
@@ -134,6 +135,45 @@ def _batch_ips(executor: Any, fn: Any, images: list[Any], **params: Any) -> floa
     return len(images) / (time.perf_counter() - t)
 
 
+def _bare(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` without the images' own parameters (the processor-level API takes sizes per
+    request: ``_NewApi.options``)."""
+    return [dict(m, content=[{k: v for k, v in c.items() if k in ("type", "text", "data")}
+                             for c in m["content"]]) for m in messages]
+
+
+class _NewApi:
+    """lmdeploy's processor-level ``preprocess`` of one image's request (``plain``), and
+    featcache's (``__call__``: ``ProcessorFrontend``, every image a miss, the cache having no
+    room), both over ``messages`` with the model's image placeholder as the prompt; ``why`` says
+    how featcache makes the pixels."""
+
+    def __init__(self, vm: Any, cache: Any, params: dict[str, int]) -> None:
+        from featcache.lmdeploy import fastprep
+        from featcache.lmdeploy.request.frontend import ProcessorFrontend
+
+        self.prompt = "".join(str(getattr(vm, name, None) or "") for name in
+                              ("vision_start_token", "image_token", "vision_end_token")) + PROMPT
+        # a per-image min_pixels/max_pixels is the API's per-request size option here
+        self.options = {"image": dict(params)} if params else None
+        self.original = vm.preprocess
+        self.frontend = ProcessorFrontend(vm, cache, self.original, "bench:stages")
+        maker = self.frontend.maker
+        self.why = (f"featcache's PatchMaker {fastprep._on_cpu(maker.spec)}" if maker is not None
+                    else "lmdeploy's image processor (featcache does not reproduce it)")
+
+    def plain(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        return self.original(_bare(messages), self.prompt, self.options)
+
+    def __call__(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        from featcache.lmdeploy.request.refs import REF_KEY
+
+        out = self.frontend(_bare(messages), self.prompt, self.options)
+        for item in out["multimodal"]:
+            item.pop(REF_KEY, None)  # (a miss's ref: nothing leased)
+        return out
+
+
 def stages(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from lmdeploy.messages import PytorchEngineConfig
@@ -155,7 +195,12 @@ def stages(args: argparse.Namespace) -> dict[str, Any]:
     vm = encoder.model
     plain = vm.preprocess
     cache = FeatureCache(device="cpu", device_bytes=0, host_bytes=0)
-    fast = fastprep.FastPreprocess(vm, plain, cache)
+    if encoder._uses_new_preprocess:  # the processor-level API: featcache's frontend on misses
+        fast = _NewApi(vm, cache, {k: v for k, v in (("min_pixels", args.min_pixels),
+                                                       ("max_pixels", args.max_pixels)) if v is not None})
+        plain = fast.plain
+    else:
+        fast = fastprep.FastPreprocess(vm, plain, cache)
     wide = ThreadPoolExecutor(fastprep.THREADS)
     size = args.size
     params = {k: v for k, v in (("min_pixels", args.min_pixels), ("max_pixels", args.max_pixels))
@@ -174,6 +219,9 @@ def stages(args: argparse.Namespace) -> dict[str, Any]:
             image, d = decoded(base + i, size)
             want, t_plain = _ms(plain, _messages(image, **params))
             got, t_fc = _ms(fast, _messages(image, **params))
+            if isinstance(want, dict):  # (the processor-level API: the request's ids and items)
+                assert want["input_ids"] == got["input_ids"]
+                want, got = [dict(content=want["multimodal"])], [dict(content=got["multimodal"])]
             w, g = want[-1]["content"][0], got[-1]["content"][0]
             differ += not torch.equal(w["pixel_values"], g["pixel_values"])
             outputs_differ += not _same(g, w)

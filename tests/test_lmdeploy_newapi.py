@@ -257,6 +257,8 @@ class Rig:
         self.plain = tiny.PromptPath(path)
         self.frontend = tiny.PromptPath(path)
         install_frontend(self.frontend.model, self.cache, f"test:{arch}")
+        # featcache's own exact preprocessing of misses (the Qwen3 lineage's processor), else None
+        self.fast = self.frontend.model.preprocess.frontend.maker is not None
         self.given: list[list[tuple[int, int]]] = []  # images the image processor was given
         ip = self.frontend.model.processor.image_processor
         given, call = self.given, type(ip).__call__
@@ -353,7 +355,8 @@ def seed(rig: Rig, *images, **kwargs) -> dict[bytes, torch.Tensor]:
 # -- the frontend --------------------------------------------------------------------------------
 
 def test_misses_are_lmdeploys_own_output(rig):
-    for images in [(A,), (A, B), (C, A, B)]:
+    gray, rgba = B.convert("L"), C.convert("RGBA")  # (not what featcache's fast path takes)
+    for images in [(A,), (A, B), (C, A, B), (gray, A), (rgba,)]:
         assert_same(rig.prompt(*images, plain=True), rig.prompt(*images))
     assert rig.stats()["hits"] == 0
 
@@ -363,12 +366,16 @@ def test_misses_are_lmdeploys_own_output(rig):
 def test_hits_expand_from_their_metadata_equal_to_lmdeploy(rig, images):
     seed(rig, A)
     rig.given.clear()
+    before = rig.stats().get("preprocess_fast", 0)
     text = "compare these two: one <then> the other"
     ours = rig.prompt(*images, text=text)
     assert_same(rig.prompt(*images, plain=True, text=text), ours)
     assert [r[REF_KEY].hit for r in ours["multimodal"]] == [im is A for im in images]
     misses = [im.size for im in images if im is not A]
-    assert rig.given == ([misses] if misses else [])  # the image processor never saw a hit
+    if rig.fast:  # featcache made the misses' pixels (equal to lmdeploy's, above)
+        assert rig.given == [] and rig.stats().get("preprocess_fast", 0) - before == len(misses)
+    else:
+        assert rig.given == ([misses] if misses else [])  # the image processor never saw a hit
 
 
 def test_a_size_override_is_in_the_key_and_equal_to_lmdeploy(rig):
@@ -537,3 +544,18 @@ def test_a_processor_that_overrides_its_expansion_takes_lmdeploys_preprocessing(
     assert rig.stats()["preprocess_not_skipped"] == 1
     processor.__class__ = base
     assert newapi._expands(processor)
+
+
+def test_misses_take_featcaches_exact_preprocessing_where_it_reproduces_the_processor(rig):
+    """The Qwen3 lineage's image processor (Qwen2-VL's at patch 16) is reproduced by featcache's
+    ``PatchMaker``: a request of new images never reaches the image processor, and its output is
+    lmdeploy's (``test_misses_are_lmdeploys_own_output``). GLM-4.1V's is not (its own
+    smart_resize): the processor runs, counted as a fallback."""
+    assert rig.fast == (rig.arch != tiny.GLM4V)
+    rig.given.clear()
+    assert_same(rig.prompt(C, B, plain=True), rig.prompt(C, B))
+    stats = rig.stats()
+    if rig.fast:
+        assert rig.given == [] and stats["preprocess_fast"] == 2
+    else:
+        assert rig.given == [[C.size, B.size]] and stats["preprocess_fallback"] == 2

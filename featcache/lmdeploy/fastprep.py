@@ -44,7 +44,7 @@ import torch
 from ..core.cache import FeatureCache
 from ..preprocess.internvl import TileMaker, TileSpec
 from ..preprocess.internvl_hf import HFTileMaker, canvas_of, internvl_hf_spec
-from ..preprocess.qwen2vl import PatchMaker, qwen2vl_spec
+from ..preprocess.qwen2vl import PatchMaker, processor_spec, qwen2vl_spec
 from ..preprocess.resample import Resampler, matches_pillow
 from ..threads import usable_cores
 
@@ -219,6 +219,44 @@ def _patch_maker(vision_model: Any) -> tuple[PatchMaker | None, str]:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
     return PatchMaker(spec, smart_resize, pool(), bands=THREADS), _on_cpu(spec)
+
+
+def processor_patch_maker(image_processor: Any) -> tuple[PatchMaker | None, str]:
+    """The processor-level frontend's maker for a new-API model's image processor (the Qwen3
+    lineage's: transformers' Qwen2-VL image processor at patch 16, checked on probes), or None and
+    why not; none where ``FEATCACHE_PREPROCESS=lmdeploy``."""
+    if mode() == "lmdeploy":
+        return None, f"{ENV}=lmdeploy"
+    try:
+        spec = processor_spec(image_processor)
+    except Exception as e:
+        spec = f"its processor could not be probed ({type(e).__name__}: {e})"
+    if isinstance(spec, str):
+        return None, spec
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    return PatchMaker(spec, smart_resize, pool(), bands=THREADS), _on_cpu(spec)
+
+
+def processor_patches(maker: PatchMaker, images: list[Any], size: dict[str, int] | None
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``pixel_values`` and ``image_grid_thw`` of ``images`` as one call of the processor makes
+    them (every image's patches in order, one grid row each), at the request's ``size`` override
+    (``shortest_edge``/``longest_edge``) or the processor's own; None where any image is not one
+    ``maker`` reproduces (not plain RGB, a size ``smart_resize`` refuses)."""
+    if size is not None and set(size) != {"shortest_edge", "longest_edge"}:
+        return None
+    low = maker.spec.min_pixels if size is None else size["shortest_edge"]
+    high = maker.spec.max_pixels if size is None else size["longest_edge"]
+    for image in images:
+        if not _plain_rgb("image", image):
+            return None
+        try:
+            maker.size(image.width, image.height, low, high)
+        except (ValueError, ZeroDivisionError):
+            return None
+    made = [maker(image, low, high) for image in images]
+    return torch.cat([values for values, _ in made]), torch.cat([thw for _, thw in made])
 
 
 def _pixels_param(params: dict[str, Any], key: str, default: int) -> int | None:

@@ -257,6 +257,23 @@ def qwen2vl_spec(vision_model: Any) -> PatchSpec | str:
     ip = image_processor(vision_model, Qwen2VLModel, "Qwen2-VL", classes, _METHODS)
     if isinstance(ip, str):
         return ip
+    return processor_spec(ip)
+
+
+def processor_spec(ip: Any) -> PatchSpec | str:
+    """The ``PatchSpec`` of one of transformers' Qwen2-VL image processors, whoever calls it
+    (lmdeploy's Qwen2-VL recipe; the Qwen3 lineage's processor-level preprocessing, patch 16,
+    mean and std 0.5), checked against the processor itself on probe images; else why not."""
+    try:
+        classes = _processor_classes()
+    except ImportError as e:
+        return f"transformers' Qwen2-VL image processor does not import ({e})"
+    if type(ip) not in classes:
+        return (f"its image processor is {type(ip).__name__}, not one of transformers' "
+                f"{' or '.join(c.__name__ for c in classes)}")
+    patched = [name for name in _METHODS if name in vars(ip)]
+    if patched:
+        return f"its image processor's {', '.join(patched)} are replaced on the instance"
     why = _settings(ip)
     if why is not None:
         return why

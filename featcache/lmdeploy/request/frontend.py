@@ -43,7 +43,7 @@ import torch
 from ...core.cache import FeatureCache
 from ...eviction.lrumap import LruMap
 from ...keys import KeyHasher
-from ..fastprep import FastPreprocess
+from ..fastprep import FastPreprocess, PatchMaker, processor_patch_maker, processor_patches
 from .entry_meta import decode_item, encode_item
 from .media import LOCAL_FILES, MediaPolicy, image_size
 from .media import MediaOptionError as MediaOptionError  # (its home: media; named here too)
@@ -302,8 +302,13 @@ class ProcessorFrontend(Frontend):
       by ``media.image_size``: ints, or the request is refused) in its key where it changes the
       pixels;
     - a hit's expansion (its ``image_grid_thw``, so its token count) comes from its entry's metadata;
-    - the image processor runs on the misses only, with the keyword arguments the processor's own
-      call would give it (``_merge_kwargs``), their pixels cast as lmdeploy casts them;
+    - the misses' pixels are made by featcache's ``PatchMaker`` where it reproduces the image
+      processor (transformers' Qwen2-VL image processor, which the Qwen3 lineage uses at patch 16:
+      ``fastprep.processor_patch_maker``, checked on probe images; plain RGB images;
+      ``preprocess_fast``), else by the image processor, with the keyword arguments the
+      processor's own call would give it (``_merge_kwargs``; ``preprocess_fallback``), their
+      pixels cast as lmdeploy casts them; a request with no hit takes this path too where the
+      maker exists;
     - the placeholders are expanded with the processor's own ``replace_image_token`` over every
       image's grid, by its own ``get_text_with_replacements``, and tokenized by its tokenizer with
       its text arguments; a prompt of token ids (lmdeploy's ``/generate``) is expanded by lmdeploy's
@@ -323,7 +328,14 @@ class ProcessorFrontend(Frontend):
     def __init__(self, vision_model: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.model = vision_model
-        self.expands = _expands(getattr(vision_model, "processor", None))
+        processor = getattr(vision_model, "processor", None)
+        self.expands = _expands(processor)
+        # featcache's exact preprocessing of misses (``fastprep.processor_patch_maker``), or None
+        self.maker: PatchMaker | None = None
+        if self.expands and not self.tags:
+            self.maker, why = processor_patch_maker(processor.image_processor)
+            log.info("featcache: preprocessing of new images: %s",
+                     f"featcache's, {why}" if self.maker is not None else f"lmdeploy's ({why})")
 
     def _preprocess(self, messages: list[dict[str, Any]], input_prompt: Any = None,
                     mm_processor_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -332,7 +344,9 @@ class ProcessorFrontend(Frontend):
             return self.original(decoded(messages), input_prompt, mm_processor_kwargs)
         size = image_size(self.model.processor.image_processor, mm_processor_kwargs)
         keys, hits = self._lookup(items, None if size is None else {"processor_size": size})
-        if self.tags or not hits or not self.expands:
+        if self.tags or not self.expands or (not hits and self.maker is None):
+            if not self.tags:  # lmdeploy's image processor makes the misses' pixels
+                self.cache.count(SECTION, "preprocess_fallback", len(items) - len(hits))
             if hits and not self.tags:
                 self.cache.count(SECTION, "preprocess_not_skipped", len(hits))
             out = self.original(decoded(messages), input_prompt, mm_processor_kwargs)
@@ -374,14 +388,21 @@ class ProcessorFrontend(Frontend):
         grid_of = dict(zip(hits, grids, strict=True))
         pixels: list[torch.Tensor] = []
         if missed:
-            out = processor.image_processor([items[i][2]["data"] for i in missed],
-                                            **merged["images_kwargs"])
-            bundle = model._postprocess_mm_output(out["pixel_values"], model.mm_feature_dtype)
-            rows = [int(g.prod()) for g in out["image_grid_thw"]]
+            images = [items[i][2]["data"] for i in missed]
+            made = None if self.maker is None else processor_patches(self.maker, images, size)
+            if made is None:
+                self.cache.count(SECTION, "preprocess_fallback", len(missed))
+                out = processor.image_processor(images, **merged["images_kwargs"])
+                values, thw = out["pixel_values"], out["image_grid_thw"]
+            else:
+                self.cache.count(SECTION, "preprocess_fast", len(missed))
+                values, thw = made
+            bundle = model._postprocess_mm_output(values, model.mm_feature_dtype)
+            rows = [int(g.prod()) for g in thw]
             if sum(rows) != bundle.shape[0]:
                 raise RuntimeError(f"the image processor made {bundle.shape[0]} rows for grids of {rows}")
             pixels = [bundle] if len(missed) == 1 else [p.clone() for p in bundle.split(rows)]
-            grid_of.update(zip(missed, out["image_grid_thw"], strict=True))
+            grid_of.update(zip(missed, thw, strict=True))
         every = torch.stack([torch.as_tensor(grid_of[i]) for i in range(len(items))])
         token_id = model.mm_tokens.image_token_id
         if isinstance(input_prompt, str):
