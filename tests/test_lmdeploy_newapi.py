@@ -547,11 +547,12 @@ def test_a_processor_that_overrides_its_expansion_takes_lmdeploys_preprocessing(
 
 
 def test_misses_take_featcaches_exact_preprocessing_where_it_reproduces_the_processor(rig):
-    """The Qwen3 lineage's image processor (Qwen2-VL's at patch 16) is reproduced by featcache's
-    ``PatchMaker``: a request of new images never reaches the image processor, and its output is
-    lmdeploy's (``test_misses_are_lmdeploys_own_output``). GLM-4.1V's is not (its own
-    smart_resize): the processor runs, counted as a fallback."""
-    assert rig.fast == (rig.arch != tiny.GLM4V)
+    """The Qwen3 lineage's image processor (Qwen2-VL's at patch 16) and GLM-4.1V's (the same
+    patchify after its own smart_resize) are reproduced by featcache's ``PatchMaker``: a request
+    of new images never reaches the image processor, and its output is lmdeploy's
+    (``test_misses_are_lmdeploys_own_output``); a processor it does not reproduce runs, counted
+    as a fallback."""
+    assert rig.fast
     rig.given.clear()
     assert_same(rig.prompt(C, B, plain=True), rig.prompt(C, B))
     stats = rig.stats()
@@ -559,3 +560,15 @@ def test_misses_take_featcaches_exact_preprocessing_where_it_reproduces_the_proc
         assert rig.given == [] and stats["preprocess_fast"] == 2
     else:
         assert rig.given == [[C.size, B.size]] and stats["preprocess_fallback"] == 2
+
+
+def test_a_processor_featcache_does_not_reproduce_makes_the_misses(rig, monkeypatch):
+    from featcache.lmdeploy.request import frontend as newapi
+
+    frontend = rig.frontend.model.preprocess.frontend
+    monkeypatch.setattr(frontend, "maker", None)
+    rig.given.clear()
+    seed(rig, A)
+    assert_same(rig.prompt(A, C, plain=True), rig.prompt(A, C))
+    assert rig.given == [[A.size], [C.size]] and rig.stats()["preprocess_fallback"] == 2
+    assert newapi.processor_patch_maker(object())[0] is None

@@ -44,7 +44,7 @@ import torch
 from ..core.cache import FeatureCache
 from ..preprocess.internvl import TileMaker, TileSpec
 from ..preprocess.internvl_hf import HFTileMaker, canvas_of, internvl_hf_spec
-from ..preprocess.qwen2vl import PatchMaker, processor_spec, qwen2vl_spec
+from ..preprocess.qwen2vl import PatchMaker, processor_spec, qwen2vl_spec, smart_resize_of
 from ..preprocess.resample import Resampler, matches_pillow
 from ..threads import usable_cores
 
@@ -233,9 +233,7 @@ def processor_patch_maker(image_processor: Any) -> tuple[PatchMaker | None, str]
         spec = f"its processor could not be probed ({type(e).__name__}: {e})"
     if isinstance(spec, str):
         return None, spec
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-    return PatchMaker(spec, smart_resize, pool(), bands=THREADS), _on_cpu(spec)
+    return PatchMaker(spec, smart_resize_of(image_processor), pool(), bands=THREADS), _on_cpu(spec)
 
 
 def processor_patches(maker: PatchMaker, images: list[Any], size: dict[str, int] | None

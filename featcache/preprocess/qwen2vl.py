@@ -263,9 +263,10 @@ def qwen2vl_spec(vision_model: Any) -> PatchSpec | str:
 def processor_spec(ip: Any) -> PatchSpec | str:
     """The ``PatchSpec`` of one of transformers' Qwen2-VL image processors, whoever calls it
     (lmdeploy's Qwen2-VL recipe; the Qwen3 lineage's processor-level preprocessing, patch 16,
-    mean and std 0.5), checked against the processor itself on probe images; else why not."""
+    mean and std 0.5), or of GLM-4.1V's (the same patchify after its own ``smart_resize``:
+    ``smart_resize_of``), checked against the processor itself on probe images; else why not."""
     try:
-        classes = _processor_classes()
+        classes = _processor_classes() + _glm4v_classes()
     except ImportError as e:
         return f"transformers' Qwen2-VL image processor does not import ({e})"
     if type(ip) not in classes:
@@ -287,6 +288,34 @@ def processor_spec(ip: Any) -> PatchSpec | str:
                      min_pixels=size.shortest_edge, max_pixels=size.longest_edge,
                      table=table, resize=for_processor(ip), normalize=norm)
     return _probe(ip, spec)
+
+
+def _glm4v_classes() -> tuple[type, ...]:
+    """transformers' GLM-4.1V image processors (none where this transformers has none)."""
+    try:
+        return processor_classes("Glm4vImageProcessorPil",
+                                 "transformers.models.glm4v.image_processing_glm4v", "Glm4vImageProcessor")
+    except ImportError:
+        return ()
+
+
+def smart_resize_of(ip: Any) -> SmartResize:
+    """The ``smart_resize`` of ``ip``'s processor family as ``PatchMaker`` calls it: Qwen2-VL's,
+    or GLM-4.1V's (one image: ``temporal_patch_size`` frames, counted in its pixel budget)."""
+    if type(ip) in _glm4v_classes():
+        from transformers.models.glm4v.image_processing_pil_glm4v import smart_resize as glm
+
+        temporal = int(ip.temporal_patch_size)
+
+        def resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+            h, w = glm(num_frames=temporal, height=height, width=width, temporal_factor=temporal,
+                       factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+            return int(h), int(w)
+
+        return resize
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    return smart_resize
 
 
 def _settings(ip: Any) -> str | None:
@@ -312,9 +341,8 @@ def _probe(ip: Any, spec: PatchSpec) -> PatchSpec | str:
     """``spec`` where ``PatchMaker`` equals the processor itself on probe images (one at its
     size, one resized up, one down), else why not."""
     from PIL import Image
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-    maker = PatchMaker(spec, smart_resize)
+    maker = PatchMaker(spec, smart_resize_of(ip))
     rng = np.random.default_rng(20261203)
     f = spec.patch_size * spec.merge_size
     for w, h in ((2 * f, f), (37, 23), (3 * f + 5, 2 * f - 3)):
@@ -340,10 +368,14 @@ def _same(ip: Any, maker: PatchMaker, image: Any, limits: dict[str, int]) -> boo
     import warnings
 
     s = maker.spec
+    call: dict[str, Any] = dict(limits)
+    if limits and type(ip) in _glm4v_classes():  # (its call takes the bounds as a size only)
+        call = {"size": {"shortest_edge": limits.get("min_pixels", s.min_pixels),
+                         "longest_edge": limits.get("max_pixels", s.max_pixels)}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (transformers deprecates min_pixels in a call)
         try:
-            want = ip(images=[image], return_tensors="pt", **limits)
+            want = ip(images=[image], return_tensors="pt", **call)
         except ValueError:
             return None  # (a probe outside the processor's own limits)
     got, thw = maker(image, limits.get("min_pixels", s.min_pixels), limits.get("max_pixels", s.max_pixels))
