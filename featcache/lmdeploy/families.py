@@ -218,7 +218,7 @@ def _through(arch: str, family: str, why: str) -> Support:
     return Support(arch, family, "passes through", why)
 
 
-_NOT_YET = "not yet declared: no tiny checkpoint and tests yet (issue 51)"
+_NOT_YET = "not yet declared (issue 51)"
 
 SUPPORT: tuple[Support, ...] = (
     _cached("InternVLChatModel", "InternVL 1.5-3.5"),
@@ -240,14 +240,27 @@ SUPPORT: tuple[Support, ...] = (
     _cached("Glm4vForConditionalGeneration", "GLM-4.1V"),
     _cached("Gemma3ForConditionalGeneration", "Gemma 3"),
     _cached("LlavaForConditionalGeneration", "LLaVA (HF)"),
-    _through("LlavaNextForConditionalGeneration", "LLaVA-NeXT", _NOT_YET),
-    _through("Llama4ForConditionalGeneration", "Llama 4", _NOT_YET),
-    _through("KimiK25ForConditionalGeneration", "Kimi-K2.5", _NOT_YET),
-    _through("Kimi_K25ForConditionalGeneration", "Kimi-K2.5", _NOT_YET),
-    _through("Phi3VForCausalLM", "Phi-3-Vision", _NOT_YET),
-    _through("CogVLMForCausalLM", "CogVLM", _NOT_YET),
-    _through("ChatGLMModel", "GLM-4V (with a vision_config)", _NOT_YET),
-    _through("ChatGLMForConditionalGeneration", "GLM-4V (with a vision_config)", _NOT_YET),
+    _through("LlavaNextForConditionalGeneration", "LLaVA-NeXT",
+             "a two-stage vision call (get_image_features per tile, then pack_image_features by "
+             "each image's size): the packed rows are the entry, the first stage must run on the "
+             "misses only; " + _NOT_YET),
+    _through("Llama4ForConditionalGeneration", "Llama 4",
+             "an image's span holds separator tokens between its tiles' rows: its row count is "
+             "not its span's length; " + _NOT_YET),
+    _through("KimiK25ForConditionalGeneration", "Kimi-K2.5",
+             "a remote processor with an API of its own (medias=, grid_thws), a prepare that "
+             "checks the step's image list; " + _NOT_YET),
+    _through("Kimi_K25ForConditionalGeneration", "Kimi-K2.5", "as above; " + _NOT_YET),
+    _through("Phi3VForCausalLM", "Phi-3-Vision",
+             "its vision call scatters into the embeddings itself (vision_embed_tokens over the "
+             "step's ids): the per-image features are inside it; " + _NOT_YET),
+    _through("CogVLMForCausalLM", "CogVLM",
+             "remote code; positions from the step's model_metas (prefix caching must stay off); "
+             + _NOT_YET),
+    _through("ChatGLMModel", "GLM-4V (with a vision_config)",
+             "remote code; positions from the step's model_metas (prefix caching must stay off); "
+             + _NOT_YET),
+    _through("ChatGLMForConditionalGeneration", "GLM-4V (with a vision_config)", "as above; " + _NOT_YET),
     _through("DeepseekVLV2ForCausalLM", "DeepSeek-VL2 (a language_config of DeepseekV2ForCausalLM)",
              "one preprocessed entry and one fused vision-and-scatter call per request: no image "
              "has an identity of its own in the engine"),
