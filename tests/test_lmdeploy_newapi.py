@@ -572,3 +572,45 @@ def test_a_processor_featcache_does_not_reproduce_makes_the_misses(rig, monkeypa
     assert_same(rig.prompt(A, C, plain=True), rig.prompt(A, C))
     assert rig.given == [[A.size], [C.size]] and rig.stats()["preprocess_fallback"] == 2
     assert newapi.processor_patch_maker(object())[0] is None
+
+
+def test_qwen3_omni_audio_in_a_step_is_left_to_lmdeploy(tmp_path_factory, monkeypatch):
+    """A Qwen3-Omni step with audio beside a hit and a miss: the vision call gets the miss only,
+    the image rows land on the image tokens, and the audio item goes to lmdeploy's own prepare
+    (its audio tower, its own mask over the audio tokens)."""
+    from lmdeploy.pytorch.multimodal.data_type import Modality, MultiModalData
+
+    rig = Rig(tiny.QWEN3_OMNI, tiny.checkpoint(tiny.QWEN3_OMNI, tmp_path_factory))
+    try:
+        tiny.featcache_prepare(monkeypatch, OMNI_CLASS, families.SPECS[tiny.QWEN3_OMNI])
+        stored = seed(rig, A)
+        prompt, plain = rig.prompt(A, B), rig.prompt(A, B, plain=True)
+        audio_id = rig.config.thinker_config.audio_token_id
+        ids = prompt["input_ids"] + [audio_id] * 3  # three audio tokens after the images
+        result = rig.processor.preprocess_input(prompt["input_ids"], prompt["multimodal"])
+        audio = MultiModalData(modality=Modality.AUDIO, data=torch.randn(1, 128, 6),
+                               start=len(prompt["input_ids"]), end=len(ids),
+                               meta=dict(audio_token_id=audio_id, audio_feature_lengths=torch.tensor([6])))
+        mm = {"mm_data": [*result.input_multimodals["mm_data"], audio]}
+        model = rig.fake_model()
+        heard: list[torch.Tensor] = []
+
+        def audio_tower(input_features, feature_lens):
+            heard.append(input_features)
+            return torch.full((3, HIDDEN), 7.0)
+
+        model.audio_tower = audio_tower
+        context = step_context(ids, [mm], rig.config)
+        inputs = OMNI_CLASS.prepare_inputs_for_generation(model, [None] * context._full, None, context)
+        got = model.run(inputs)
+        embeds = got["inputs_embeds"][0]
+        image = torch.tensor(ids) == prompt["multimodal"][0]["image_token_id"]
+        want = torch.cat([stored[prompt["multimodal"][0][REF_KEY].key].chunk(LEVELS, -1)[0],
+                          levels(plain["multimodal"][1]["pixel_values"])[0]])
+        assert torch.equal(embeds[image].float(), want)
+        assert len(model.visual.calls) == 1  # the miss (B) only
+        missed = plain["multimodal"][1]["pixel_values"]
+        assert torch.equal(model.visual.calls[0], missed.to(model.visual.calls[0]))
+        assert len(heard) == 1 and torch.equal(embeds[-3:], torch.full((3, HIDDEN), 7.0))
+    finally:
+        rig.close()
