@@ -155,6 +155,9 @@ class PromptPath:
             return inner(messages, *args)
 
         frontend.original = preprocess
+        maker = getattr(frontend, "maker", None)  # the processor-level frontend's own pixels
+        if maker is not None:
+            frontend.maker = _RecordedMaker(maker, self.calls)
 
     def prompt(self, msgs: list[dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
         """What ``VLAsyncEngine`` hands the engine for ``msgs``: prompt, input_ids, per-image dicts
@@ -163,6 +166,29 @@ class PromptPath:
 
     def close(self) -> None:
         self.encoder.executor.shutdown(wait=True)
+
+
+class _RecordedMaker:
+    """A ``PatchMaker`` whose images are recorded in ``calls``, one entry a request (its
+    ``ProcessorFrontend`` makes a request's misses in one pass, ``fastprep.processor_patches``,
+    which asks every image's ``size`` first)."""
+
+    def __init__(self, maker: Any, calls: list[list[tuple[int, int]]]) -> None:
+        self.maker, self.calls, self._open = maker, calls, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.maker, name)
+
+    def size(self, width: int, height: int, *args: Any) -> Any:
+        if self._open is False:  # the first image of a request's pass
+            self._open = True
+            self.calls.append([])
+        self.calls[-1].append((width, height))
+        return self.maker.size(width, height, *args)
+
+    def __call__(self, image: Any, *args: Any) -> Any:
+        self._open = False
+        return self.maker(image, *args)
 
 
 def featcache_prepare(monkeypatch: Any, cls: type, spec: Any) -> type:

@@ -522,7 +522,6 @@ def test_a_processor_that_overrides_its_expansion_takes_lmdeploys_preprocessing(
     """A checkpoint's remote-code processor (Intern-S2's, Intern-S1-Pro's) that overrides what
     featcache would reproduce is not reproduced: lmdeploy preprocesses the whole request, a hit
     is tagged (the vision model is still skipped for it) and counted as not skipping preprocessing."""
-    from featcache.lmdeploy.request import frontend as newapi
 
     processor = rig.frontend.model.processor
     base = type(processor)
@@ -531,7 +530,7 @@ def test_a_processor_that_overrides_its_expansion_takes_lmdeploys_preprocessing(
         "replace_image_token": lambda self, *a, **k: base.replace_image_token(self, *a, **k)})
     processor.__class__ = remote
     ours = rig.frontend.model.preprocess.frontend
-    ours.expands = newapi._expands(processor)
+    ours.expands = families.reproduces_expansion(processor)
     assert not ours.expands
     seed(rig, A)
     rig.given.clear()
@@ -543,7 +542,7 @@ def test_a_processor_that_overrides_its_expansion_takes_lmdeploys_preprocessing(
     assert rig.given == [[A.size, B.size]]  # both preprocessed, by lmdeploy
     assert rig.stats()["preprocess_not_skipped"] == 1
     processor.__class__ = base
-    assert newapi._expands(processor)
+    assert families.reproduces_expansion(processor)
 
 
 def test_misses_take_featcaches_exact_preprocessing_where_it_reproduces_the_processor(rig):

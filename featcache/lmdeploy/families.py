@@ -192,6 +192,33 @@ SPECS: dict[str, ArchSpec] = {
 PREFIX_CACHED = frozenset(arch for arch, spec in SPECS.items() if spec.prefix_caching)
 
 
+# HF processors of the processor-level API whose placeholder expansion is a function of each
+# image's ``image_grid_thw`` alone (``replace_image_token``): ``ProcessorFrontend`` reproduces
+# their output (shown equal to lmdeploy's by tests/test_lmdeploy_newapi.py)
+EXPANDING = ("Qwen2VLProcessor", "Qwen3VLProcessor", "Glm4vProcessor", "Qwen3OmniMoeProcessor")
+# what ``ProcessorFrontend._expand`` calls or reproduces of a processor: defined by transformers,
+# never overridden
+_EXPANSION = ("__call__", "replace_image_token", "get_text_with_replacements", "_merge_kwargs")
+
+
+def reproduces_expansion(processor: Any) -> bool:
+    """Whether ``request.frontend.ProcessorFrontend._expand`` reproduces ``processor``'s call: one of
+    ``EXPANDING`` (or a subclass of one), whose call, expansion and text replacement are
+    transformers' own. A checkpoint's remote-code processor that overrides any of them (Intern-S2's
+    and Intern-S1-Pro's ship their own, with time series) takes lmdeploy's preprocessing, its
+    images tagged: hits still skip the vision model."""
+    if processor is None:
+        return False
+    mro = type(processor).__mro__
+    if not {k.__name__ for k in mro} & set(EXPANDING):
+        return False
+    for name in _EXPANSION:
+        owner = next((k for k in mro if name in vars(k)), None)
+        if owner is None or not owner.__module__.startswith("transformers."):
+            return False
+    return True
+
+
 @dataclass(frozen=True)
 class Support:
     """One row of the support table: an architecture string and what featcache does with it."""

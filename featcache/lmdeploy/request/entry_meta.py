@@ -33,7 +33,7 @@ import torch
 from ...entrymeta import EntryMeta, namespace_of, read
 from .refs import REF_KEY
 
-__all__ = ["EntryMeta", "decode_item", "encode_item", "namespace_of", "read"]
+__all__ = ["EntryMeta", "decode_item", "encode_item", "namespace_of", "processor_item_meta", "read"]
 
 MAX_TENSOR_ELEMENTS = 64  # metadata tensors (image_grid_thw, image_tokens) are tiny
 
@@ -89,3 +89,13 @@ def _decode(v: Any) -> Any:
             return torch.tensor(data, dtype=getattr(torch, dtype)).reshape(shape)
         return tuple(_decode(x) for x in v["tuple"])
     return v
+
+
+def processor_item_meta(item: dict[str, Any], namespace: str) -> bytes:
+    """An image's entry metadata from the processor-level API's per-image dict: the dict without
+    what is the request's (its offset) or a constant (its modality), with its token count
+    (``image_tokens``: what ``featcache ls`` shows; not a field of lmdeploy's dict, never put in
+    one)."""
+    start, end = item["offset"]
+    fields = {k: v for k, v in item.items() if k not in ("offset", "modality", REF_KEY)}
+    return encode_item({**fields, "image_tokens": int(end) - int(start)}, namespace)

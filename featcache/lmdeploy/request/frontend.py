@@ -43,8 +43,9 @@ import torch
 from ...core.cache import FeatureCache
 from ...eviction.lrumap import LruMap
 from ...keys import KeyHasher
+from ..families import reproduces_expansion
 from ..fastprep import FastPreprocess, PatchMaker, processor_patch_maker, processor_patches
-from .entry_meta import decode_item, encode_item
+from .entry_meta import decode_item, encode_item, processor_item_meta
 from .media import LOCAL_FILES, MediaPolicy, image_size
 from .media import MediaOptionError as MediaOptionError  # (its home: media; named here too)
 from .messages import decoded, image_items, preprocessed, without
@@ -280,11 +281,6 @@ def _keyed_by_bytes(item: dict[str, Any]) -> bool:
 
 # -- lmdeploy's processor-level preprocessing API ---------------------------------------------
 
-# HF processors whose placeholder expansion is a function of each image's ``image_grid_thw``
-# alone (``replace_image_token``), shown equal to lmdeploy's output by the tests
-EXPANDING = ("Qwen2VLProcessor", "Qwen3VLProcessor", "Glm4vProcessor", "Qwen3OmniMoeProcessor")
-
-
 class ProcessorFrontend(Frontend):
     """The frontend hook for lmdeploy's processor-level preprocessing API (``__call__`` is the
     vision model's new-API ``preprocess``).
@@ -317,7 +313,7 @@ class ProcessorFrontend(Frontend):
     Invariant: the output equals lmdeploy's own for the same request (input ids, offsets, every
     per-image field; tests/test_lmdeploy_newapi.py checks it against lmdeploy's real preprocessing
     for requests mixing hits and misses). Where this is not shown (a processor outside
-    ``EXPANDING``, a request with videos, audio or time series) lmdeploy's own preprocessing runs for
+    ``families.EXPANDING``, a request with videos, audio or time series) lmdeploy's own preprocessing runs for
     the whole request and featcache only tags its images: hits then skip the vision model but not
     preprocessing (counted, ``preprocess_not_skipped``). Any failure falls back to lmdeploy's own
     preprocessing (``Frontend.__call__``: counted, never a failed request). With ``tags`` (several
@@ -329,7 +325,7 @@ class ProcessorFrontend(Frontend):
         super().__init__(*args, **kwargs)
         self.model = vision_model
         processor = getattr(vision_model, "processor", None)
-        self.expands = _expands(processor)
+        self.expands = reproduces_expansion(processor)
         # featcache's exact preprocessing of misses (``fastprep.processor_patch_maker``), or None
         self.maker: PatchMaker | None = None
         if self.expands and not self.tags:
@@ -368,7 +364,8 @@ class ProcessorFrontend(Frontend):
             if hit is not None and not self.tags:
                 item[REF_KEY] = hit[REF_KEY]
                 continue
-            item[REF_KEY] = self._miss_ref(key, _meta(item, self.namespace))  # (mp: with its pixels)
+            # (several processes: it goes with its pixels)
+            item[REF_KEY] = self._miss_ref(key, processor_item_meta(item, self.namespace))
 
     def _expand(self, items: list[tuple[int, int, dict[str, Any]]], keys: list[bytes | None],
                 hits: dict[int, dict[str, Any]], input_prompt: Any,
@@ -430,42 +427,11 @@ class ProcessorFrontend(Frontend):
             if hit is not None:
                 item[REF_KEY] = hit[REF_KEY]
             elif key is not None:
-                item[REF_KEY] = self._miss_ref(key, _meta(item, self.namespace))
+                item[REF_KEY] = self._miss_ref(key, processor_item_meta(item, self.namespace))
             multimodal.append(item)
         return dict(input_ids=input_ids.tolist(), multimodal=multimodal)
-
-
-# what ``_expand`` calls or reproduces of a processor: defined by transformers, never overridden
-_EXPANSION = ("__call__", "replace_image_token", "get_text_with_replacements", "_merge_kwargs")
-
-
-def _expands(processor: Any) -> bool:
-    """Whether ``ProcessorFrontend._expand`` reproduces ``processor``'s call: one of
-    ``EXPANDING`` (or a subclass of one), whose call, expansion and text replacement are
-    transformers' own. A checkpoint's remote-code processor that overrides any of them (Intern-S2's
-    and Intern-S1-Pro's ship their own, with time series) takes lmdeploy's preprocessing, its
-    images tagged: hits still skip the vision model."""
-    if processor is None:
-        return False
-    mro = type(processor).__mro__
-    if not {k.__name__ for k in mro} & set(EXPANDING):
-        return False
-    for name in _EXPANSION:
-        owner = next((k for k in mro if name in vars(k)), None)
-        if owner is None or not owner.__module__.startswith("transformers."):
-            return False
-    return True
 
 
 def _is_image(item: dict[str, Any]) -> bool:
     modality = item.get("modality")
     return getattr(modality, "value", modality) == "image"
-
-
-def _meta(item: dict[str, Any], namespace: str) -> bytes:
-    """An image's entry metadata: its per-image dict without what is the request's (its offset)
-    or a constant (its modality), with its token count (``image_tokens``: what ``featcache ls``
-    shows; not a field of lmdeploy's dict, never put in one)."""
-    start, end = item["offset"]
-    fields = {k: v for k, v in item.items() if k not in ("offset", "modality", REF_KEY)}
-    return encode_item({**fields, "image_tokens": int(end) - int(start)}, namespace)
