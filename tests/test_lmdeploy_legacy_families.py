@@ -45,7 +45,6 @@ CLASS = gemma3_vl.Gemma3ForConditionalGeneration
 SPEC = families.SPECS[tiny.GEMMA3]
 FAMILIES = [tiny.GEMMA3, tiny.LLAVA]
 CLASSES = {tiny.GEMMA3: CLASS, tiny.LLAVA: llava.LlavaForConditionalGeneration}
-TOKENS = {tiny.GEMMA3: tiny.GEMMA3_TOKENS, tiny.LLAVA: tiny.LLAVA_TOKENS}  # an image's
 
 
 def features(pixel_values: torch.Tensor, tokens: int = tiny.GEMMA3_TOKENS) -> torch.Tensor:
@@ -126,15 +125,14 @@ FAKES = {tiny.GEMMA3: FakeGemma3, tiny.LLAVA: FakeLlava}
 class Rig:
     def __init__(self, arch: str, path: str) -> None:
         self.arch = arch
-        self.tokens = TOKENS[arch]
         self.config = AutoConfig.from_pretrained(path)
         self.cache = FeatureCache(device="cpu", device_bytes="64MiB", host_bytes=0)
         self.plain = tiny.PromptPath(path)
         self.frontend = tiny.PromptPath(path)
         install_frontend(self.frontend.model, self.cache, f"test:{arch}")
         self.frontend.record_featcache()
-        inner = (gemma3_vl.Gemma3VLInputProcessor(self.config, DTYPE) if arch == tiny.GEMMA3
-                 else llava.LLavaInputProcessor(self.config, DTYPE))
+        inner = {tiny.GEMMA3: gemma3_vl.Gemma3VLInputProcessor,
+                 tiny.LLAVA: llava.LLavaInputProcessor}[arch](self.config, DTYPE)
         self.processor = KeyedInputProcessor(inner)
         self.cls = CLASSES[arch]
 
@@ -205,7 +203,7 @@ def seed(rig: Rig, *images) -> dict[bytes, torch.Tensor]:
     stored = {}
     for item in rig.prompt(*images)["multimodal"]:
         ref = item[REF_KEY]
-        stored[ref.key] = torch.randn(rig.tokens, HIDDEN).to(DTYPE)
+        stored[ref.key] = torch.randn(tiny.tokens(item), HIDDEN).to(DTYPE)
         rig.cache.put(ref.key, stored[ref.key], meta=ref.meta)
     return stored
 
@@ -242,20 +240,24 @@ def test_hits_skip_preprocessing_and_the_prompt_is_lmdeploys(rig, images):
 
 @pytest.mark.parametrize("images", [(A, B), (B, A, C), (A,), (A, A)],
                          ids=["hit-miss", "miss-hit-miss", "hit", "hit-twice"])
-def test_a_step_serves_hits_computes_misses_and_keeps_lmdeploys_masks(patched, images):
+def test_a_step_serves_hits_computes_misses_and_keeps_lmdeploys_inputs(patched, images):
+    """A step's image rows: a hit's stored rows, a miss's the rows plain lmdeploy's own step
+    makes of it (the same fake tower, lmdeploy's prepare and forward); every other input of
+    the language model plain lmdeploy's (Gemma 3's masks)."""
     rig = patched
     stored = seed(rig, A)
     prompt = rig.prompt(*images)
     plain = rig.prompt(*images, plain=True)
     model = rig.fake_model()
     got = rig.step(model, prompt)
+    _, theirs = rig.plain_step(plain)  # plain lmdeploy computes every image, hits too
     ids = torch.tensor(prompt["input_ids"])
     mask = ids == prompt["multimodal"][0]["image_token_id"]
-    want = torch.cat([stored[item[REF_KEY].key] if item[REF_KEY].hit
-                      else features(own["pixel_values"].to(DTYPE), rig.tokens)[0].to(DTYPE)
-                      for item, own in zip(prompt["multimodal"], plain["multimodal"], strict=True)])
     embeds = got["inputs_embeds"][0]
-    assert torch.equal(embeds[mask], want.to(embeds.dtype))
+    computed = theirs["inputs_embeds"][0][mask].split([tiny.tokens(x) for x in plain["multimodal"]])
+    want = torch.cat([stored[item[REF_KEY].key].to(embeds.dtype) if item[REF_KEY].hit else rows
+                      for item, rows in zip(prompt["multimodal"], computed, strict=True)])
+    assert torch.equal(embeds[mask], want)
     assert torch.equal(embeds[~mask], model.get_input_embeddings()(ids)[~mask])
     misses = [own["pixel_values"] for item, own in zip(prompt["multimodal"], plain["multimodal"], strict=True)
               if not item[REF_KEY].hit]
@@ -263,12 +265,6 @@ def test_a_step_serves_hits_computes_misses_and_keeps_lmdeploys_masks(patched, i
         assert len(model.calls) == 1 and torch.equal(model.calls[0], torch.cat(misses).to(DTYPE))
     else:
         assert model.calls == []  # every image hit: the tower never ran
-    # plain lmdeploy's step of the same prompt: the same embeddings, and every other input its
-    # language model gets (Gemma 3's masks: the same values, the same dtype)
-    _, theirs = rig.plain_step(plain)
-    computed = torch.cat([features(own["pixel_values"].to(DTYPE), rig.tokens)[0].to(DTYPE)
-                          for own in plain["multimodal"]])  # (plain computes the hits too)
-    assert torch.equal(theirs["inputs_embeds"][0][mask], computed.to(embeds.dtype))
     assert set(got) == set(theirs)
     for name in set(got) - {"inputs_embeds"}:
         if isinstance(got[name], list) and got[name] and isinstance(got[name][0], torch.Tensor):

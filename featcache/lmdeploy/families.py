@@ -268,9 +268,10 @@ SUPPORT: tuple[Support, ...] = (
     _cached("Gemma3ForConditionalGeneration", "Gemma 3"),
     _cached("LlavaForConditionalGeneration", "LLaVA (HF)"),
     _through("LlavaNextForConditionalGeneration", "LLaVA-NeXT",
-             "a two-stage vision call (get_image_features per tile, then pack_image_features by "
-             "each image's size): the packed rows are the entry, the first stage must run on the "
-             "misses only; " + _NOT_YET),
+             "lmdeploy 0.18's own LLaVA-NeXT frontend does not build on transformers 5 (its "
+             "_from_config(..., trust_remote_code=) and del model.language_model), which the "
+             "Qwen3.5 and GLM-4.1V families need; with transformers 4 it is a two-stage vision "
+             "call (get_image_features per tile, pack_image_features per image); " + _NOT_YET),
     _through("Llama4ForConditionalGeneration", "Llama 4",
              "an image's span holds separator tokens between its tiles' rows: its row count is "
              "not its span's length; " + _NOT_YET),
