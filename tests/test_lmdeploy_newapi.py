@@ -613,3 +613,48 @@ def test_qwen3_omni_audio_in_a_step_is_left_to_lmdeploy(tmp_path_factory, monkey
         assert len(heard) == 1 and torch.equal(embeds[-3:], torch.full((3, HIDDEN), 7.0))
     finally:
         rig.close()
+
+
+def test_tag_mode_each_model_process_skips_the_tower_for_the_images_it_holds(patched, monkeypatch):
+    """Several processes (lmdeploy's mp engine, tp > 1): the API process's frontend runs lmdeploy's
+    preprocessing for every request (its output lmdeploy's own) and tags every image; the model
+    process (its own cache, ``ranks``) computes an image the first time and serves it after,
+    through the same prepare and forward."""
+    import json
+    import pickle
+
+    from featcache.lmdeploy import counters_cache
+    from featcache.lmdeploy.pytorch import ranks
+    from featcache.lmdeploy.request.tags import FeatTag
+
+    rig = patched
+    api_cache = counters_cache()
+    api = tiny.PromptPath(rig.frontend.model.model_path)
+    install_frontend(api.model, api_cache, f"test:{rig.arch}", tags=True)
+    ranks.configure(json.dumps({"feature_cache": {"device": "cpu", "device_bytes": 64 << 20,
+                                                   "host_bytes": 0}}))
+    try:
+        model = rig.fake_model()
+        visual = vision_of(model)
+        rows = []
+        for images in [(A, B), (B, C)]:
+            sent = api.prompt(tiny.messages(*(tiny.image_item(i) for i in images)))
+            plain = rig.prompt(*images, plain=True)
+            assert sent["input_ids"] == plain["input_ids"]
+            for m, p in zip(sent["multimodal"], plain["multimodal"], strict=True):
+                assert isinstance(m[REF_KEY], FeatTag) and torch.equal(m["pixel_values"], p["pixel_values"])
+            sent = pickle.loads(pickle.dumps(sent))  # as lmdeploy's RPC hands it to the engine
+            got = rig.step(model, sent)
+            mask = torch.tensor(sent["input_ids"]) == sent["multimodal"][0]["image_token_id"]
+            rows.append(got["inputs_embeds"][0][mask].float())
+            want = torch.cat([levels(p["pixel_values"])[0] for p in plain["multimodal"]])
+            assert torch.equal(rows[-1], want)  # every image's rows, computed or served
+        # the tower ran for A and B, then for C only (B served from the model process's cache)
+        assert len(visual.calls) == 2
+        c_rows = rig.prompt(C, plain=True)["multimodal"][0]["pixel_values"].shape[0]
+        assert visual.calls[1].shape[0] == c_rows
+        assert ranks.local_cache().stats()[SECTION]["vision_skipped"] == 1
+    finally:
+        ranks.reset_for_tests()
+        api.close()
+        api_cache.close()
