@@ -111,7 +111,7 @@ class Rig:
         self.cache.close()
 
 
-@pytest.fixture(params=[tiny.INTERNVL, tiny.QWEN2VL], ids=["internvl_hf", "qwen2vl"])
+@pytest.fixture(params=[tiny.INTERNVL, tiny.QWEN2VL, tiny.QWEN3_5], ids=["internvl_hf", "qwen2vl", "qwen3_5"])
 def rig(request, tmp_path_factory, binding):
     r = Rig(request.param, tiny.checkpoint(request.param, tmp_path_factory))
     yield r

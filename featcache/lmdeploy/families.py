@@ -119,7 +119,7 @@ _QWEN3_VL = ArchSpec(
 _QWEN3_5 = ArchSpec(
     "qwen3_5", "Qwen3_5ForConditionalGeneration", "model.visual", True,
     {"pixel_values": _empty, "vis_cu_seqlens": _empty, "vis_pos_emb": _pair, "pos_embeds": _empty},
-    items="mm_data", output=TENSOR, step_inputs=qwen3_step_inputs, frontend=PROCESSOR)
+    items="mm_data", output=TENSOR, step_inputs=qwen3_step_inputs, frontend=PROCESSOR, turbomind=True)
 
 
 def _as(spec: ArchSpec, module: str, cls: str, **changes: Any) -> ArchSpec:
@@ -157,11 +157,14 @@ SPECS: dict[str, ArchSpec] = {
     # checkpoint's own (remote) processor
     "InternS2PreviewForConditionalGeneration": _as(_QWEN3_5, "qwen3_5_moe",
                                                    "Qwen3_5MoeForConditionalGeneration"),
-    "InternS2PreviewForCausalLM": _as(_QWEN3_5, "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"),
+    # (TurboMind builds the *ForConditionalGeneration strings only: supported_models.py)
+    "InternS2PreviewForCausalLM": _as(_QWEN3_5, "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration",
+                                      turbomind=False),
     # Intern-S2 Mobius: its own class, Qwen3.5's prepare and forward (model.visual, one tensor)
     "InternS2MobiusForConditionalGeneration": _as(_QWEN3_5, "interns2_mobius",
                                                   "InternS2MobiusForConditionalGeneration"),
-    "InternS2MobiusForCausalLM": _as(_QWEN3_5, "interns2_mobius", "InternS2MobiusForConditionalGeneration"),
+    "InternS2MobiusForCausalLM": _as(_QWEN3_5, "interns2_mobius", "InternS2MobiusForConditionalGeneration",
+                                     turbomind=False),
     # Intern-S1-Pro / S1.1: Qwen3-VL's tower and prepare; its forward drops the deepstack levels
     # (``image_embeds, _ = self.visual(...)``): only the main rows are cached
     "InternS1ProForConditionalGeneration": _as(_QWEN3_VL, "interns1_pro",

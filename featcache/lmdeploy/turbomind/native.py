@@ -42,7 +42,7 @@ import torch
 
 from ...core.cache import FeatureCache
 from ..families import SPECS
-from ..request.entry_meta import encode_item
+from ..request.entry_meta import encode_item, processor_item_meta
 from ..request.frontend import SECTION, Frontend, install_frontend
 from ..request.identity import model_identity
 from ..request.messages import decoded, preprocessed
@@ -52,7 +52,7 @@ from .common import check_host_cache, engine_vision_dtype
 log = logging.getLogger("featcache")
 
 _PERSON = b"featcache-tm-fp1"  # blake2b personalisation (16 bytes): fingerprints are ours alone
-# lmdeploy VisionModels whose TurboMind inputs the native path serves (legacy preprocess API):
+# lmdeploy VisionModels whose TurboMind inputs the native path serves (either preprocess API):
 # the declarations that say so (``families``)
 NATIVE_ARCHS = tuple(arch for arch, spec in SPECS.items() if spec.turbomind)
 
@@ -70,7 +70,7 @@ def install_native_path(pipe: Any, cache: FeatureCache, arch: str, namespace: st
     serve pass through untouched, with one log line."""
     engine = pipe.async_engine
     encoder = engine.vl_encoder
-    if arch not in NATIVE_ARCHS or encoder._uses_new_preprocess:
+    if arch not in NATIVE_ARCHS:
         log.warning("featcache: architecture %s is not cached on TurboMind; it passes through", arch)
         return
     check_host_cache(cache)
@@ -116,19 +116,22 @@ class NativePixels:
         self.frontend = frontend
         self.vision_dtype = vision_dtype
 
-    def __call__(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        out = self.keyed(list(messages))  # a copy: the fallback needs the caller's messages
+    def __call__(self, messages: list[dict[str, Any]], *args: Any) -> Any:
+        """lmdeploy's ``preprocess``: ``args``, the processor-level API's prompt and options (its
+        output a dict whose ``multimodal`` holds the per-image dicts; the legacy API's, messages)."""
+        out = self.keyed(list(messages), *args)  # a copy: the fallback needs the caller's messages
         try:
-            for item in preprocessed(out):
+            processor_level = isinstance(out, dict)
+            for item in out["multimodal"] if processor_level else preprocessed(out):
                 ref = item.get(REF_KEY)
                 if isinstance(ref, FeatRef):
-                    self._serve(item, ref)
+                    self._serve(item, ref, processor_level)
         except Exception:
             self.frontend._failed("serving cached pixels failed; preprocessing without the cache")
-            return self.frontend.original(decoded(messages))
+            return self.frontend.original(decoded(messages), *args)
         return out
 
-    def _serve(self, item: dict[str, Any], ref: FeatRef) -> None:
+    def _serve(self, item: dict[str, Any], ref: FeatRef, processor_level: bool = False) -> None:
         count = self.cache.count
         if ref.hit:
             assert ref.lease is not None
@@ -145,7 +148,8 @@ class NativePixels:
             dtype = self.vision_dtype or pixels.dtype
             if pixels.is_floating_point() and pixels.dtype != dtype:  # as to_tm_tensor would
                 pixels = pixels.to(dtype)
-                meta = encode_item({**item, "pixel_values": pixels}, self.frontend.namespace)
+                record = processor_item_meta if processor_level else encode_item
+                meta = record({**item, "pixel_values": pixels}, self.frontend.namespace)
             # 2026-11-30: a copy into page-locked memory here cost 14.6 ms per miss (8.7 ms of it
             # allocating), to save ~0.7 ms of upload per use: the pixels are kept as they are.
             self.cache.put(ref.key, pixels, meta=meta)
