@@ -252,22 +252,30 @@ QWEN3_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+def qwen3_processor(out, min_pixels, max_pixels):
+    """Write a Qwen3-VL processor into ``out`` (patch 16, merge 2, mean/std 0.5, images of
+    ``min_pixels`` to ``max_pixels``) with the byte-level tokenizer and Qwen3's template; return
+    the tokenizer. Shared by the tiny checkpoints and make_real_shape.py's Qwen3-VL-2B shape."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+    tok = qwen_tokenizer(out, QWEN_VL_SPECIAL)
+    tok.chat_template = QWEN3_TEMPLATE
+    ip = Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
+                               image_std=[0.5] * 3,
+                               size={'shortest_edge': min_pixels, 'longest_edge': max_pixels})
+    proc = Qwen3VLProcessor(image_processor=ip, tokenizer=tok,
+                            video_processor=Qwen3VLVideoProcessor(patch_size=16, merge_size=2),
+                            chat_template=tok.chat_template)
+    proc.save_pretrained(out)
+    return tok
+
+
 def qwen3(out, arch, dtype='bfloat16'):
     """Qwen3-VL (``qwen3vl``: two deepstack levels) or Qwen3.5 (``qwen3_5``: one linear-attention
     and one full-attention layer): patch 16, merge 2, mean/std 0.5 as their public checkpoints; a
     2-layer ViT (hidden 128, head_dim 64) and a 2-layer LLM (hidden 256, head_dim 64)."""
     import transformers
-    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
     os.makedirs(out, exist_ok=True)
-    tok = qwen_tokenizer(out, QWEN_VL_SPECIAL)
-    tok.chat_template = QWEN3_TEMPLATE
-    ip = Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
-                               image_std=[0.5] * 3,
-                               size={'shortest_edge': 32 * 32, 'longest_edge': 32 * 32 * 64})
-    proc = Qwen3VLProcessor(image_processor=ip, tokenizer=tok,
-                            video_processor=Qwen3VLVideoProcessor(patch_size=16, merge_size=2),
-                            chat_template=tok.chat_template)
-    proc.save_pretrained(out)
+    tok = qwen3_processor(out, 32 * 32, 32 * 32 * 64)
     ids = tok.convert_tokens_to_ids
     vision = dict(depth=2, hidden_size=128, intermediate_size=256, num_heads=2,
                   out_hidden_size=LLM['hidden_size'], patch_size=16, spatial_merge_size=2,
