@@ -16,6 +16,7 @@ lmdeploy's ``strategies.ar.sequence`` imports the engine's guided decoding, whic
 from __future__ import annotations
 
 import hashlib
+import importlib
 import types
 
 import _lmdeploy_stack
@@ -37,7 +38,6 @@ from lmdeploy.pytorch.messages import SchedulerSequence, SequenceMeta, UpdateTok
 from lmdeploy.pytorch.multimodal.data_type import ensure_multimodal_content_hashes  # noqa: E402
 from lmdeploy.pytorch.paging.scheduler import Scheduler  # noqa: E402
 from lmdeploy.pytorch.strategies.ar.sequence import ARSequenceStrategy  # noqa: E402
-from test_lmdeploy_engine import CLASSES  # noqa: E402
 
 from featcache.lmdeploy.pytorch import prefix  # noqa: E402
 from featcache.lmdeploy.request.refs import REF_KEY, FeatRef  # noqa: E402
@@ -385,17 +385,21 @@ def test_install_is_counted_and_remove_restores_lmdeploy():
             SchedulerSequence.get_input_multimodals) == original
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("arch, prefix_caching", [(tiny.QWEN2VL, True), (tiny.QWEN2VL, False),
+                                                  (tiny.QWEN3_5, True)])
 def test_wrap_installs_the_hook_with_prefix_caching_and_close_removes_it(
-        tmp_path_factory, monkeypatch, prefix_caching):
+        tmp_path_factory, monkeypatch, arch, prefix_caching):
+    """With prefix caching on, ``wrap`` installs the hook, except for the Qwen3.5 family (its
+    matches are lmdeploy's: ``families.PARTIAL_IMAGES``); closing the pipeline removes it."""
     from lmdeploy import PytorchEngineConfig
 
     from featcache import FeatureCache
-    from featcache.lmdeploy import wrap
+    from featcache.lmdeploy import families, wrap
 
-    cls = CLASSES[tiny.QWEN2VL]
+    spec = families.SPECS[arch]
+    cls = getattr(importlib.import_module(f"lmdeploy.pytorch.models.{spec.module}"), spec.cls)
     monkeypatch.setattr(cls, "prepare_inputs_for_generation", cls.prepare_inputs_for_generation)
-    path = tiny.PromptPath(tiny.checkpoint(tiny.QWEN2VL, tmp_path_factory))
+    path = tiny.PromptPath(tiny.checkpoint(arch, tmp_path_factory))
     original = SchedulerSequence.clamp_prefix_cache_match_step
     engine = types.SimpleNamespace(
         vl_encoder=path.encoder, prompt_processor=path.processor,
@@ -407,7 +411,7 @@ def test_wrap_installs_the_hook_with_prefix_caching_and_close_removes_it(
     try:
         assert wrap(pipe, cache) is pipe
         hooked = SchedulerSequence.clamp_prefix_cache_match_step is prefix.clamp_prefix_cache_match_step
-        assert hooked == prefix_caching
+        assert hooked == (prefix_caching and arch in families.PARTIAL_IMAGES)
         pipe.close()
         assert closed == [True]
         assert SchedulerSequence.clamp_prefix_cache_match_step is original

@@ -33,7 +33,7 @@ from typing import Any
 
 from ..config import DEFAULT_DIR, DEFAULTS, EVICTIONS
 from ..core.cache import FeatureCache
-from .families import PREFIX_CACHED
+from .families import PARTIAL_IMAGES, PREFIX_CACHED
 from .fastprep import widen
 from .pytorch.budgets import EngineSizedCache, check_budgets, chosen_budgets, default_cache
 from .pytorch.engine import KeyedInputProcessor, keep_prefix_caching
@@ -252,7 +252,8 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
     read_sources_under(engine.prompt_processor, media)
     engine.engine.input_processor = KeyedInputProcessor(inner, spec.items)
     install_reports(engine, "in")
-    if engine.backend_config.enable_prefix_caching:  # matches may end inside held images
+    if engine.backend_config.enable_prefix_caching and arch in PARTIAL_IMAGES:  # matches may end
+        # inside held images
         remove_prefix_hook = install_prefix_hook()
         close = getattr(pipe, "close", None)
         if close is not None:  # else a server's engine (featcache serve): hooked for the process

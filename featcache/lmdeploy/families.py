@@ -62,6 +62,11 @@ class ArchSpec:
     # where the forward assumes every image's whole span is in the step (Gemma 3's bidirectional
     # image-attention masks, built from the step's own ids with positions from 0)
     prefix_caching: bool = True
+    # a prefix match may end inside a held image of it (``pytorch.prefix``: the forward then gets
+    # the image's remaining rows). False for the Qwen3.5 family: its hybrid state is restored only
+    # at lmdeploy's state checkpoints, which lmdeploy keeps out of images (the match ends before
+    # the image, as lmdeploy rewinds it; a hit still skips the tower)
+    partial_images: bool = True
 
 
 def _empty(device: torch.device, images: list[Any]) -> torch.Tensor:
@@ -119,7 +124,8 @@ _QWEN3_VL = ArchSpec(
 _QWEN3_5 = ArchSpec(
     "qwen3_5", "Qwen3_5ForConditionalGeneration", "model.visual", True,
     {"pixel_values": _empty, "vis_cu_seqlens": _empty, "vis_pos_emb": _pair, "pos_embeds": _empty},
-    items="mm_data", output=TENSOR, step_inputs=qwen3_step_inputs, frontend=PROCESSOR, turbomind=True)
+    items="mm_data", output=TENSOR, step_inputs=qwen3_step_inputs, frontend=PROCESSOR, turbomind=True,
+    partial_images=False)
 
 
 def _as(spec: ArchSpec, module: str, cls: str, **changes: Any) -> ArchSpec:
@@ -193,6 +199,8 @@ SPECS: dict[str, ArchSpec] = {
 
 # the architectures whose engine prefix caching featcache keeps on (``keep_prefix_caching``)
 PREFIX_CACHED = frozenset(arch for arch, spec in SPECS.items() if spec.prefix_caching)
+# the architectures whose prefix matches may end inside a held image (``pytorch.prefix``)
+PARTIAL_IMAGES = frozenset(arch for arch in PREFIX_CACHED if SPECS[arch].partial_images)
 
 
 # HF processors of the processor-level API whose placeholder expansion is a function of each

@@ -71,9 +71,12 @@ def is_held(data: Any) -> bool:
     return held and getattr(data, "content_hash", None) == "featcache:" + ref.key.hex()
 
 
+LISTS = ("image", "mm_data")  # the step's MultiModalData lists an image may be in (``families``)
+
+
 def _held_spans(seq: Any) -> set[tuple[int, int]]:
-    return {(d.start, d.end) for d in seq.history_multimodals.multimodals.get("image", ())
-            if is_held(d)}
+    multimodals = seq.history_multimodals.multimodals
+    return {(d.start, d.end) for key in LISTS for d in multimodals.get(key, ()) if is_held(d)}
 
 
 def clamp_prefix_cache_match_step(seq: Any, step: int) -> int:
@@ -100,13 +103,16 @@ def clamp_prefix_cache_match_step(seq: Any, step: int) -> int:
     return clamped
 
 
-def partial_image(seq: Any) -> Any | None:
+def partial_image(seq: Any) -> tuple[str, Any] | None:
     """The held image the sequence's first uncached position falls inside, as the step's copy
-    (``start`` at that position, ``meta[SKIP_KEY]`` the rows before it), or None."""
+    (``start`` at that position, ``meta[SKIP_KEY]`` the rows before it) with the key of its list
+    ("image", or the Qwen3 lineage's "mm_data"), or None."""
     h = seq.num_history_ids
-    for data in seq.history_multimodals.multimodals.get("image", ()):
-        if data.start < h < data.end and is_held(data):
-            return dataclasses.replace(data, start=h, meta={**data.meta, SKIP_KEY: h - data.start})
+    multimodals = seq.history_multimodals.multimodals
+    for key in LISTS:
+        for data in multimodals.get(key, ()):
+            if data.start < h < data.end and is_held(data):
+                return key, dataclasses.replace(data, start=h, meta={**data.meta, SKIP_KEY: h - data.start})
     return None
 
 
@@ -121,10 +127,11 @@ def install_prefix_hook() -> Callable[[], None]:
 
             def get_input_multimodals(self: Any) -> Any:
                 out = original(self)
-                part = partial_image(self)
-                if part is None:
+                found = partial_image(self)
+                if found is None:
                     return out
-                return {**out, "image": [part, *out.get("image", [])]}
+                key, part = found
+                return {**out, key: [part, *out.get(key, [])]}
 
             _installed.append(dict(
                 clamp_prefix_cache_match_step=SchedulerSequence.clamp_prefix_cache_match_step,
