@@ -384,6 +384,7 @@ def _qwen3(out: str, arch: str) -> None:
                                  "mrope_section": [8, 12, 12], "mrope_interleaved": True}, **_LLM)
     if arch in (QWEN3VL, QWEN3VL_MOE, INTERNS1PRO):
         vision["deepstack_visual_indexes"] = [0, 1]
+        text["num_hidden_layers"] = 3  # lmdeploy's text model: a layer more than the levels
     if arch in (QWEN3VL_MOE, QWEN3_5_MOE):
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, decoder_sparse_step=1)
     if arch in (QWEN3_5, QWEN3_5_MOE):
@@ -451,7 +452,11 @@ def _gemma3(out: str) -> None:
     cfg = Gemma3Config(
         text_config=dict(vocab_size=len(tok), bos_token_id=ids("<bos>"), eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id, head_dim=64, sliding_window=64,
-                         **{**_LLM, "num_hidden_layers": 2}),
+                         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                             "rope_theta": 1000000.0},
+                                          "sliding_attention": {"rope_type": "default",
+                                                                "rope_theta": 10000.0}},
+                         **_LLM),
         vision_config=dict(model_type="siglip_vision_model", hidden_size=64, intermediate_size=128,
                            num_hidden_layers=2, num_attention_heads=2, image_size=56, patch_size=14),
         mm_tokens_per_image=GEMMA3_TOKENS, boi_token_index=ids("<start_of_image>"),
@@ -515,9 +520,10 @@ def _qwen3_omni(out: str) -> None:
     ids = tok.convert_tokens_to_ids
     thinker = dict(
         text_config=dict(vocab_size=len(tok), head_dim=64, num_experts=4, num_experts_per_tok=2,
+                         **{**_LLM, "num_hidden_layers": 3},
                          moe_intermediate_size=128, decoder_sparse_step=1,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                          "mrope_section": [8, 12, 12], "mrope_interleaved": True}, **_LLM),
+                                          "mrope_section": [8, 12, 12], "mrope_interleaved": True}),
         vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
                            out_hidden_size=_LLM["hidden_size"], patch_size=16, spatial_merge_size=2,
                            temporal_patch_size=2, num_position_embeddings=64,

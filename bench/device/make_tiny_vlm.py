@@ -286,6 +286,9 @@ def qwen3(out, arch, dtype='bfloat16'):
                                  'mrope_interleaved': True}, **LLM)
     if arch == 'qwen3vl':
         vision['deepstack_visual_indexes'] = [0, 1]
+        # lmdeploy's Qwen3-VL text model adds a level after each of the first layers and ends
+        # with a norm that needs a residual: one layer more than the levels (the real ones: 3 of 28)
+        text['num_hidden_layers'] = 3
         names = ('Qwen3VLConfig', 'Qwen3VLForConditionalGeneration')
     else:
         text.update(layer_types=['linear_attention', 'full_attention'], linear_num_value_heads=4,
@@ -344,6 +347,7 @@ def glm4v(out, dtype='bfloat16'):
         video_start_token_id=ids('<|begin_of_video|>'), video_end_token_id=ids('<|end_of_video|>'),
         tie_word_embeddings=False)
     cfg.architectures = ['Glm4vForConditionalGeneration']
+    cfg.pad_token_id = tok.pad_token_id  # (GLM-4.1V's config.json has it; lmdeploy's text model reads it)
     _save(Glm4vForConditionalGeneration, cfg, out, 'Glm4vForConditionalGeneration', dtype,
           tok.eos_token_id, tok.pad_token_id)
     return out
@@ -378,7 +382,13 @@ def gemma3(out, dtype='bfloat16'):
     ids = tok.convert_tokens_to_ids
     cfg = Gemma3Config(
         text_config=dict(vocab_size=len(tok), bos_token_id=ids('<bos>'), eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id, head_dim=64, sliding_window=64, **LLM),
+                         pad_token_id=tok.pad_token_id, head_dim=64, sliding_window=64,
+                         # gemma-3-4b's: lmdeploy's Gemma reads the full-attention layers' factor
+                         rope_parameters={'full_attention': {'rope_type': 'linear', 'factor': 8.0,
+                                                             'rope_theta': 1000000.0},
+                                          'sliding_attention': {'rope_type': 'default',
+                                                                'rope_theta': 10000.0}},
+                         **LLM),
         vision_config=dict(model_type='siglip_vision_model', hidden_size=128, intermediate_size=256,
                            num_hidden_layers=2, num_attention_heads=2, image_size=56, patch_size=14),
         mm_tokens_per_image=4, boi_token_index=ids('<start_of_image>'), eoi_token_index=ids('<end_of_image>'),

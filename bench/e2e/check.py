@@ -218,7 +218,8 @@ def check(model: str, tier_bytes: int = 12 << 10, configs: tuple[str, ...] = CHE
         name: {k: v for k, v in last_logits_diff(results["plain"]["rows"], results[name]["rows"]).items()
                if v} for name in fc_names}
     verdict["last_logits_max_abs_diff"]["plain: long D vs long E (another image)"] = last_logits_diff(
-        [plain_rows["long D"]], [dict(plain_rows["long E (same text)"], label="long D")])["long D"]
+        [plain_rows["long D"]], [dict(plain_rows["long E (same text)"], label="long D")]).get("long D")
+    # (None: no logits to compare, e.g. requests that failed: the verdict's other fields say why)
     verdict["partial_image_rows"] = {name: verdict[name]["vs_plain_prefix"]["cached_tokens"]
                                      for name in fc_names if name != "featcache"}
     # Where featcache reused more than lmdeploy can (a match inside an image it holds) there is no

@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -299,12 +300,9 @@ class ProcessorFrontend(Frontend):
       pixels;
     - a hit's expansion (its ``image_grid_thw``, so its token count) comes from its entry's metadata;
     - the misses' pixels are made by featcache's ``PatchMaker`` where it reproduces the image
-      processor (transformers' Qwen2-VL image processor, which the Qwen3 lineage uses at patch 16:
-      ``fastprep.processor_patch_maker``, checked on probe images; plain RGB images;
-      ``preprocess_fast``), else by the image processor, with the keyword arguments the
-      processor's own call would give it (``_merge_kwargs``; ``preprocess_fallback``), their
-      pixels cast as lmdeploy casts them; a request with no hit takes this path too where the
-      maker exists;
+      processor (``fastprep.processor_patch_maker``, probed; plain RGB images; ``preprocess_fast``;
+      then a request with no hit takes this path too), else by the image processor with the
+      arguments its own call would give it (``preprocess_fallback``), cast as lmdeploy casts them;
     - the placeholders are expanded with the processor's own ``replace_image_token`` over every
       image's grid, by its own ``get_text_with_replacements``, and tokenized by its tokenizer with
       its text arguments; a prompt of token ids (lmdeploy's ``/generate``) is expanded by lmdeploy's
@@ -379,7 +377,8 @@ class ProcessorFrontend(Frontend):
         call: dict[str, Any] = {"padding": True, "return_tensors": "pt"}
         if size is not None:
             call["images_kwargs"] = {"size": size}
-        merged = processor._merge_kwargs(tokenizer_init_kwargs=processor.tokenizer.init_kwargs, **call)
+        merged = processor._merge_kwargs(_kwargs_class(processor),
+                                         tokenizer_init_kwargs=processor.tokenizer.init_kwargs, **call)
         missed = [i for i in range(len(items)) if i not in hits]
         grids: list[torch.Tensor] = [hit["image_grid_thw"] for hit in hits.values()]
         grid_of = dict(zip(hits, grids, strict=True))
@@ -430,6 +429,19 @@ class ProcessorFrontend(Frontend):
                 item[REF_KEY] = self._miss_ref(key, processor_item_meta(item, self.namespace))
             multimodal.append(item)
         return dict(input_ids=input_ids.tolist(), multimodal=multimodal)
+
+
+def _kwargs_class(processor: Any) -> Any:
+    """The kwargs class (its defaults) the processor's call hands ``_merge_kwargs``: 5.24's
+    ``valid_processor_kwargs``, else its module's ``<Name>Kwargs`` (5.17 requires it)."""
+    found = getattr(processor, "valid_processor_kwargs", None)
+    if found is not None:
+        return found
+    for k in type(processor).__mro__:
+        named = getattr(sys.modules.get(k.__module__), f"{k.__name__}Kwargs", None)
+        if named is not None:
+            return named
+    return None
 
 
 def _is_image(item: dict[str, Any]) -> bool:
