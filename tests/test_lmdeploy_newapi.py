@@ -36,8 +36,10 @@ from lmdeploy.pytorch.models import (  # noqa: E402
     glm4_1v,
     interns1_pro,
     qwen3_5,
+    qwen3_5_moe,
     qwen3_omni_moe_thinker,
     qwen3_vl,
+    qwen3_vl_moe,
 )
 from lmdeploy.pytorch.models.utils.model import DeployModelMixinV1  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
@@ -52,14 +54,17 @@ from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
 HIDDEN = 256  # the tiny LLMs' hidden size
 MERGE = 4  # 2x2 patches merge into one image token
 LEVELS = 3  # the tiny Qwen3-VL: main output plus two deepstack levels
-FAMILIES = [tiny.QWEN3VL, tiny.QWEN3_5, tiny.GLM4V, tiny.INTERNS1PRO, tiny.QWEN3_OMNI]
+FAMILIES = [tiny.QWEN3VL, tiny.QWEN3_5, tiny.GLM4V, tiny.INTERNS1PRO, tiny.QWEN3_OMNI, tiny.QWEN3VL_MOE,
+            tiny.QWEN3_5_MOE]
 OMNI_CLASS = qwen3_omni_moe_thinker.Qwen3OmniMoeThinkerForConditionalGeneration
 # each family's size override for one request: (min_pixels, max_pixels) a quarter of the default
 SMALL = {tiny.QWEN3VL: (tiny.QWEN3_MIN_PIXELS, 32 * 32 * 16),
          tiny.QWEN3_5: (tiny.QWEN3_MIN_PIXELS, 32 * 32 * 16),
          tiny.GLM4V: (tiny.GLM4V_MIN_PIXELS, 28 * 28 * 2 * 16),
          tiny.INTERNS1PRO: (tiny.QWEN3_MIN_PIXELS, 32 * 32 * 16),
-         tiny.QWEN3_OMNI: (tiny.QWEN3_MIN_PIXELS, 32 * 32 * 16)}
+         tiny.QWEN3_OMNI: (tiny.QWEN3_MIN_PIXELS, 32 * 32 * 16),
+         tiny.QWEN3VL_MOE: (tiny.QWEN3_MIN_PIXELS, 32 * 32 * 16),
+         tiny.QWEN3_5_MOE: (tiny.QWEN3_MIN_PIXELS, 32 * 32 * 16)}
 
 
 def features(pixel_values: torch.Tensor) -> torch.Tensor:
@@ -180,6 +185,16 @@ class FakeQwen3Omni(FakeQwen3VL):
         return self.language_model.calls[-1]
 
 
+class FakeQwen3VLMoe(FakeQwen3VL):
+    """Stands in for a ``Qwen3VLMoeForConditionalGeneration``: Qwen3-VL's prepare, its own forward."""
+
+    enable_return_routed_experts = False
+
+    def run(self, inputs: dict) -> dict:
+        qwen3_vl_moe.Qwen3VLMoeForConditionalGeneration.forward(self, **inputs)
+        return self.language_model.calls[-1]
+
+
 class FakeQwen3_5:
     """Stands in for a ``Qwen3_5ForConditionalGeneration`` (its prepare) and its inner
     ``Qwen3_5Model`` (its forward), whose vision tower is ``model.visual``."""
@@ -227,9 +242,11 @@ class FakeGlm4v:
 CLASSES = {tiny.QWEN3VL: qwen3_vl.Qwen3VLForConditionalGeneration,
            tiny.QWEN3_5: qwen3_5.Qwen3_5ForConditionalGeneration,
            tiny.GLM4V: GLM4V_CLASS, tiny.INTERNS1PRO: interns1_pro.InternS1ProForConditionalGeneration,
-           tiny.QWEN3_OMNI: OMNI_CLASS}
+           tiny.QWEN3_OMNI: OMNI_CLASS, tiny.QWEN3VL_MOE: qwen3_vl_moe.Qwen3VLMoeForConditionalGeneration,
+           tiny.QWEN3_5_MOE: qwen3_5_moe.Qwen3_5MoeForConditionalGeneration}
 FAKES = {tiny.QWEN3VL: FakeQwen3VL, tiny.QWEN3_5: FakeQwen3_5, tiny.GLM4V: FakeGlm4v,
-         tiny.INTERNS1PRO: FakeInternS1Pro, tiny.QWEN3_OMNI: FakeQwen3Omni}
+         tiny.INTERNS1PRO: FakeInternS1Pro, tiny.QWEN3_OMNI: FakeQwen3Omni, tiny.QWEN3VL_MOE: FakeQwen3VLMoe,
+         tiny.QWEN3_5_MOE: FakeQwen3_5}
 
 
 def vision_of(model):
@@ -300,7 +317,8 @@ class Rig:
         return model.run(inputs)
 
 
-@pytest.fixture(params=FAMILIES, ids=["qwen3vl", "qwen3_5", "glm4v", "interns1pro", "qwen3_omni"])
+@pytest.fixture(params=FAMILIES, ids=["qwen3vl", "qwen3_5", "glm4v", "interns1pro", "qwen3_omni",
+                                      "qwen3vl_moe", "qwen3_5_moe"])
 def rig(request, tmp_path_factory):
     r = Rig(request.param, tiny.checkpoint(request.param, tmp_path_factory))
     yield r
@@ -309,8 +327,8 @@ def rig(request, tmp_path_factory):
 
 @pytest.fixture
 def patched(rig, monkeypatch):
-    cls = CLASSES[rig.arch]
-    assert tiny.featcache_prepare(monkeypatch, cls, families.SPECS[rig.arch]) is cls
+    cls = CLASSES[rig.arch]  # (an MoE variant's prepare is its base class's: patched there)
+    assert tiny.featcache_prepare(monkeypatch, cls, families.SPECS[rig.arch]) in cls.__mro__
     return rig
 
 
