@@ -311,3 +311,41 @@ def test_gemma3_declaration_with_a_float32_placeholder_fails(gemma, monkeypatch)
 def test_prefix_caching_is_never_turned_on_for_gemma3():
     assert tiny.GEMMA3 in families.SPECS and tiny.GEMMA3 not in PREFIX_CACHED
     assert {"Qwen3VLForConditionalGeneration", "InternVLForConditionalGeneration"} <= PREFIX_CACHED
+
+
+def test_tag_mode_each_model_process_skips_the_tower_for_the_images_it_holds(patched):
+    """Several processes (lmdeploy's mp engine, tp > 1): the API process's frontend tags every
+    image (lmdeploy's preprocessing the first time an image is seen); the model process (its own
+    cache, ``ranks``) computes an image the first time and serves it after, through the same
+    prepare and forward; the rows are those plain lmdeploy's own step makes."""
+    import json
+    import pickle
+
+    from featcache.lmdeploy import counters_cache
+    from featcache.lmdeploy.pytorch import ranks
+    from featcache.lmdeploy.request.tags import FeatTag
+
+    rig = patched
+    api_cache = counters_cache()
+    api = tiny.PromptPath(rig.frontend.model.model_path)
+    install_frontend(api.model, api_cache, f"test:{rig.arch}", tags=True)
+    ranks.configure(json.dumps({"feature_cache": {"device": "cpu", "device_bytes": 64 << 20,
+                                                   "host_bytes": 0}}))
+    try:
+        model = rig.fake_model()
+        for images in [(A, B), (B, C)]:
+            sent = api.prompt(tiny.messages(*(tiny.image_item(i) for i in images)))
+            plain = rig.prompt(*images, plain=True)
+            assert sent["input_ids"] == plain["input_ids"]
+            assert all(isinstance(m[REF_KEY], FeatTag) for m in sent["multimodal"])
+            got = rig.step(model, pickle.loads(pickle.dumps(sent)))  # as lmdeploy's RPC hands it over
+            _, theirs = rig.plain_step(plain)
+            mask = torch.tensor(sent["input_ids"]) == sent["multimodal"][0]["image_token_id"]
+            assert torch.equal(got["inputs_embeds"][0][mask], theirs["inputs_embeds"][0][mask])
+        # the tower ran for A and B, then for C only (B served from the model process's cache)
+        assert len(model.calls) == 2 and model.calls[1].shape[0] == 1
+        assert ranks.local_cache().stats()[SECTION]["vision_skipped"] == 1
+    finally:
+        ranks.reset_for_tests()
+        api.close()
+        api_cache.close()
