@@ -27,6 +27,31 @@ import torch
 NAME = 'internvl3_2b_shape'
 
 
+def _write(model_cls, cfg, out: str, done: str, tok, device: str) -> dict:
+    """``cfg``'s model with random bf16 weights (normal(0, 0.02), seed 0) made on ``device`` and
+    saved in ``out``, ``done`` (the generation config) written last; what was done."""
+    import make_tiny_vlm as mk
+    arch = cfg.architectures[0]
+    t = time.time()
+    torch.manual_seed(0)
+    with torch.device(device):
+        m = model_cls(cfg).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.data.normal_(0, 0.02)
+    m.save_pretrained(out, safe_serialization=True)
+    mk._patch_config(out, arch, 'bfloat16')
+    n = sum(p.numel() for p in m.parameters())
+    del m
+    if device.startswith('cuda'):
+        torch.cuda.empty_cache()
+    with open(done, 'w') as f:
+        json.dump(dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                       bos_token_id=tok.pad_token_id), f)
+    return dict(path=out, built=True, device=device, params_B=round(n / 1e9, 3),
+                build_s=round(time.time() - t, 1))
+
+
 def build(models_dir: str = '/tmp/models', device: str | None = None, force: bool = False) -> dict:
     """Write ``models_dir/internvl3_2b_shape``; returns what was done (path, params, seconds)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -50,24 +75,7 @@ def build(models_dir: str = '/tmp/models', device: str | None = None, force: boo
         image_token_id=tok.convert_tokens_to_ids('<IMG_CONTEXT>'), image_seq_length=256, downsample_ratio=0.5,
         tie_word_embeddings=False)
     cfg.architectures = ['InternVLForConditionalGeneration']
-    t = time.time()
-    torch.manual_seed(0)
-    with torch.device(device):
-        m = InternVLForConditionalGeneration(cfg).to(torch.bfloat16).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.data.normal_(0, 0.02)
-    m.save_pretrained(out, safe_serialization=True)
-    mk._patch_config(out, 'InternVLForConditionalGeneration', 'bfloat16')
-    n = sum(p.numel() for p in m.parameters())
-    del m
-    if device.startswith('cuda'):
-        torch.cuda.empty_cache()
-    with open(done, 'w') as f:
-        json.dump(dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                       bos_token_id=tok.pad_token_id), f)
-    return dict(path=out, built=True, device=device, params_B=round(n / 1e9, 3),
-                build_s=round(time.time() - t, 1))
+    return _write(InternVLForConditionalGeneration, cfg, out, done, tok, device)
 
 
 QWEN3VL_NAME = 'qwen3vl_2b_shape'
@@ -104,24 +112,7 @@ def build_qwen3vl_2b(models_dir: str = '/tmp/models', device: str | None = None,
         vision_start_token_id=ids('<|vision_start|>'), vision_end_token_id=ids('<|vision_end|>'),
         tie_word_embeddings=False)
     cfg.architectures = ['Qwen3VLForConditionalGeneration']
-    t = time.time()
-    torch.manual_seed(0)
-    with torch.device(device):
-        m = Qwen3VLForConditionalGeneration(cfg).to(torch.bfloat16).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.data.normal_(0, 0.02)
-    m.save_pretrained(out, safe_serialization=True)
-    mk._patch_config(out, 'Qwen3VLForConditionalGeneration', 'bfloat16')
-    n = sum(p.numel() for p in m.parameters())
-    del m
-    if device.startswith('cuda'):
-        torch.cuda.empty_cache()
-    with open(done, 'w') as f:
-        json.dump(dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                       bos_token_id=tok.pad_token_id), f)
-    return dict(path=out, built=True, device=device, params_B=round(n / 1e9, 3),
-                build_s=round(time.time() - t, 1))
+    return _write(Qwen3VLForConditionalGeneration, cfg, out, done, tok, device)
 
 
 def main() -> int:
