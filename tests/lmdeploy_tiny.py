@@ -355,6 +355,15 @@ def _qwen2vl(out: str) -> None:
     _finish(out, cfg, QWEN2VL, tok, {"processor_class": "NoVideoQwen2VLProcessor"})
 
 
+# the Qwen3 lineage's template (an image item: its vision span)
+QWEN3_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
+    "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 def _qwen3(out: str, arch: str) -> None:
     """Qwen3-VL / Qwen3.5 (and their MoE variants): patch 16, merge 2, mean and std 0.5, as
     their public checkpoints; Qwen3-VL with two deepstack levels."""
@@ -363,12 +372,7 @@ def _qwen3(out: str, arch: str) -> None:
 
     tok = _tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
                       "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
-    tok.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
-        "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
-        "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
-        "{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.chat_template = QWEN3_TEMPLATE
     tok.save_pretrained(out)
     Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
                              image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
@@ -504,12 +508,7 @@ def _qwen3_omni(out: str) -> None:
         "image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "audio_token": "<|audio_pad|>",
         "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
         "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>"})
-    tok.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
-        "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
-        "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
-        "{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.chat_template = QWEN3_TEMPLATE
     ip = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
                                   image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
                                   size={"shortest_edge": QWEN3_MIN_PIXELS, "longest_edge": QWEN3_MAX_PIXELS})

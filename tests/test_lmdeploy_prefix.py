@@ -43,7 +43,7 @@ from featcache.lmdeploy.pytorch import prefix  # noqa: E402
 from featcache.lmdeploy.request.refs import REF_KEY, FeatRef  # noqa: E402
 from featcache.lmdeploy.request.tags import FeatTag  # noqa: E402
 
-MROPE = (tiny.QWEN2VL, "Qwen2_5_VLForConditionalGeneration")  # the architectures with M-RoPE
+MROPE = (tiny.QWEN2VL, "Qwen2_5_VLForConditionalGeneration", tiny.QWEN3VL)  # the architectures with M-RoPE
 TAIL = [11, 12]  # text after the prompt's template (stands in for the next turn's first words)
 
 

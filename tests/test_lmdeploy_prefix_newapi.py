@@ -29,11 +29,8 @@ stub_xgrammar()
 
 import lmdeploy_tiny as tiny  # noqa: E402
 import test_lmdeploy_newapi as newapi  # noqa: E402
-from lmdeploy.pytorch.config import CacheConfig, SchedulerConfig  # noqa: E402
-from lmdeploy.pytorch.messages import SchedulerSequence, SequenceMeta, UpdateTokenMode  # noqa: E402
-from lmdeploy.pytorch.multimodal.data_type import ensure_multimodal_content_hashes  # noqa: E402
-from lmdeploy.pytorch.paging.scheduler import Scheduler  # noqa: E402
-from lmdeploy.pytorch.strategies.ar.sequence import ARSequenceStrategy  # noqa: E402
+import test_lmdeploy_prefix as prefix_tests  # noqa: E402
+from lmdeploy.pytorch.messages import SchedulerSequence  # noqa: E402
 
 from featcache.lmdeploy import PARTIAL_IMAGES, families  # noqa: E402
 from featcache.lmdeploy.pytorch import prefix  # noqa: E402
@@ -43,13 +40,10 @@ TAIL = [11, 12]  # text after the prompt's template (the next turn's first words
 IMAGE = dict(width=100, height=130, seed=5)  # a grid that is not square: rows and columns differ
 
 
-@pytest.fixture(autouse=True)
-def lmdeploy_alone(monkeypatch):
-    """lmdeploy's own ``SchedulerSequence`` and no hook installed, whatever an earlier test left."""
-    for name, method in (prefix._installed[0] if prefix._installed else {}).items():
-        monkeypatch.setattr(SchedulerSequence, name, method)
-    monkeypatch.setattr(prefix, "_installed", [])
-    monkeypatch.setattr(prefix, "_users", 0)
+# the prefix tests' engine (lmdeploy's real scheduler and block trie) and their fixtures
+Engine = prefix_tests.Engine
+hooked = prefix_tests.hooked
+lmdeploy_alone = prefix_tests.lmdeploy_alone  # (autouse)
 
 
 @pytest.fixture
@@ -58,43 +52,6 @@ def rig(tmp_path_factory, monkeypatch):
     tiny.featcache_prepare(monkeypatch, newapi.CLASSES[tiny.QWEN3VL], families.SPECS[tiny.QWEN3VL])
     yield r
     r.close()
-
-
-@pytest.fixture
-def hooked():
-    remove = prefix.install_prefix_hook()
-    yield
-    remove()
-
-
-class Engine:
-    """lmdeploy's real scheduler and block trie, driven as the engine loop drives them."""
-
-    def __init__(self, rig, block: int) -> None:
-        self.rig = rig
-        self.block = block
-        meta = SequenceMeta(block, strategy=ARSequenceStrategy(), use_mrope=True)
-        self.scheduler = Scheduler(
-            SchedulerConfig(max_batches=8, max_session_len=8192),
-            CacheConfig(max_batches=8, block_size=block, num_cpu_blocks=0, num_gpu_blocks=4096,
-                        enable_prefix_caching=True),
-            seq_meta=meta)
-        self.sessions = 0
-
-    def request(self, input_ids: list[int], multimodal: list[dict]) -> SchedulerSequence:
-        res = self.rig.processor.preprocess_input(input_ids, multimodal)
-        mms = ensure_multimodal_content_hashes(res.input_multimodals)
-        self.sessions += 1
-        self.scheduler.add_session(self.sessions)
-        seq = self.scheduler.sessions[self.sessions].add_sequence(np.array(res.input_ids), multimodals=mms)
-        running = self.scheduler.schedule(is_prefill=True).running
-        assert running == [seq]
-        self.scheduler.activate_seqs(running)
-        return seq
-
-    def finish(self, seq: SchedulerSequence, generated: list[int]) -> None:
-        seq.update_token_ids(np.array(generated[:1]), mode=UpdateTokenMode.PREFILL)
-        self.scheduler.end_session(seq.session_id)
 
 
 def prompt(rig, image) -> tuple[list[int], list[dict]]:
