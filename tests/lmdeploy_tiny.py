@@ -43,12 +43,16 @@ INTERNS1PRO = "InternS1ProForConditionalGeneration"
 GEMMA3 = "Gemma3ForConditionalGeneration"
 QWEN3_OMNI = "Qwen3OmniMoeForConditionalGeneration"  # Qwen3-Omni (lmdeploy serves its thinker)
 LLAVA = "LlavaForConditionalGeneration"  # LLaVA (HF): llava-1.5-hf, llava-interleave-qwen-hf
+# Kimi-K2.5 / K2.6: transformers' config, a DeepSeek-V3 LLM; its remote processor a stand-in
+# (tests/kimi_processor_standin.py), written into the checkpoint as remote code
+KIMI = "KimiK25ForConditionalGeneration"
 LLAVA_TOKENS = 16  # the tiny LLaVA: CLIP at 56 px, patch 14, CLS dropped: 16 tokens an image
 GEMMA3_TOKENS = 4  # the tiny Gemma 3: 56 px images, patch 14, 2x2 pooled: 4 tokens an image
 DIRS = {INTERNVL: "internvl_hf_tiny", QWEN2VL: "qwen2vl_tiny", INTERNS1: "interns1_tiny",
         QWEN3VL: "qwen3vl_tiny", QWEN3VL_MOE: "qwen3vl_moe_tiny", QWEN3_5: "qwen3_5_tiny",
         QWEN3_5_MOE: "qwen3_5_moe_tiny", GLM4V: "glm4v_tiny", GEMMA3: "gemma3_tiny",
-        INTERNS1PRO: "interns1pro_standin", LLAVA: "llava_tiny", QWEN3_OMNI: "qwen3_omni_tiny"}
+        INTERNS1PRO: "interns1pro_standin", LLAVA: "llava_tiny", QWEN3_OMNI: "qwen3_omni_tiny",
+        KIMI: "kimi_k25_standin"}
 # the processor-level ("new") preprocessing API of lmdeploy 0.18
 NEW_API = (QWEN3VL, QWEN3VL_MOE, QWEN3_5, QWEN3_5_MOE, GLM4V, INTERNS1PRO, QWEN3_OMNI)
 QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS = 32 * 32, 32 * 32 * 64  # patch 16, merge 2: 1 to 64 tokens
@@ -258,6 +262,8 @@ def build(root: str, arch: str) -> str:
         _llava(out)
     elif arch == QWEN3_OMNI:
         _qwen3_omni(out)
+    elif arch == KIMI:
+        _kimi(out)
     elif arch in NEW_API:
         _qwen3(out, arch)
     else:
@@ -535,3 +541,29 @@ def _qwen3_omni(out: str) -> None:
         audio_end_token_id=ids("<|audio_end|>"))
     cfg = Qwen3OmniMoeConfig(thinker_config=thinker, enable_audio_output=False)
     _finish(out, cfg, QWEN3_OMNI, tok, {"processor_class": "NoVideoQwen3OmniMoeProcessor"})
+
+
+def _kimi(out: str) -> None:
+    """Kimi-K2.5: transformers' ``Kimi_K25Config`` (MoonViT at patch 14, merge 2x2; a tiny
+    DeepSeek-V3 LLM) with the ``media_placeholder_token_id`` lmdeploy reads; the processor is
+    remote code, the stand-in (``kimi_processor_standin``) copied in and named by auto_map."""
+    import shutil
+
+    from transformers import Kimi_K25Config
+
+    tok = _tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|media_start|>",
+                      "<|media_content|>", "<|media_end|>", "<|media_pad|>"])
+    tok.chat_template = QWEN3_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>",
+                                               "<|media_start|>image<|media_content|><|media_pad|><|media_end|>")
+    tok.save_pretrained(out)
+    here = os.path.dirname(os.path.abspath(__file__))
+    shutil.copy(os.path.join(here, "kimi_processor_standin.py"), out)
+    pad = tok.convert_tokens_to_ids("<|media_pad|>")
+    text = dict(model_type="deepseek_v3", vocab_size=len(tok), bos_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **_LLM)
+    cfg = Kimi_K25Config(
+        text_config=text, media_placeholder_token_id=pad, image_token_id=pad,
+        vision_config=dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128),
+        projection_hidden_size=64, tie_word_embeddings=False)
+    _finish(out, cfg, KIMI, tok, {"auto_map": {
+        "AutoProcessor": "kimi_processor_standin.KimiK25ProcessorStandIn"}})

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-TENSOR, DEEPSTACK, MAIN_ONLY = "tensor", "deepstack", "main"
+TENSOR, DEEPSTACK, MAIN_ONLY, LIST = "tensor", "deepstack", "main", "list"
 VISUAL = ("image", "video")  # the modalities of an ``mm_data`` list that the vision call takes
 LEGACY, PROCESSOR = "legacy", "processor"
 
@@ -45,7 +45,8 @@ class ArchSpec:
     # what the vision call returns: ``TENSOR`` ([rows, hidden] or [n, t, hidden]); ``DEEPSTACK``
     # ((main, [one [rows, hidden] per deepstack level]): every level is cached, in one entry of
     # [rows, (levels + 1) * hidden]); ``MAIN_ONLY`` ((main, levels the forward discards): only
-    # main is cached, the forward gets (main, []))
+    # main is cached, the forward gets (main, [])); ``LIST`` (one [rows, hidden] per image, in
+    # order: Kimi-K2.5's ``get_image_features``)
     output: str = TENSOR
     # forward inputs that describe every visual item of the step, rebuilt after lmdeploy's own
     # prepare whenever featcache took items out of it: ``step_inputs(model, vision, context,
@@ -67,6 +68,12 @@ class ArchSpec:
     # at lmdeploy's state checkpoints, which lmdeploy keeps out of images (the match ends before
     # the image, as lmdeploy rewinds it; a hit still skips the tower)
     partial_images: bool = True
+    # empty: a hit (or an image sharing another's vision output) is taken out of the step's list
+    # before lmdeploy's prepare. Else lmdeploy's prepare is handed every item, a taken one with
+    # 0-row pixels (Kimi-K2.5's checks the step's image tokens against the grids of the images it
+    # was given, and refuses precomputed embeddings beside images), and these forward inputs, one
+    # row per visual item, are cut to the items the vision call computes after it
+    keep_items: tuple[str, ...] = ()
 
 
 def _empty(device: torch.device, images: list[Any]) -> torch.Tensor:
@@ -126,6 +133,12 @@ _QWEN3_5 = ArchSpec(
     {"pixel_values": _empty, "vis_cu_seqlens": _empty, "vis_pos_emb": _pair, "pos_embeds": _empty},
     items="mm_data", output=TENSOR, step_inputs=qwen3_step_inputs, frontend=PROCESSOR, turbomind=True,
     partial_images=False)
+
+# Kimi-K2.5 / K2.6: get_image_features(pixels, grid_thws) -> one tensor per image. Its prepare is
+# handed every image (their grids must add up to the step's image tokens), the hits' pixels 0-row;
+# no all-hit placeholder: those pixels reach the forward, which makes the vision call with them
+_KIMI = ArchSpec("kimi_k25", "KimiK25ForConditionalGeneration", "get_image_features", False, {},
+                 output=LIST, frontend=PROCESSOR, partial_images=False, keep_items=("grid_thws",))
 
 
 def _as(spec: ArchSpec, module: str, cls: str, **changes: Any) -> ArchSpec:
@@ -191,6 +204,8 @@ SPECS: dict[str, ArchSpec] = {
     "Gemma3ForConditionalGeneration": ArchSpec(
         "gemma3_vl", "Gemma3ForConditionalGeneration", "get_image_features", False,
         {"pixel_values": _step_pixels}, prefix_caching=False),
+    "KimiK25ForConditionalGeneration": _KIMI,
+    "Kimi_K25ForConditionalGeneration": _KIMI,
     "Glm4vForConditionalGeneration": ArchSpec(
         "glm4_1v", "Glm4vForConditionalGeneration", "visual", True,
         {"pixel_values": _empty, "vis_cu_seqlens": _empty, "vis_pos_emb": _pair,
@@ -212,14 +227,21 @@ EXPANDING = ("Qwen2VLProcessor", "Qwen3VLProcessor", "Glm4vProcessor", "Qwen3Omn
 _EXPANSION = ("__call__", "replace_image_token", "get_text_with_replacements", "_merge_kwargs")
 
 
-def reproduces_expansion(processor: Any) -> bool:
+def reproduces_expansion(processor: Any, model: Any = None) -> bool:
     """Whether ``request.frontend.ProcessorFrontend._expand`` reproduces ``processor``'s call: one of
     ``EXPANDING`` (or a subclass of one), whose call, expansion and text replacement are
-    transformers' own. A checkpoint's remote-code processor that overrides any of them (Intern-S2's
-    and Intern-S1-Pro's ship their own, with time series) takes lmdeploy's preprocessing, its
-    images tagged: hits still skip the vision model."""
+    transformers' own, run by lmdeploy's own processor-level ``preprocess`` (``model``: the vision
+    model, when known; Kimi-K2.5's has a preprocess of its own). A checkpoint's remote-code
+    processor that overrides any of them (Intern-S2's and Intern-S1-Pro's ship their own, with
+    time series) takes lmdeploy's preprocessing, its images tagged: hits still skip the vision
+    model."""
     if processor is None:
         return False
+    if model is not None:
+        from lmdeploy.vl.model.base import VisionModel
+
+        if getattr(type(model), "preprocess", None) is not VisionModel.preprocess:
+            return False
     mro = type(processor).__mro__
     if not {k.__name__ for k in mro} & set(EXPANDING):
         return False
@@ -286,10 +308,8 @@ SUPPORT: tuple[Support, ...] = (
     _through("Llama4ForConditionalGeneration", "Llama 4",
              "an image's span holds separator tokens between its tiles' rows: its row count is "
              "not its span's length; " + _NOT_YET),
-    _through("KimiK25ForConditionalGeneration", "Kimi-K2.5",
-             "a remote processor with an API of its own (medias=, grid_thws), a prepare that "
-             "checks the step's image list; " + _NOT_YET),
-    _through("Kimi_K25ForConditionalGeneration", "Kimi-K2.5", "as above; " + _NOT_YET),
+    _cached("KimiK25ForConditionalGeneration", "Kimi-K2.5, Kimi-K2.6"),
+    _cached("Kimi_K25ForConditionalGeneration", "Kimi-K2.5, Kimi-K2.6"),
     _through("Phi3VForCausalLM", "Phi-3-Vision",
              "its vision call scatters into the embeddings itself (vision_embed_tokens over the "
              "step's ids): the per-image features are inside it; " + _NOT_YET),

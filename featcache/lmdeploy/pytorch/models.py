@@ -5,10 +5,10 @@ in the step concatenated into one call, then ``masked_scatter``s the result into
 embeddings in image order. For each supported class we wrap, at class level:
 
 - ``prepare_inputs_for_generation``: images whose ``MultiModalData.meta`` holds a hit ``FeatRef``
-  are taken out of the step's vision inputs (they carry no pixels), so lmdeploy's own prepare
-  builds the vision call for the misses only. The step's plan (each image in order: hit or miss,
-  and its token count) is left for the vision wrapper. When every image hit, the forward still
-  has to reach the vision call, so the spec's placeholder arguments are filled in.
+  are taken out of the step's vision inputs (or, ``keep_items``, handed to it without pixels), so
+  lmdeploy's own prepare builds the vision call for the misses only. The step's plan (each image in
+  order: hit or miss, and its token count) is left for the vision wrapper. When every image hit,
+  the forward still has to reach the vision call: the spec's placeholder arguments are filled in.
 - the vision call (a method or submodule named by the spec, wrapped per instance on first use):
   runs the real vision model on the misses, splits its output per image (by token count), puts
   each miss's features in the cache (on the engine's stream: no host copy), and returns the
@@ -28,10 +28,9 @@ lookup misses until the engine has run it once) compute it once:
 
 - one step: the misses of one key share the vision output of one of them (``_Plan.shares``; the
   others are taken out of the vision inputs like hits), in every process model;
-- one process, steps after it: ``prepare`` looks up again each miss the frontend found missing; an
-  image stored since (by an earlier step) is served from the cache as a step-local hit. Every step
-  of an engine runs on its loop's thread, one at a time, and a step stores its misses before it
-  returns, so a later step never has to wait: nothing here blocks the thread a computation needs;
+- one process, steps after it: ``prepare`` looks up again each miss the frontend found missing;
+  one stored since (by an earlier step: an engine's steps run one at a time on its loop's thread,
+  each storing its misses before it returns) is served as a step-local hit, with no wait;
 - one process, two engines sharing the cache (two threads): the step that is to compute a key
   claims it (``SingleFlight.lead``, one per cache); the other thread's step waits for that
   computation (``FLIGHT_WAIT_S`` at most), then is served from the cache. A step waits before it
@@ -40,9 +39,9 @@ lookup misses until the engine has run it once) compute it once:
   (counted ``vision_wait_failed``). The model processes of the multi-process mode never wait:
   their ranks must make the same vision calls (``ranks``).
 
-Classes whose instances never see a ``FeatRef`` or ``FeatTag`` behave exactly as before. Invariant: the vision
-model runs only on images that missed, on each key once a step; the returned features have exactly
-one row per image token.
+Classes whose instances never see a ``FeatRef`` or ``FeatTag`` behave exactly as before. Invariant:
+the vision model runs only on images that missed, on each key once a step; the returned features
+have exactly one row per image token.
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ import torch
 
 from ...core.cache import FeatureCache
 from ...core.singleflight import Flight, SingleFlight
-from ..families import DEEPSTACK, MAIN_ONLY, SPECS, VISUAL, ArchSpec, modality_of
+from ..families import DEEPSTACK, LIST, MAIN_ONLY, SPECS, VISUAL, ArchSpec, modality_of
 from ..request.frontend import SECTION
 from ..request.refs import REF_KEY, FeatRef
 from ..request.tags import FeatTag
@@ -130,20 +129,27 @@ def patch_model_class(spec: ArchSpec) -> type:
             hit = [r is not None and r.hit for r in refs]
             taken = [h or s is not None for h, s in zip(hit, plan.shares, strict=True)]
             saved = context.input_multimodals
-            if any(taken):
+            emptied = [(d, d.data) for d, t in zip(images, taken, strict=True) if t and spec.keep_items]
+            if any(taken) and not spec.keep_items:
                 served = {id(d) for d, t in zip(images, taken, strict=True) if t}
                 kept = [{**mm, spec.items: [d for d in mm.get(spec.items, []) if id(d) not in served]}
                         if mm else mm for mm in saved]
                 left = any(v for mm in kept if mm for v in mm.values())
                 context.input_multimodals = kept if left else None
             try:
+                for d, data in emptied:  # (``keep_items``: handed to lmdeploy's prepare, no pixels)
+                    d.data = data[:0]
                 inputs = original(self, past_key_values, inputs_embeds, context)
             finally:
                 context.input_multimodals = saved
+                for d, data in emptied:
+                    d.data = data
+            if emptied:
+                _cut_to_computed(inputs, spec.keep_items, taken)
         except BaseException:
             _land(plan)
             raise
-        if all(hit):
+        if all(hit) and not spec.keep_items:
             device = context.input_ids.device
             for name, make in spec.placeholders.items():
                 inputs[name] = make(device, images)
@@ -160,6 +166,16 @@ def patch_model_class(spec: ArchSpec) -> type:
     return cls
 
 
+def _cut_to_computed(inputs: dict[str, Any], names: tuple[str, ...], taken: list[bool]) -> None:
+    """``keep_items``: each of ``names`` (a row per visual item of the step, as lmdeploy's prepare
+    made it) keeps the rows of the items the vision call computes."""
+    for name in names:
+        value = inputs.get(name)
+        if not isinstance(value, torch.Tensor) or value.shape[0] != len(taken):
+            raise RuntimeError(f"featcache: the forward input {name!r} has not a row per image")
+        inputs[name] = value[torch.tensor([not t for t in taken], device=value.device)]
+
+
 def _step_items(context: Any, key: str) -> list[Any]:
     """Every ``MultiModalData`` of the step under ``key``, sequence by sequence."""
     mms = getattr(context, "input_multimodals", None) if context is not None else None
@@ -172,9 +188,7 @@ def _visual(items: list[Any], key: str) -> list[Any]:
     """Of the step's ``items`` (its ``key`` list), those its vision call takes, in that call's
     order: every item of an "image" list; the ``VISUAL`` items of an "mm_data" list (video frames
     among them: featcache keys none, so they are computed as lmdeploy computes them)."""
-    if key == "image":
-        return items
-    return [d for d in items if modality_of(d) in VISUAL]
+    return items if key == "image" else [d for d in items if modality_of(d) in VISUAL]
 
 
 def _step_refs(images: list[Any]) -> list[FeatRef | None]:
@@ -324,8 +338,7 @@ def _rebuild(data: Any, tag: FeatTag, model: Any) -> None:
 
 
 def _has_pixels(data: Any) -> bool:
-    pixels = getattr(data, "data", None)
-    return isinstance(pixels, torch.Tensor) and pixels.numel() > 0
+    return isinstance(getattr(data, "data", None), torch.Tensor) and data.data.numel() > 0
 
 
 def _vision_module(model: Any, spec: ArchSpec) -> Any:
@@ -365,6 +378,9 @@ def _ensure_vision_wrapper(model: Any, spec: ArchSpec) -> None:
             served = _serve(plan, run, clock)
             parts = [p.contiguous() for p in served.chunk(levels, dim=-1)]
             return parts[0], parts[1:]
+        if spec.output == LIST:  # one tensor per computed image in, one per image of the step out
+            served = _serve(plan, lambda: torch.cat(list(current(*args, **kwargs))), clock)
+            return list(served.split(plan.tokens))
         if spec.output == MAIN_ONLY:
             return _serve(plan, lambda: current(*args, **kwargs)[0], clock), []
         return _serve(plan, lambda: current(*args, **kwargs), clock)

@@ -323,7 +323,7 @@ class ProcessorFrontend(Frontend):
         super().__init__(*args, **kwargs)
         self.model = vision_model
         processor = getattr(vision_model, "processor", None)
-        self.expands = reproduces_expansion(processor)
+        self.expands = reproduces_expansion(processor, vision_model)
         # featcache's exact preprocessing of misses (``fastprep.processor_patch_maker``), or None
         self.maker: PatchMaker | None = None
         if self.expands and not self.tags:

@@ -1,0 +1,278 @@
+"""featcache on Kimi-K2.5 / K2.6 (``KimiK25ForConditionalGeneration``), on lmdeploy 0.18's real
+CPU code: its processor-level frontend (``KimiK25VisionModel.preprocess``, over a stand-in of the
+checkpoint's remote processor, ``kimi_processor_standin``), its input processor inside
+``KeyedInputProcessor``, and its real ``prepare_inputs_for_generation`` and ``forward`` patched by
+featcache, on a stand-in model whose vision call (``get_image_features``, one tensor per image) is
+a fake computing each image's features from its own pixels and grid.
+
+Kimi's prepare refuses a step whose image tokens do not add up to the grids of the images it was
+handed, so featcache keeps every image in the step's list (a hit's pixels 0-row for the prepare)
+and cuts ``grid_thws`` to the computed images after it (``ArchSpec.keep_items``). Its preprocessing
+is the checkpoint's remote processor, which featcache does not reproduce: lmdeploy preprocesses
+every image and featcache tags them (``preprocess_not_skipped``); a hit skips the vision tower.
+"""
+
+from __future__ import annotations
+
+import gc
+import types
+
+import _lmdeploy_stack
+import pytest
+import torch
+from torch import nn
+
+_lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
+
+import lmdeploy_tiny as tiny  # noqa: E402
+from lmdeploy.pytorch.models import kimi_k25  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
+
+from featcache import FeatureCache  # noqa: E402
+from featcache.lmdeploy import families  # noqa: E402
+from featcache.lmdeploy.pytorch.engine import KeyedInputProcessor  # noqa: E402
+from featcache.lmdeploy.request.frontend import SECTION, install_frontend  # noqa: E402
+from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
+
+HIDDEN = 256
+DTYPE = torch.float16
+CLASS = kimi_k25.KimiK25ForConditionalGeneration
+SPEC = families.SPECS[tiny.KIMI]
+
+
+def features(pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> list[torch.Tensor]:
+    """One [h * w / 4, HIDDEN] tensor per image: each 2x2 group of its patches' pixels, cut."""
+    out, start = [], 0
+    for t, h, w in grid_thws.tolist():
+        patches = pixel_values[start:start + t * h * w].float().reshape(-1, 4 * 3 * 14 * 14)
+        out.append(patches[:, :HIDDEN].to(pixel_values.dtype))
+        start += t * h * w
+    return out
+
+
+class Recorder:
+    def __init__(self, vocab: int) -> None:
+        self.calls: list[dict] = []
+        self.embed = nn.Embedding(vocab, HIDDEN).to(DTYPE)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed
+
+    def prepare_inputs_for_generation(self, past_key_values=None, inputs_embeds=None, context=None):
+        return dict(input_ids=context.input_ids, position_ids=context.position_ids,
+                    past_key_values=past_key_values, attn_metadata=None, inputs_embeds=inputs_embeds)
+
+    def __call__(self, input_ids=None, position_ids=None, inputs_embeds=None, **kwargs):
+        self.calls.append(dict(inputs_embeds=inputs_embeds, **kwargs))
+        return inputs_embeds
+
+
+class FakeKimi:
+    """Stands in for a ``KimiK25ForConditionalGeneration``: its own prepare and forward (and their
+    checks); a fake vision call; a recorder for the language model."""
+
+    _UNSUPPORTED_MULTIMODAL_FORWARD_KEYS = CLASS._UNSUPPORTED_MULTIMODAL_FORWARD_KEYS
+    _raise_for_unsupported_multimodal_kwargs = CLASS._raise_for_unsupported_multimodal_kwargs
+    language_model_only = False
+
+    def __init__(self, config) -> None:
+        self.language_model = Recorder(config.text_config.vocab_size)
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.language_model.get_input_embeddings()
+
+    def get_image_features(self, pixel_values, grid_thws):
+        self.calls.append((pixel_values, grid_thws))
+        return features(pixel_values, grid_thws)
+
+    def run(self, inputs: dict) -> dict:
+        CLASS.forward(self, **inputs)
+        return self.language_model.calls[-1]
+
+
+class Rig:
+    def __init__(self, path: str) -> None:
+        self.config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+        self.cache = FeatureCache(device="cpu", device_bytes="64MiB", host_bytes=0)
+        self.plain = tiny.PromptPath(path, trust_remote_code=True)
+        self.frontend = tiny.PromptPath(path, trust_remote_code=True)
+        install_frontend(self.frontend.model, self.cache, "test:kimi")
+        self.frontend.record_featcache()
+        self.inner = kimi_k25.KimiK25InputProcessor(self.config, DTYPE)
+        self.processor = KeyedInputProcessor(self.inner)
+
+    def close(self) -> None:
+        self.plain.close()
+        self.frontend.close()
+        gc.collect()
+        self.cache.close()
+
+    def prompt(self, *images, plain: bool = False) -> dict:
+        path = self.plain if plain else self.frontend
+        return path.prompt(tiny.messages(*(tiny.image_item(i) for i in images), text="compare"))
+
+    def step(self, model: FakeKimi, prompt: dict, processor=None, prepare=None) -> dict:
+        """One prefill step of ``prompt``: input processor, prepare, forward; what reached the
+        language model (``prepare``: lmdeploy's own, unpatched, for plain lmdeploy's step)."""
+        result = (processor or self.processor).preprocess_input(prompt["input_ids"], prompt["multimodal"])
+        n = len(prompt["input_ids"])
+        context = types.SimpleNamespace(
+            input_ids=torch.tensor([prompt["input_ids"]]), position_ids=torch.arange(n)[None],
+            attn_metadata=None, input_embeddings=None, input_embedding_indexing=None,
+            is_decoding=False, vision_inputs=None, input_multimodals=[result.input_multimodals])
+        return model.run((prepare or CLASS.prepare_inputs_for_generation)(model, None, None, context))
+
+    def plain_step(self, prompt: dict) -> tuple[FakeKimi, dict]:
+        model = FakeKimi(self.config)
+        own = getattr(CLASS.prepare_inputs_for_generation, "__wrapped__", CLASS.prepare_inputs_for_generation)
+        return model, self.step(model, prompt, self.inner, own)
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return tiny.checkpoint(tiny.KIMI, tmp_path_factory)
+
+
+@pytest.fixture
+def rig(path, monkeypatch):
+    assert tiny.featcache_prepare(monkeypatch, CLASS, SPEC) is CLASS
+    r = Rig(path)
+    yield r
+    r.close()
+
+
+A, B, C = (tiny.noise_image(100, 80, 0), tiny.noise_image(40, 300, 1), tiny.noise_image(500, 500, 2))
+
+
+def seed(rig: Rig, *images) -> dict[bytes, torch.Tensor]:
+    """Store features for ``images`` as a previous step's model would have."""
+    stored = {}
+    for item in rig.prompt(*images)["multimodal"]:
+        ref = item[REF_KEY]
+        stored[ref.key] = torch.randn(tiny.tokens(item), HIDDEN).to(DTYPE)
+        rig.cache.put(ref.key, stored[ref.key], meta=ref.meta)
+    return stored
+
+
+@pytest.mark.parametrize("images", [(A,), (B, A), (A, C, A), (C, B)],
+                         ids=["hit", "miss-hit", "hit-miss-hit", "misses"])
+def test_the_prompt_is_lmdeploys_and_its_images_are_keyed(rig, images):
+    """The remote processor is lmdeploy's to run (``reproduces_expansion``: Kimi's vision model
+    has a preprocess of its own): the request's output is lmdeploy's, each image tagged with its
+    ref, a hit's holding its lease; the hits are counted as not skipping preprocessing."""
+    seed(rig, A)
+    assert not rig.frontend.model.preprocess.frontend.expands
+    before = rig.cache.stats()[SECTION].get("preprocess_not_skipped", 0)
+    ours, plain = rig.prompt(*images), rig.prompt(*images, plain=True)
+    assert ours["input_ids"] == plain["input_ids"]
+    for x, y in zip(plain["multimodal"], ours["multimodal"], strict=True):
+        assert set(y) - {REF_KEY} == set(x)
+        for name in x:
+            assert torch.equal(torch.as_tensor(x[name]), torch.as_tensor(y[name])) if name != "modality" \
+                else x[name] == y[name]
+    assert [item[REF_KEY].hit for item in ours["multimodal"]] == [im is A for im in images]
+    after = rig.cache.stats()[SECTION].get("preprocess_not_skipped", 0)
+    assert after - before == sum(im is A for im in images)
+
+
+@pytest.mark.parametrize("images", [(A, B), (B, A, C), (A,), (A, A), (C, C)],
+                         ids=["hit-miss", "miss-hit-miss", "hit", "hit-twice", "miss-twice"])
+def test_a_step_keeps_every_image_and_the_tower_sees_the_misses_only(rig, images):
+    """A step's image rows: a hit's stored rows, a miss's the rows plain lmdeploy's own step makes
+    of it; the tower is handed the computed images' pixels and grids only (a repeated miss once);
+    Kimi's own checks (image tokens against the grids, rows against the image mask) pass."""
+    stored = seed(rig, A)
+    prompt = rig.prompt(*images)
+    model = FakeKimi(rig.config)
+    got = rig.step(model, prompt)
+    _, theirs = rig.plain_step(rig.prompt(*images, plain=True))
+    ids = torch.tensor(prompt["input_ids"])
+    mask = ids == prompt["multimodal"][0]["image_token_id"]
+    items = prompt["multimodal"]
+    computed = theirs["inputs_embeds"][0][mask].split([tiny.tokens(x) for x in items])
+    want = torch.cat([stored[item[REF_KEY].key] if item[REF_KEY].hit else rows
+                      for item, rows in zip(items, computed, strict=True)])
+    embeds = got["inputs_embeds"][0]
+    assert torch.equal(embeds[mask], want)
+    assert torch.equal(embeds[~mask], model.get_input_embeddings()(ids)[~mask])
+    firsts = {}
+    for i, item in enumerate(items):
+        if not item[REF_KEY].hit:
+            firsts.setdefault(item[REF_KEY].key, i)
+    if firsts:
+        (pixels, grids), = model.calls
+        assert torch.equal(grids, torch.cat([items[i]["grid_thws"] for i in firsts.values()]))
+        assert torch.equal(pixels, torch.cat([items[i]["pixel_values"] for i in firsts.values()]).to(DTYPE))
+    else:
+        assert model.calls == []  # every image hit: the tower never ran
+    # each miss is now stored: the same request again never runs the tower
+    again = rig.prompt(*images)
+    assert all(item[REF_KEY].hit for item in again["multimodal"])
+    model_again = FakeKimi(rig.config)
+    model_again.language_model.embed = model.language_model.embed
+    got_again = rig.step(model_again, again)
+    assert model_again.calls == []
+    assert torch.equal(got_again["inputs_embeds"][0], embeds)
+
+
+def test_a_declaration_that_takes_hits_out_fails_kimis_own_check(rig, monkeypatch):
+    """A planted bug: without ``keep_items`` the hits leave the step's list, and Kimi's prepare
+    refuses the step (its image tokens no longer add up to the grids it was handed)."""
+    wrong = families.ArchSpec(**{**SPEC.__dict__, "keep_items": ()})
+    monkeypatch.setattr(CLASS, "prepare_inputs_for_generation",
+                        CLASS.prepare_inputs_for_generation.__wrapped__)
+    tiny.featcache_prepare(monkeypatch, CLASS, wrong)
+    seed(rig, A)
+    with pytest.raises(ValueError, match="media-pad positions"):
+        rig.step(FakeKimi(rig.config), rig.prompt(A, B))
+
+
+def test_a_declaration_naming_an_input_the_prepare_does_not_make_fails(rig, monkeypatch):
+    """A planted bug: ``keep_items`` naming an input Kimi's prepare does not make. The step fails,
+    naming it, rather than hand the tower the grids of images whose pixels it was not given."""
+    wrong = families.ArchSpec(**{**SPEC.__dict__, "keep_items": ("not_an_input",)})
+    monkeypatch.setattr(CLASS, "prepare_inputs_for_generation",
+                        CLASS.prepare_inputs_for_generation.__wrapped__)
+    tiny.featcache_prepare(monkeypatch, CLASS, wrong)
+    seed(rig, A)
+    with pytest.raises(RuntimeError, match="not_an_input"):
+        rig.step(FakeKimi(rig.config), rig.prompt(A, B))
+
+
+def test_tag_mode_each_model_process_skips_the_tower_for_the_images_it_holds(rig):
+    """Several processes (lmdeploy's mp engine, tp > 1): the API process's frontend tags every
+    image, sent with its pixels; the model process (its own cache, ``ranks``) computes an image
+    the first time and serves it after, through Kimi's prepare and forward; the rows are those
+    plain lmdeploy's own step makes."""
+    import json
+    import pickle
+
+    from featcache.lmdeploy import counters_cache
+    from featcache.lmdeploy.pytorch import ranks
+    from featcache.lmdeploy.request.tags import FeatTag
+
+    api_cache = counters_cache()
+    api = tiny.PromptPath(rig.frontend.model.model_path, trust_remote_code=True)
+    install_frontend(api.model, api_cache, "test:kimi", tags=True)
+    ranks.configure(json.dumps({"feature_cache": {"device": "cpu", "device_bytes": 64 << 20,
+                                                   "host_bytes": 0}}))
+    try:
+        model = FakeKimi(rig.config)
+        for images in [(A, B), (B, C)]:
+            sent = api.prompt(tiny.messages(*(tiny.image_item(i) for i in images), text="compare"))
+            plain = rig.prompt(*images, plain=True)
+            assert sent["input_ids"] == plain["input_ids"]
+            assert all(isinstance(m[REF_KEY], FeatTag) for m in sent["multimodal"])
+            got = rig.step(model, pickle.loads(pickle.dumps(sent)))  # as lmdeploy's RPC hands it over
+            _, theirs = rig.plain_step(plain)
+            mask = torch.tensor(sent["input_ids"]) == sent["multimodal"][0]["image_token_id"]
+            assert torch.equal(got["inputs_embeds"][0][mask], theirs["inputs_embeds"][0][mask])
+        # the tower ran for A and B, then for C only (B served from the model process's cache)
+        assert len(model.calls) == 2
+        assert model.calls[1][1].tolist() == sent["multimodal"][1]["grid_thws"].tolist()
+        assert ranks.local_cache().stats()[SECTION]["vision_skipped"] == 1
+    finally:
+        ranks.reset_for_tests()
+        api.close()
+        api_cache.close()
