@@ -46,13 +46,17 @@ LLAVA = "LlavaForConditionalGeneration"  # LLaVA (HF): llava-1.5-hf, llava-inter
 # Kimi-K2.5 / K2.6: transformers' config, a DeepSeek-V3 LLM; its remote processor a stand-in
 # (tests/kimi_processor_standin.py), written into the checkpoint as remote code
 KIMI = "KimiK25ForConditionalGeneration"
+# Llama 4: transformers' config and processor; its image processor a stand-in
+# (tests/llama4_image_standin.py: transformers' is torchvision-only), written in as remote code
+LLAMA4 = "Llama4ForConditionalGeneration"
+LLAMA4_TILE_TOKENS = 4  # 56 px tiles, patch 14, pixel shuffle 0.5: 4 <|patch|> tokens a tile
 LLAVA_TOKENS = 16  # the tiny LLaVA: CLIP at 56 px, patch 14, CLS dropped: 16 tokens an image
 GEMMA3_TOKENS = 4  # the tiny Gemma 3: 56 px images, patch 14, 2x2 pooled: 4 tokens an image
 DIRS = {INTERNVL: "internvl_hf_tiny", QWEN2VL: "qwen2vl_tiny", INTERNS1: "interns1_tiny",
         QWEN3VL: "qwen3vl_tiny", QWEN3VL_MOE: "qwen3vl_moe_tiny", QWEN3_5: "qwen3_5_tiny",
         QWEN3_5_MOE: "qwen3_5_moe_tiny", GLM4V: "glm4v_tiny", GEMMA3: "gemma3_tiny",
         INTERNS1PRO: "interns1pro_standin", LLAVA: "llava_tiny", QWEN3_OMNI: "qwen3_omni_tiny",
-        KIMI: "kimi_k25_standin"}
+        KIMI: "kimi_k25_standin", LLAMA4: "llama4_tiny"}
 # the processor-level ("new") preprocessing API of lmdeploy 0.18
 NEW_API = (QWEN3VL, QWEN3VL_MOE, QWEN3_5, QWEN3_5_MOE, GLM4V, INTERNS1PRO, QWEN3_OMNI)
 QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS = 32 * 32, 32 * 32 * 64  # patch 16, merge 2: 1 to 64 tokens
@@ -264,6 +268,8 @@ def build(root: str, arch: str) -> str:
         _qwen3_omni(out)
     elif arch == KIMI:
         _kimi(out)
+    elif arch == LLAMA4:
+        _llama4(out)
     elif arch in NEW_API:
         _qwen3(out, arch)
     else:
@@ -567,3 +573,39 @@ def _kimi(out: str) -> None:
         projection_hidden_size=64, tie_word_embeddings=False)
     _finish(out, cfg, KIMI, tok, {"auto_map": {
         "AutoProcessor": "kimi_processor_standin.KimiK25ProcessorStandIn"}})
+
+
+def _llama4(out: str) -> None:
+    """Llama 4: 56 px tiles (the public checkpoints: 336 px), patch 14, pixel shuffle 0.5, so 4
+    ``<|patch|>`` tokens a tile; an image's span holds its tiles' patch tokens, the separators
+    between them and an ``<|image|>`` marker before the global tile's. transformers' processor
+    and config; the image processor a stand-in (``llama4_image_standin``), by auto_map."""
+    import shutil
+
+    from transformers import Llama4Config
+
+    tok = _tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|image_start|>", "<|image_end|>",
+                      "<|image|>", "<|patch|>", "<|tile_x_separator|>", "<|tile_y_separator|>"])
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.save_pretrained(out)
+    here = os.path.dirname(os.path.abspath(__file__))
+    shutil.copy(os.path.join(here, "llama4_image_standin.py"), out)
+    with open(os.path.join(out, "preprocessor_config.json"), "w") as f:
+        json.dump({"image_processor_type": "Llama4ImageProcessorStandIn", "auto_map": {
+            "AutoImageProcessor": "llama4_image_standin.Llama4ImageProcessorStandIn"}}, f, indent=2)
+    ids = tok.convert_tokens_to_ids
+    cfg = Llama4Config(
+        vision_config=dict(image_size=56, patch_size=14, hidden_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, intermediate_size=128, pixel_shuffle_ratio=0.5,
+                           projector_input_dim=128, projector_output_dim=128, vision_output_dim=64,
+                           rope_theta=10000),
+        text_config=dict(vocab_size=len(tok), bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, head_dim=64, num_local_experts=2,
+                         num_experts_per_tok=1, intermediate_size_mlp=512, interleave_moe_layer_step=1,
+                         no_rope_layers=[1, 1], attention_chunk_size=1024, **_LLM),
+        boi_token_index=ids("<|image_start|>"), eoi_token_index=ids("<|image_end|>"),
+        image_token_index=ids("<|patch|>"), tie_word_embeddings=False)
+    _finish(out, cfg, LLAMA4, tok, {"processor_class": "Llama4Processor", "patch_size": 14,
+                                    "pixel_shuffle_ratio": 0.5})

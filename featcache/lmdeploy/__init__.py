@@ -250,7 +250,7 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
     install_frontend(encoder.model, cache, namespace, engine.prompt_processor)
     trust_image_ids_on(engine.prompt_processor, trust_image_ids)
     read_sources_under(engine.prompt_processor, media)
-    engine.engine.input_processor = KeyedInputProcessor(inner, spec.items)
+    engine.engine.input_processor = KeyedInputProcessor(inner, spec.items, spec.token_rows)
     install_reports(engine, "in")
     if engine.backend_config.enable_prefix_caching and arch in PARTIAL_IMAGES:  # matches may end
         # inside held images

@@ -74,6 +74,10 @@ class ArchSpec:
     # was given, and refuses precomputed embeddings beside images), and these forward inputs, one
     # row per visual item, are cut to the items the vision call computes after it
     keep_items: tuple[str, ...] = ()
+    # an image's feature rows are the count of its image token in its span, not the span's length
+    # (Llama 4's span holds tile separators and an <|image|> marker among its patch tokens):
+    # counted by the engine's input processor (``pytorch.engine.KeyedInputProcessor``)
+    token_rows: bool = False
 
 
 def _empty(device: torch.device, images: list[Any]) -> torch.Tensor:
@@ -206,6 +210,12 @@ SPECS: dict[str, ArchSpec] = {
         {"pixel_values": _step_pixels}, prefix_caching=False),
     "KimiK25ForConditionalGeneration": _KIMI,
     "Kimi_K25ForConditionalGeneration": _KIMI,
+    # Llama 4: get_image_features -> [tiles, patches, hidden] before the projector (which runs on
+    # hits too); an image's rows are its <|patch|> tokens; prefix caching stays off, as lmdeploy
+    # leaves it for the legacy API
+    "Llama4ForConditionalGeneration": ArchSpec(
+        "llama4", "Llama4ForConditionalGeneration", "get_image_features", False,
+        {"pixel_values": _empty}, prefix_caching=False, token_rows=True),
     "Glm4vForConditionalGeneration": ArchSpec(
         "glm4_1v", "Glm4vForConditionalGeneration", "visual", True,
         {"pixel_values": _empty, "vis_cu_seqlens": _empty, "vis_pos_emb": _pair,
@@ -216,6 +226,8 @@ SPECS: dict[str, ArchSpec] = {
 PREFIX_CACHED = frozenset(arch for arch, spec in SPECS.items() if spec.prefix_caching)
 # the architectures whose prefix matches may end inside a held image (``pytorch.prefix``)
 PARTIAL_IMAGES = frozenset(arch for arch in PREFIX_CACHED if SPECS[arch].partial_images)
+# the architectures whose images' rows are counted in their spans (``ArchSpec.token_rows``)
+TOKEN_ROWS = frozenset(arch for arch, spec in SPECS.items() if spec.token_rows)
 
 
 # HF processors of the processor-level API whose placeholder expansion is a function of each
@@ -270,7 +282,8 @@ def _cached(arch: str, family: str) -> Support:
     spec = SPECS[arch]
     engines = "PyTorch engine" + (", TurboMind (native path)" if spec.turbomind else "")
     api = "legacy preprocess" if spec.frontend == LEGACY else "processor-level preprocess"
-    prefix = "" if spec.prefix_caching else "; engine prefix caching stays off (full-prefill masks)"
+    prefix = "" if spec.prefix_caching else "; engine prefix caching stays off" + (
+        " (rows counted per span)" if spec.token_rows else " (full-prefill masks)")
     return Support(arch, family, "cached", f"{engines}; {api}{prefix}")
 
 
@@ -305,9 +318,7 @@ SUPPORT: tuple[Support, ...] = (
              "_from_config(..., trust_remote_code=) and del model.language_model), which the "
              "Qwen3.5 and GLM-4.1V families need; with transformers 4 it is a two-stage vision "
              "call (get_image_features per tile, pack_image_features per image); " + _NOT_YET),
-    _through("Llama4ForConditionalGeneration", "Llama 4",
-             "an image's span holds separator tokens between its tiles' rows: its row count is "
-             "not its span's length; " + _NOT_YET),
+    _cached("Llama4ForConditionalGeneration", "Llama 4"),
     _cached("KimiK25ForConditionalGeneration", "Kimi-K2.5, Kimi-K2.6"),
     _cached("Kimi_K25ForConditionalGeneration", "Kimi-K2.5, Kimi-K2.6"),
     _through("Phi3VForCausalLM", "Phi-3-Vision",

@@ -27,15 +27,21 @@ from ..request.tags import FeatTag
 log = logging.getLogger("featcache")
 
 
+ROWS_KEY = "featcache_rows"  # MultiModalData.meta: the image's feature rows (``token_rows``)
+
+
 class KeyedInputProcessor:
     """Delegates to lmdeploy's input processor, then tags its MultiModalData with featcache keys.
     ``items``: the key of the processor's ``MultiModalData`` list ("image", or the Qwen3 lineage's
     "mm_data", one per item of any modality, in the request's order: ``families.ArchSpec``;
-    None: whichever of the two the processor made)."""
+    None: whichever of the two the processor made). ``token_rows`` (``ArchSpec.token_rows``):
+    each image's feature rows, the count of its ``image_token_id`` in its span, go in its meta
+    (``ROWS_KEY``) for the model hook."""
 
-    def __init__(self, inner: Any, items: str | None = None) -> None:
+    def __init__(self, inner: Any, items: str | None = None, token_rows: bool = False) -> None:
         self.inner = inner
         self.items = items
+        self.token_rows = token_rows
 
     def preprocess_input(self, input_ids: Any, input_multimodals: Any = None, **kwargs: Any) -> Any:
         result = self.inner.preprocess_input(input_ids, input_multimodals, **kwargs)
@@ -46,6 +52,11 @@ class KeyedInputProcessor:
         images = made.get(key, [])
         if len(images) != len(input_multimodals):
             return result  # not one MultiModalData per item: leave the request to lmdeploy alone
+        if self.token_rows:
+            ids = torch.as_tensor(result.input_ids)
+            for data in images:
+                rows = int((ids[data.start:data.end] == data.meta["image_token_id"]).sum())
+                data.meta = dict(data.meta, **{ROWS_KEY: rows})
         for source, data in zip(input_multimodals, images, strict=True):
             ref = source.get(REF_KEY)
             if ref is None:

@@ -17,11 +17,10 @@ embeddings in image order. For each supported class we wrap, at class level:
   eviction). A hit whose head is already in the KV cache (a prefix match ending inside it, see
   ``prefix``) contributes only its tail rows, a view of the leased features.
 
-In the multi-process mode the meta slot holds a ``FeatTag`` instead (key and metadata; pixels, or
-the encoded image to rebuild them from): ``prepare`` resolves the step's tags against this
-process's own cache, with the ranks' agreement (``ranks.resolve``), into step-local ``FeatRef``s,
-rebuilds the pixels of a miss that came without them (``rebuild``), and the rest is the same; a
-miss that a prefix match ends inside (``skip`` > 0) is computed whole and sliced.
+Several processes: the meta slot holds a ``FeatTag`` (key, metadata; pixels or the encoded image):
+``prepare`` resolves the step's tags with this process's cache and the ranks' agreement
+(``ranks.resolve``) into step-local ``FeatRef``s and rebuilds a miss's missing pixels (``rebuild``);
+a miss that a prefix match ends inside (``skip`` > 0) is computed whole and sliced.
 
 Concurrent misses of one image (many clients sending the same new image at once: every frontend
 lookup misses until the engine has run it once) compute it once:
@@ -64,6 +63,7 @@ from ..request.frontend import SECTION
 from ..request.refs import REF_KEY, FeatRef
 from ..request.tags import FeatTag
 from . import ranks
+from .engine import ROWS_KEY
 from .prefix import SKIP_KEY
 from .visioncost import VisionClock
 
@@ -76,7 +76,7 @@ FLIGHT_WAIT_S = 10.0  # the longest a step waits for another thread's computatio
 @dataclass
 class _Plan:
     refs: list[FeatRef | None]  # one per image of the step, in token order
-    tokens: list[int]  # image tokens of each in this step
+    tokens: list[int]  # feature rows of each in this step
     # rows of each before this step (in the KV cache already): 0 but for a held image that a
     # prefix match ends inside; empty: all 0
     skips: list[int] = field(default_factory=list)
@@ -120,8 +120,9 @@ def patch_model_class(spec: ArchSpec) -> type:
             return original(self, past_key_values, inputs_embeds, context)
         _ensure_vision_wrapper(self, spec)
         skips = [(d.meta or {}).get(SKIP_KEY, 0) for d in images]
-        rows = [skip + d.end - d.start for d, skip in zip(images, skips, strict=True)]
-        plan = _Plan(refs, [d.end - d.start for d in images], skips)
+        tokens = [(d.meta or {}).get(ROWS_KEY, d.end - d.start) for d in images]
+        rows = [skip + n for n, skip in zip(tokens, skips, strict=True)]
+        plan = _Plan(refs, tokens, skips)
         plan.flights = _join(images, refs, rows)
         try:
             plan.shares = _shares(images, refs, rows)

@@ -42,7 +42,7 @@ from typing import Any
 from lmdeploy.messages import PytorchEngineConfig, ResponseType
 
 from ...keys import KeyHasher
-from ..families import PARTIAL_IMAGES
+from ..families import PARTIAL_IMAGES, TOKEN_ROWS
 from ..request.frontend import SECTION
 from . import ranks, rankstats
 from .engine import KeyedInputProcessor, unservable
@@ -221,9 +221,9 @@ def _install() -> None:
         self.featcache_folder = os.path.dirname(hook)
         with _module_map(hook):
             original(self, model_path, engine_config, *args, **kwargs)
-        self.input_processor = KeyedInputProcessor(self.input_processor)
         hf_config = getattr(getattr(self, "model_config", None), "hf_config", None)
         arch = (getattr(hf_config, "architectures", None) or [None])[0]
+        self.input_processor = KeyedInputProcessor(self.input_processor, token_rows=arch in TOKEN_ROWS)
         if engine_config.enable_prefix_caching and arch in PARTIAL_IMAGES:
             remove = install_prefix_hook()
             close = self.close
