@@ -50,13 +50,17 @@ KIMI = "KimiK25ForConditionalGeneration"
 # (tests/llama4_image_standin.py: transformers' is torchvision-only), written in as remote code
 LLAMA4 = "Llama4ForConditionalGeneration"
 LLAMA4_TILE_TOKENS = 4  # 56 px tiles, patch 14, pixel shuffle 0.5: 4 <|patch|> tokens a tile
+# GLM-4V-9B (``ChatGLMModel`` with a vision_config): remote code; its config a stand-in
+# (tests/chatglm_config_standin.py), its tokenizer this module's byte-level one
+GLM4V_9B = "ChatGLMModel"
+GLM4V_9B_TOKENS = 6  # 56 px, patch 14, 2x2 merged, boi and eoi: 2 + 2 * 2
 LLAVA_TOKENS = 16  # the tiny LLaVA: CLIP at 56 px, patch 14, CLS dropped: 16 tokens an image
 GEMMA3_TOKENS = 4  # the tiny Gemma 3: 56 px images, patch 14, 2x2 pooled: 4 tokens an image
 DIRS = {INTERNVL: "internvl_hf_tiny", QWEN2VL: "qwen2vl_tiny", INTERNS1: "interns1_tiny",
         QWEN3VL: "qwen3vl_tiny", QWEN3VL_MOE: "qwen3vl_moe_tiny", QWEN3_5: "qwen3_5_tiny",
         QWEN3_5_MOE: "qwen3_5_moe_tiny", GLM4V: "glm4v_tiny", GEMMA3: "gemma3_tiny",
         INTERNS1PRO: "interns1pro_standin", LLAVA: "llava_tiny", QWEN3_OMNI: "qwen3_omni_tiny",
-        KIMI: "kimi_k25_standin", LLAMA4: "llama4_tiny"}
+        KIMI: "kimi_k25_standin", LLAMA4: "llama4_tiny", GLM4V_9B: "glm4v_9b_standin"}
 # the processor-level ("new") preprocessing API of lmdeploy 0.18
 NEW_API = (QWEN3VL, QWEN3VL_MOE, QWEN3_5, QWEN3_5_MOE, GLM4V, INTERNS1PRO, QWEN3_OMNI)
 QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS = 32 * 32, 32 * 32 * 64  # patch 16, merge 2: 1 to 64 tokens
@@ -270,6 +274,8 @@ def build(root: str, arch: str) -> str:
         _kimi(out)
     elif arch == LLAMA4:
         _llama4(out)
+    elif arch == GLM4V_9B:
+        _glm4v_9b(out)
     elif arch in NEW_API:
         _qwen3(out, arch)
     else:
@@ -609,3 +615,33 @@ def _llama4(out: str) -> None:
         image_token_index=ids("<|patch|>"), tie_word_embeddings=False)
     _finish(out, cfg, LLAMA4, tok, {"processor_class": "Llama4Processor", "patch_size": 14,
                                     "pixel_shuffle_ratio": 0.5})
+
+
+def _glm4v_9b(out: str) -> None:
+    """GLM-4V-9B: EVA2CLIP at 56 px (the public checkpoint: 1120 px, 1602 tokens), patch 14, so
+    6 tokens an image, every one the pad token; its remote config a stand-in, by auto_map."""
+    import shutil
+
+    tok = _tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_image|>",
+                      "<|end_of_image|>"])
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.save_pretrained(out)
+    here = os.path.dirname(os.path.abspath(__file__))
+    shutil.copy(os.path.join(here, "chatglm_config_standin.py"), out)
+    config = dict(
+        architectures=[GLM4V_9B], model_type="chatglm", dtype="float32", torch_dtype="float32",
+        auto_map={"AutoConfig": "chatglm_config_standin.ChatGLMConfigStandIn",
+                  "AutoModelForCausalLM": "modeling_chatglm.ChatGLMForConditionalGeneration"},
+        padded_vocab_size=len(tok), hidden_size=_LLM["hidden_size"], num_layers=2, seq_length=4096,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        boi_token_id=tok.convert_tokens_to_ids("<|begin_of_image|>"),
+        eoi_token_id=tok.convert_tokens_to_ids("<|end_of_image|>"),
+        vision_config=dict(image_size=56, patch_size=14, hidden_size=64, num_hidden_layers=2,
+                           num_heads=2, intermediate_size=128, in_channels=3, dropout_prob=0.0,
+                           layer_norm_eps=1e-6, scaling_factor=8, num_positions=17))
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
+        json.dump(dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id), f, indent=2)

@@ -144,6 +144,9 @@ _QWEN3_5 = ArchSpec(
 _KIMI = ArchSpec("kimi_k25", "KimiK25ForConditionalGeneration", "get_image_features", False, {},
                  output=LIST, frontend=PROCESSOR, partial_images=False, keep_items=("grid_thws",))
 
+_GLM4V_9B = ArchSpec("chatglm2", "ChatGLMForConditionalGeneration", "transformer.vision", True,
+                     {"images": _empty}, prefix_caching=False)
+
 
 def _as(spec: ArchSpec, module: str, cls: str, **changes: Any) -> ArchSpec:
     return ArchSpec(**{**spec.__dict__, "module": module, "cls": cls, **changes})
@@ -210,6 +213,11 @@ SPECS: dict[str, ArchSpec] = {
         {"pixel_values": _step_pixels}, prefix_caching=False),
     "KimiK25ForConditionalGeneration": _KIMI,
     "Kimi_K25ForConditionalGeneration": _KIMI,
+    # GLM-4V-9B (ChatGLM with a vision_config; both strings build one class): transformer.vision
+    # -> [images, tokens, hidden] (EVA2CLIP, boi and eoi included); positions from the step's
+    # model_metas, so prefix caching stays off, as lmdeploy leaves it
+    "ChatGLMModel": _GLM4V_9B,
+    "ChatGLMForConditionalGeneration": _GLM4V_9B,
     # Llama 4: get_image_features -> [tiles, patches, hidden] before the projector (which runs on
     # hits too); an image's rows are its <|patch|> tokens; prefix caching stays off, as lmdeploy
     # leaves it for the legacy API
@@ -278,12 +286,13 @@ class Support:
         return self.status == "cached"
 
 
-def _cached(arch: str, family: str) -> Support:
+def _cached(arch: str, family: str, prefix_off: str = "") -> Support:
+    """``prefix_off``: why engine prefix caching stays off for it (``ArchSpec.prefix_caching``)."""
     spec = SPECS[arch]
+    assert spec.prefix_caching == (not prefix_off), arch
     engines = "PyTorch engine" + (", TurboMind (native path)" if spec.turbomind else "")
     api = "legacy preprocess" if spec.frontend == LEGACY else "processor-level preprocess"
-    prefix = "" if spec.prefix_caching else "; engine prefix caching stays off" + (
-        " (rows counted per span)" if spec.token_rows else " (full-prefill masks)")
+    prefix = f"; engine prefix caching stays off ({prefix_off})" if prefix_off else ""
     return Support(arch, family, "cached", f"{engines}; {api}{prefix}")
 
 
@@ -311,26 +320,27 @@ SUPPORT: tuple[Support, ...] = (
     _cached("InternS1_1_ForConditionalGeneration", "Intern-S1.1"),
     _cached("Qwen3OmniMoeForConditionalGeneration", "Qwen3-Omni (thinker)"),
     _cached("Glm4vForConditionalGeneration", "GLM-4.1V"),
-    _cached("Gemma3ForConditionalGeneration", "Gemma 3"),
+    _cached("Gemma3ForConditionalGeneration", "Gemma 3", "full-prefill masks"),
     _cached("LlavaForConditionalGeneration", "LLaVA (HF)"),
     _through("LlavaNextForConditionalGeneration", "LLaVA-NeXT",
              "lmdeploy 0.18's own LLaVA-NeXT frontend does not build on transformers 5 (its "
              "_from_config(..., trust_remote_code=) and del model.language_model), which the "
              "Qwen3.5 and GLM-4.1V families need; with transformers 4 it is a two-stage vision "
              "call (get_image_features per tile, pack_image_features per image); " + _NOT_YET),
-    _cached("Llama4ForConditionalGeneration", "Llama 4"),
+    _cached("ChatGLMModel", "GLM-4V-9B (with a vision_config)", "positions from the step's model_metas"),
+    _cached("ChatGLMForConditionalGeneration", "GLM-4V-9B (with a vision_config)",
+            "positions from the step's model_metas"),
+    _cached("Llama4ForConditionalGeneration", "Llama 4", "as lmdeploy leaves it; an image's rows are not "
+            "its span's length"),
     _cached("KimiK25ForConditionalGeneration", "Kimi-K2.5, Kimi-K2.6"),
     _cached("Kimi_K25ForConditionalGeneration", "Kimi-K2.5, Kimi-K2.6"),
     _through("Phi3VForCausalLM", "Phi-3-Vision",
              "its vision call scatters into the embeddings itself (vision_embed_tokens over the "
              "step's ids): the per-image features are inside it; " + _NOT_YET),
     _through("CogVLMForCausalLM", "CogVLM",
-             "remote code; positions from the step's model_metas (prefix caching must stay off); "
-             + _NOT_YET),
-    _through("ChatGLMModel", "GLM-4V (with a vision_config)",
-             "remote code; positions from the step's model_metas (prefix caching must stay off); "
-             + _NOT_YET),
-    _through("ChatGLMForConditionalGeneration", "GLM-4V (with a vision_config)", "as above; " + _NOT_YET),
+             "remote code; positions from the step's model_metas (prefix caching must stay off), and "
+             "its prepare routes every decoder layer's vision experts by the step's images (an "
+             "all-hit step must rebuild that routing from the ids); " + _NOT_YET),
     _through("DeepseekVLV2ForCausalLM", "DeepSeek-VL2 (a language_config of DeepseekV2ForCausalLM)",
              "one preprocessed entry and one fused vision-and-scatter call per request: no image "
              "has an identity of its own in the engine"),
