@@ -67,16 +67,45 @@ def _patch_config(out, arch, dtype):
     json.dump(c, open(p, 'w'), indent=2)
 
 
-def _save(model_cls, cfg, out, arch, dtype, eos_token_id, pad_token_id):
+def _save(model_cls, cfg, out, arch, dtype, eos_token_id, pad_token_id, renames=(), config=None,
+          flat_text=False):
+    """Random weights saved as the public checkpoints hold them, which is what lmdeploy's loaders
+    read: ``renames`` (old prefix, new prefix) for the weight names transformers 5 saves
+    otherwise (a SigLIP/CLIP tower's ``vision_model.`` level); ``config``: entries written into
+    config.json over the saved ones (a dict value merged one level down); ``flat_text``: the
+    text config's entries at the top level too (GLM-4.1V's config.json, which lmdeploy's text
+    model reads)."""
     torch.manual_seed(0)
     m = model_cls(cfg).to(getattr(torch, dtype)).eval()
     m.save_pretrained(out, safe_serialization=True)
     _patch_config(out, arch, dtype)
+    if renames:
+        _rename_weights(os.path.join(out, 'model.safetensors'), renames)
+    p = os.path.join(out, 'config.json')
+    c = json.load(open(p))
+    for k, v in (config or {}).items():
+        c[k] = {**c.get(k, {}), **v} if isinstance(v, dict) else v
+    if flat_text:  # every entry, defaults too (config.json keeps only what differs from them)
+        text = json.loads(cfg.text_config.to_json_string(use_diff=False))
+        c = {**{k: v for k, v in text.items() if k not in ('model_type', 'architectures')}, **c}
+    json.dump(c, open(p, 'w'), indent=2)
     json.dump(dict(eos_token_id=eos_token_id, pad_token_id=pad_token_id, bos_token_id=pad_token_id),
               open(os.path.join(out, 'generation_config.json'), 'w'), indent=2)
     from safetensors import safe_open
     keys = list(safe_open(os.path.join(out, 'model.safetensors'), 'pt').keys())
     assert any(k.endswith('lm_head.weight') for k in keys), 'lm_head.weight missing from checkpoint'
+
+
+def _rename_weights(path, renames):
+    from safetensors.torch import load_file, save_file
+    weights = load_file(path)
+    renamed = {}
+    for k, v in weights.items():
+        for old, new in renames:
+            if k.startswith(old) and not k.startswith(new):
+                k = new + k[len(old):]
+        renamed[k] = v
+    save_file(renamed, path, metadata={'format': 'pt'})
 
 
 def internvl_hf_processor(out, tile, max_patches, image_seq_length):
@@ -349,7 +378,8 @@ def glm4v(out, dtype='bfloat16'):
     cfg.architectures = ['Glm4vForConditionalGeneration']
     cfg.pad_token_id = tok.pad_token_id  # (GLM-4.1V's config.json has it; lmdeploy's text model reads it)
     _save(Glm4vForConditionalGeneration, cfg, out, 'Glm4vForConditionalGeneration', dtype,
-          tok.eos_token_id, tok.pad_token_id)
+          tok.eos_token_id, tok.pad_token_id, flat_text=True,
+          config={'attention_bias': True, 'partial_rotary_factor': 0.5})  # (GLM-4.1V's config.json)
     return out
 
 
@@ -395,7 +425,8 @@ def gemma3(out, dtype='bfloat16'):
         image_token_index=ids('<image_soft_token>'), tie_word_embeddings=False)
     cfg.architectures = ['Gemma3ForConditionalGeneration']
     _save(Gemma3ForConditionalGeneration, cfg, out, 'Gemma3ForConditionalGeneration', dtype,
-          tok.eos_token_id, tok.pad_token_id)
+          tok.eos_token_id, tok.pad_token_id, renames=[('vision_tower.', 'vision_tower.vision_model.')],
+          config={'text_config': {'architectures': ['Gemma3ForCausalLM']}})
     return out
 
 
@@ -422,7 +453,8 @@ def llava(out, dtype='bfloat16'):
         vision_feature_select_strategy='default', pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
     cfg.architectures = ['LlavaForConditionalGeneration']
     _save(LlavaForConditionalGeneration, cfg, out, 'LlavaForConditionalGeneration', dtype,
-          tok.eos_token_id, tok.pad_token_id)
+          tok.eos_token_id, tok.pad_token_id, renames=[('vision_tower.', 'vision_tower.vision_model.')],
+          config={'text_config': {'architectures': ['Qwen2ForCausalLM']}})
     return out
 
 
