@@ -3,7 +3,7 @@
 and TurboMind) can load. Run where the models are used (the GPU machine builds its own in seconds).
 
     python3 bench/device/make_tiny_vlm.py OUT_DIR
-        [--arch internvl|qwen2vl|internvl_chat|qwen3vl|qwen3_5|glm4v|gemma3|llava|all]
+        [--arch internvl|qwen2vl|internvl_chat|qwen3vl|qwen3_5|glm4v|gemma3|llava|llama4|all]
                                           [--dtype bfloat16|float16|float32]
 
 Writes OUT_DIR/internvl_hf_tiny, OUT_DIR/qwen2vl_tiny and/or OUT_DIR/internvl_chat_tiny:
@@ -458,12 +458,43 @@ def llava(out, dtype='bfloat16'):
     return out
 
 
+def llama4(out, dtype='bfloat16'):
+    """Llama 4 (``Llama4ForConditionalGeneration``): 56 px tiles (the public checkpoints: 336 px),
+    patch 14, pixel shuffle 0.5: 4 ``<|patch|>`` tokens a tile, up to 4 tiles and a global one;
+    a 2-layer ViT (hidden 64, head_dim 32 as 1408/44's... 64 here) and a 2-layer MoE LLM (2
+    experts, one a token, every layer MoE). The tokenizer of tests/lmdeploy_tiny.py's Llama 4."""
+    from transformers import Llama4Config, Llama4ForConditionalGeneration, Llama4ImageProcessor, Llama4Processor
+    os.makedirs(out, exist_ok=True)
+    tok = qwen_tokenizer(out, ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<|image_start|>',
+                               '<|image_end|>', '<|image|>', '<|patch|>', '<|tile_x_separator|>',
+                               '<|tile_y_separator|>'])
+    ip = Llama4ImageProcessor(size={'height': 56, 'width': 56}, max_patches=4)
+    Llama4Processor(image_processor=ip, tokenizer=tok, patch_size=14, pixel_shuffle_ratio=0.5,
+                    chat_template=tok.chat_template).save_pretrained(out)
+    ids = tok.convert_tokens_to_ids
+    cfg = Llama4Config(
+        vision_config=dict(image_size=56, patch_size=14, hidden_size=128, num_hidden_layers=2,
+                           num_attention_heads=2, intermediate_size=512, pixel_shuffle_ratio=0.5,
+                           projector_input_dim=256, projector_output_dim=256, vision_output_dim=256,
+                           rope_theta=10000),
+        text_config=dict(vocab_size=len(tok), bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, head_dim=64, num_local_experts=2,
+                         num_experts_per_tok=1, intermediate_size_mlp=512, interleave_moe_layer_step=1,
+                         no_rope_layers=[1, 1], attention_chunk_size=8192, **LLM),
+        boi_token_index=ids('<|image_start|>'), eoi_token_index=ids('<|image_end|>'),
+        image_token_index=ids('<|patch|>'), tie_word_embeddings=False)
+    cfg.architectures = ['Llama4ForConditionalGeneration']
+    _save(Llama4ForConditionalGeneration, cfg, out, 'Llama4ForConditionalGeneration', dtype,
+          tok.eos_token_id, tok.pad_token_id)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('out')
     ap.add_argument('--arch', default='all',
                     choices=['internvl', 'qwen2vl', 'internvl_chat', 'qwen3vl', 'qwen3_5', 'glm4v', 'gemma3',
-                             'llava', 'both', 'all'])
+                             'llava', 'llama4', 'both', 'all'])
     ap.add_argument('--dtype', default='bfloat16', choices=['bfloat16', 'float16', 'float32'])
     a = ap.parse_args()
     built = []
@@ -482,6 +513,8 @@ def main():
         built.append(gemma3(os.path.join(a.out, 'gemma3_tiny'), a.dtype))
     if a.arch in ('llava', 'all'):
         built.append(llava(os.path.join(a.out, 'llava_tiny'), a.dtype))
+    if a.arch in ('llama4', 'all'):
+        built.append(llama4(os.path.join(a.out, 'llama4_tiny'), a.dtype))
     for b in built:
         size = sum(os.path.getsize(os.path.join(b, f)) for f in os.listdir(b))
         print(f'wrote {b} ({size / 1e6:.2f} MB): {sorted(os.listdir(b))}')

@@ -44,10 +44,12 @@ class VisionCounter:
         wrap(legacy.InternVLChatModel, "extract_feature")  # InternVL2 (the seed models)
         import lmdeploy.pytorch.models.gemma3_vl as gemma3
         import lmdeploy.pytorch.models.glm4_1v as glm4v
+        import lmdeploy.pytorch.models.llama4 as llama4
         import lmdeploy.pytorch.models.llava as llava
 
         wrap(gemma3.Gemma3ForConditionalGeneration, "get_image_features")
         wrap(llava.LlavaForConditionalGeneration, "get_image_features")
+        wrap(llama4.Llama4ForConditionalGeneration, "get_image_features")
         import lmdeploy.pytorch.models.qwen3_5 as q35
         import lmdeploy.pytorch.models.qwen3_vl as q3
 
