@@ -463,7 +463,12 @@ def llama4(out, dtype='bfloat16'):
     patch 14, pixel shuffle 0.5: 4 ``<|patch|>`` tokens a tile, up to 4 tiles and a global one;
     a 2-layer ViT (hidden 64, head_dim 32 as 1408/44's... 64 here) and a 2-layer MoE LLM (2
     experts, one a token, every layer MoE). The tokenizer of tests/lmdeploy_tiny.py's Llama 4."""
-    from transformers import Llama4Config, Llama4ForConditionalGeneration, Llama4ImageProcessor, Llama4Processor
+    from transformers import (
+        Llama4Config,
+        Llama4ForConditionalGeneration,
+        Llama4ImageProcessor,
+        Llama4Processor,
+    )
     os.makedirs(out, exist_ok=True)
     tok = qwen_tokenizer(out, ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<|image_start|>',
                                '<|image_end|>', '<|image|>', '<|patch|>', '<|tile_x_separator|>',
