@@ -39,8 +39,8 @@ from test_media_sources import model as model  # noqa: E402,F401  (the servers f
 
 from featcache.lmdeploy.request.media import LOCAL_FILES, MAX_IMAGE_OPTIONS_BYTES  # noqa: E402
 from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
+from featcache.lmdeploy.request.resolve import DataUrlKeys  # noqa: E402
 from featcache.lmdeploy.request.sources import read_source  # noqa: E402
-from featcache.lmdeploy.request.urlkeys import DataUrlKeys  # noqa: E402
 
 
 def png_of(image: Image.Image) -> bytes:

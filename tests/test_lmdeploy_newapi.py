@@ -422,7 +422,7 @@ def test_bad_size_options_are_refused_before_any_work(rig, options):
 
 
 def test_a_failure_inside_featcache_falls_back_to_lmdeploy(rig, monkeypatch):
-    from featcache.lmdeploy.request import frontend as newapi
+    from featcache.lmdeploy.request import processor as newapi
 
     seed(rig, A)
 
@@ -580,7 +580,7 @@ def test_misses_take_featcaches_exact_preprocessing_where_it_reproduces_the_proc
 
 
 def test_a_processor_featcache_does_not_reproduce_makes_the_misses(rig, monkeypatch):
-    from featcache.lmdeploy.request import frontend as newapi
+    from featcache.lmdeploy.request import processor as newapi
 
     frontend = rig.frontend.model.preprocess.frontend
     monkeypatch.setattr(frontend, "maker", None)

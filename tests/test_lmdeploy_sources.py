@@ -309,7 +309,7 @@ def test_a_remembered_data_url_whose_features_are_gone_costs_what_any_miss_costs
 
 def test_remembered_data_urls_are_bounded():
     from featcache.keys import image_key as key_of
-    from featcache.lmdeploy.request.urlkeys import DataUrlKeys
+    from featcache.lmdeploy.request.resolve import DataUrlKeys
 
     urls = DataUrlKeys(capacity=2)
     idents = [urls.ident(f"data:image/png;base64,{i}", {}, {}) for i in range(3)]

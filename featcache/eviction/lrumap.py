@@ -1,6 +1,6 @@
 """A bounded, thread-safe map that forgets its least recently used entries first.
 
-For what the frontend remembers between requests (``lmdeploy.urlkeys``, ``lmdeploy.frontend``):
+For what the lmdeploy frontend remembers between requests (``resolve``, ``frontend``):
 small values, a fixed number of entries. Invariant: never more than ``capacity`` entries, and
 with a ``weigh`` never more than ``capacity_bytes`` by its weights (``bytes_used``); a ``get`` or
 ``put`` makes its key the most recently used.

@@ -248,7 +248,7 @@ _EXPANSION = ("__call__", "replace_image_token", "get_text_with_replacements", "
 
 
 def reproduces_expansion(processor: Any, model: Any = None) -> bool:
-    """Whether ``request.frontend.ProcessorFrontend._expand`` reproduces ``processor``'s call: one of
+    """Whether ``request.processor.ProcessorFrontend._expand`` reproduces ``processor``'s call: one of
     ``EXPANDING`` (or a subclass of one), whose call, expansion and text replacement are
     transformers' own, run by lmdeploy's own processor-level ``preprocess`` (``model``: the vision
     model, when known; Kimi-K2.5's has a preprocess of its own). A checkpoint's remote-code

@@ -1,0 +1,189 @@
+"""The frontend of lmdeploy's processor-level preprocessing API (``ProcessorFrontend``), and its
+startup probe: featcache's output for a request, made from entries' metadata and featcache's own
+pixels, is used only where it is shown equal to lmdeploy's on this installation."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import torch
+
+from ..families import reproduces_expansion
+from ..fastprep import PatchMaker, processor_patch_maker, processor_patches
+from .entry_meta import processor_item_meta
+from .frontend import Frontend
+from .media import image_size
+from .messages import decoded, image_items
+from .refs import REF_KEY
+from .resolve import SECTION
+
+log = logging.getLogger("featcache")
+
+
+class ProcessorFrontend(Frontend):
+    """The frontend hook for lmdeploy's processor-level preprocessing API (``__call__`` is the
+    vision model's new-API ``preprocess``).
+
+    Qwen3-VL, Qwen3.5 and the other families lmdeploy 0.18 added lately preprocess a request with
+    ``preprocess(messages, input_prompt, mm_processor_kwargs)`` (``VisionModel.preprocess`` in
+    ``lmdeploy/vl/model/base.py``): one call of the checkpoint's HF processor tokenizes the rendered
+    prompt, runs the image processor over every image and expands each image's placeholder to its
+    token count; ``get_expanded_mm_items`` then splits the bundle into one dict per image
+    (``modality, pixel_values, image_grid_thw, offset, image_token_id``). There is no per-image call
+    to skip, so ``ProcessorFrontend`` makes that output itself when any image hits:
+
+    - every image is keyed (as the legacy frontend keys it, ``Frontend._lookup``), with the request's
+      image size override (``mm_processor_kwargs["image"]``'s ``min_pixels``/``max_pixels``, checked
+      by ``media.image_size``: ints, or the request is refused) in its key where it changes the
+      pixels;
+    - a hit's expansion (its ``image_grid_thw``, so its token count) comes from its entry's metadata;
+    - the misses' pixels are made by featcache's ``PatchMaker`` where it reproduces the image
+      processor (``fastprep.processor_patch_maker``, probed; plain RGB images; ``preprocess_fast``;
+      then a request with no hit takes this path too), else by the image processor with the
+      arguments its own call would give it (``preprocess_fallback``), cast as lmdeploy casts them;
+    - the placeholders are expanded with the processor's own ``replace_image_token`` over every
+      image's grid, by its own ``get_text_with_replacements``, and tokenized by its tokenizer with
+      its text arguments; a prompt of token ids (lmdeploy's ``/generate``) is expanded by lmdeploy's
+      own ``get_expanded_input_ids``; offsets by lmdeploy's ``get_mm_items_offset``.
+
+    Invariant: the output equals lmdeploy's own for the same request (input ids, offsets, every
+    per-image field; tests/test_lmdeploy_newapi.py checks it against lmdeploy's real preprocessing
+    for requests mixing hits and misses). Where this is not shown (a processor outside
+    ``families.EXPANDING``, a request with videos, audio or time series) lmdeploy's own preprocessing runs for
+    the whole request and featcache only tags its images: hits then skip the vision model but not
+    preprocessing (counted, ``preprocess_not_skipped``). Any failure falls back to lmdeploy's own
+    preprocessing (``Frontend.__call__``: counted, never a failed request). With ``tags`` (several
+    processes) every request takes that path: each image travels with its pixels and a ``FeatTag``,
+    and the model processes skip the vision model for the images they hold (``ranks``).
+    """
+
+    def __init__(self, vision_model: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.model = vision_model
+        processor = getattr(vision_model, "processor", None)
+        self.expands = reproduces_expansion(processor, vision_model)
+        # featcache's exact preprocessing of misses (``fastprep.processor_patch_maker``), or None
+        self.maker: PatchMaker | None = None
+        if self.expands and not self.tags:
+            self.maker, why = processor_patch_maker(processor.image_processor)
+            log.info("featcache: preprocessing of new images: %s",
+                     f"featcache's, {why}" if self.maker is not None else f"lmdeploy's ({why})")
+
+    def _preprocess(self, messages: list[dict[str, Any]], input_prompt: Any = None,
+                    mm_processor_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+        items = image_items(messages)
+        if not items:  # no image, or another modality among them: lmdeploy's own, untouched
+            return self.original(decoded(messages), input_prompt, mm_processor_kwargs)
+        size = image_size(self.model.processor.image_processor, mm_processor_kwargs)
+        keys, hits = self._lookup(items, None if size is None else {"processor_size": size})
+        if self.tags or not self.expands or (not hits and self.maker is None):
+            if not self.tags:  # lmdeploy's image processor makes the misses' pixels
+                self.cache.count(SECTION, "preprocess_fallback", len(items) - len(hits))
+            if hits and not self.tags:
+                self.cache.count(SECTION, "preprocess_not_skipped", len(hits))
+            out = self.original(decoded(messages), input_prompt, mm_processor_kwargs)
+            self._tag(out, keys, hits)
+            return out
+        return self._expand(items, keys, hits, input_prompt, size)
+
+    def _tag(self, out: dict[str, Any], keys: list[bytes | None],
+             hits: dict[int, dict[str, Any]]) -> None:
+        """lmdeploy's output for the whole request: each image's dict gets its ``FeatRef`` (a
+        hit's, holding its lease; a miss's, for the model to store its features) or ``FeatTag``."""
+        images = [m for m in out["multimodal"] if _is_image(m)]
+        if len(images) != len(keys):
+            raise RuntimeError(f"preprocess returned {len(images)} images for {len(keys)}")
+        for index, (item, key) in enumerate(zip(images, keys, strict=True)):
+            if key is None:
+                continue
+            hit = hits.get(index)
+            if hit is not None and not self.tags:
+                item[REF_KEY] = hit[REF_KEY]
+                continue
+            # (several processes: it goes with its pixels)
+            item[REF_KEY] = self._miss_ref(key, processor_item_meta(item, self.namespace))
+
+    def _expand(self, items: list[tuple[int, int, dict[str, Any]]], keys: list[bytes | None],
+                hits: dict[int, dict[str, Any]], input_prompt: Any,
+                size: dict[str, int] | None) -> dict[str, Any]:
+        """The request's output, the processor run on its misses only (module docstring)."""
+        from lmdeploy.vl.constants import Modality
+        from lmdeploy.vl.model.preprocess_utils import get_expanded_input_ids, get_mm_items_offset
+
+        model = self.model
+        processor = model.processor
+        call: dict[str, Any] = {"padding": True, "return_tensors": "pt"}
+        if size is not None:
+            call["images_kwargs"] = {"size": size}
+        merged = processor._merge_kwargs(_kwargs_class(processor),
+                                         tokenizer_init_kwargs=processor.tokenizer.init_kwargs, **call)
+        missed = [i for i in range(len(items)) if i not in hits]
+        grids: list[torch.Tensor] = [hit["image_grid_thw"] for hit in hits.values()]
+        grid_of = dict(zip(hits, grids, strict=True))
+        pixels: list[torch.Tensor] = []
+        if missed:
+            images = [items[i][2]["data"] for i in missed]
+            made = None if self.maker is None else processor_patches(self.maker, images, size)
+            if made is None:
+                self.cache.count(SECTION, "preprocess_fallback", len(missed))
+                out = processor.image_processor(images, **merged["images_kwargs"])
+                values, thw = out["pixel_values"], out["image_grid_thw"]
+            else:
+                self.cache.count(SECTION, "preprocess_fast", len(missed))
+                values, thw = made
+            bundle = model._postprocess_mm_output(values, model.mm_feature_dtype)
+            rows = [int(g.prod()) for g in thw]
+            if sum(rows) != bundle.shape[0]:
+                raise RuntimeError(f"the image processor made {bundle.shape[0]} rows for grids of {rows}")
+            pixels = [bundle] if len(missed) == 1 else [p.clone() for p in bundle.split(rows)]
+            grid_of.update(zip(missed, thw, strict=True))
+        every = torch.stack([torch.as_tensor(grid_of[i]) for i in range(len(items))])
+        token_id = model.mm_tokens.image_token_id
+        if isinstance(input_prompt, str):
+            replacements = [processor.replace_image_token({"image_grid_thw": every}, image_idx=i)
+                            for i in range(len(items))]
+            text, _ = processor.get_text_with_replacements([input_prompt], replacements)
+            text_kwargs = dict(merged["text_kwargs"])
+            for name in ("return_mm_token_type_ids", "return_text_replacement_offsets"):
+                text_kwargs.pop(name, None)
+            input_ids = processor.tokenizer(text, **text_kwargs)["input_ids"].flatten()
+        else:  # token ids (lmdeploy's /generate): each placeholder id expanded
+            collected = {Modality.IMAGE: {"image_grid_thw": every}}
+            input_ids = get_expanded_input_ids(input_prompt, collected, processor, model.mm_tokens)
+        offsets = get_mm_items_offset(input_ids=input_ids, mm_token_id=token_id)
+        if len(offsets) != len(items):
+            raise RuntimeError(f"the prompt holds {len(offsets)} image spans for {len(items)} images")
+        multimodal = []
+        miss_pixels = dict(zip(missed, pixels, strict=True))
+        for i, offset in enumerate(offsets):
+            hit = hits.get(i)
+            item = dict(modality=Modality.IMAGE,
+                        pixel_values=hit["pixel_values"] if hit is not None else miss_pixels[i],
+                        image_grid_thw=every[i], offset=offset, image_token_id=token_id)
+            key = keys[i]
+            if hit is not None:
+                item[REF_KEY] = hit[REF_KEY]
+            elif key is not None:
+                item[REF_KEY] = self._miss_ref(key, processor_item_meta(item, self.namespace))
+            multimodal.append(item)
+        return dict(input_ids=input_ids.tolist(), multimodal=multimodal)
+
+
+def _kwargs_class(processor: Any) -> Any:
+    """The kwargs class (its defaults) the processor's call hands ``_merge_kwargs``: 5.24's
+    ``valid_processor_kwargs``, else its module's ``<Name>Kwargs`` (5.17 requires it)."""
+    found = getattr(processor, "valid_processor_kwargs", None)
+    if found is not None:
+        return found
+    for k in type(processor).__mro__:
+        named = getattr(sys.modules.get(k.__module__), f"{k.__name__}Kwargs", None)
+        if named is not None:
+            return named
+    return None
+
+
+def _is_image(item: dict[str, Any]) -> bool:
+    modality = item.get("modality")
+    return getattr(modality, "value", modality) == "image"
