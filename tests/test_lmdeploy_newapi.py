@@ -335,9 +335,9 @@ def patched(rig, monkeypatch):
 A, B, C = (tiny.noise_image(100, 80, 0), tiny.noise_image(40, 300, 1), tiny.noise_image(500, 500, 2))
 
 
-def assert_same(plain: dict, ours: dict) -> None:
+def assert_same(plain: dict, ours: dict, hits_have_pixels: bool = False) -> None:
     """featcache's output equals lmdeploy's: ids, offsets, every per-image field; a miss's
-    pixels equal, a hit's a 0-row placeholder."""
+    pixels equal, a hit's a 0-row placeholder (``hits_have_pixels``: lmdeploy's own, equal)."""
     assert ours["input_ids"] == plain["input_ids"]
     assert len(ours["multimodal"]) == len(plain["multimodal"])
     for x, y in zip(plain["multimodal"], ours["multimodal"], strict=True):
@@ -350,7 +350,7 @@ def assert_same(plain: dict, ours: dict) -> None:
             else:
                 assert x[name] == y[name], name
         ref = y[REF_KEY]
-        if ref.hit:
+        if ref.hit and not hits_have_pixels:
             assert y["pixel_values"].shape == (0, *x["pixel_values"].shape[1:])
             assert y["pixel_values"].dtype == x["pixel_values"].dtype
         else:
@@ -676,3 +676,56 @@ def test_tag_mode_each_model_process_skips_the_tower_for_the_images_it_holds(pat
         ranks.reset_for_tests()
         api.close()
         api_cache.close()
+
+
+def test_the_startup_probe_finds_featcaches_output_equal_to_lmdeploys_here(rig):
+    """At install, ``ProcessorFrontend.probe`` compares featcache's output for a request of two
+    images (missing, then held) with lmdeploy's own on this installation: equal for every family."""
+    frontend = rig.frontend.model.preprocess.frontend
+    assert frontend.expands and frontend.probe() is None
+    assert rig.stats().get("expansion_probe_failed", 0) == 0
+    assert rig.stats().get("preprocess_fast", 0) == 0  # the probe counts as no request
+
+
+@pytest.mark.parametrize("plant", ["pixels", "expansion"])
+def test_a_probe_that_finds_a_difference_leaves_every_request_to_lmdeploy(
+        plant, tmp_path_factory, monkeypatch, caplog):
+    """A planted difference (featcache's pixels one step off; an expansion one token short, as a
+    transformers release might change it silently): the probe names it at install, the model's
+    requests get lmdeploy's own preprocessing (equal to plain's, hits counted as not skipping
+    it), and a hit still skips the vision model (its ref holds the lease)."""
+    from featcache.lmdeploy.request import processor as newapi
+
+    if plant == "pixels":
+        real = newapi.processor_patches
+
+        def off(maker, images, size):
+            made = real(maker, images, size)
+            return None if made is None else (made[0] + 1e-3, made[1])
+
+        monkeypatch.setattr(newapi, "processor_patches", off)
+    else:
+        short = _short_by_one(newapi.ProcessorFrontend._expand)
+        monkeypatch.setattr(newapi.ProcessorFrontend, "_expand", short)
+    rig = Rig(tiny.QWEN3VL, tiny.checkpoint(tiny.QWEN3VL, tmp_path_factory))
+    try:
+        frontend = rig.frontend.model.preprocess.frontend
+        assert not frontend.expands and frontend.maker is None
+        assert rig.stats()["expansion_probe_failed"] == 1
+        said = [r.getMessage() for r in caplog.records if "differed from lmdeploy's" in r.getMessage()]
+        assert len(said) == 1 and ("pixel_values" if plant == "pixels" else "input ids") in said[0]
+        seed(rig, A)
+        rig.given.clear()
+        ours = rig.prompt(A, B)
+        assert_same(rig.prompt(A, B, plain=True), ours, hits_have_pixels=True)
+        assert [item[REF_KEY].hit for item in ours["multimodal"]] == [True, False]
+        assert rig.given == [[A.size, B.size]] and rig.stats()["preprocess_not_skipped"] == 1
+    finally:
+        rig.close()
+
+
+def _short_by_one(expand):
+    def short(self, *args, **kwargs):
+        out = expand(self, *args, **kwargs)
+        return {**out, "input_ids": out["input_ids"][:-1]}
+    return short

@@ -12,7 +12,7 @@ import torch
 
 from ..families import reproduces_expansion
 from ..fastprep import PatchMaker, processor_patch_maker, processor_patches
-from .entry_meta import processor_item_meta
+from .entry_meta import decode_item, processor_item_meta
 from .frontend import Frontend
 from .media import image_size
 from .messages import decoded, image_items
@@ -70,6 +70,43 @@ class ProcessorFrontend(Frontend):
             self.maker, why = processor_patch_maker(processor.image_processor)
             log.info("featcache: preprocessing of new images: %s",
                      f"featcache's, {why}" if self.maker is not None else f"lmdeploy's ({why})")
+            differs = self.probe()
+            if differs is not None:  # lmdeploy preprocesses every request; hits still skip the tower
+                self.expands, self.maker = False, None
+                self.cache.count(SECTION, "expansion_probe_failed")
+                log.warning("featcache: lmdeploy preprocesses every image of this model (featcache's "
+                            "output differed from lmdeploy's at startup: %s)", differs)
+
+    def probe(self) -> str | None:
+        """Where featcache's output for a request differs from lmdeploy's on this installation
+        (its transformers, its processor's files), or None: one request of two small images of
+        different sizes between text, made by lmdeploy, then by featcache with both images
+        missing (its own pixels, ``maker``, where it has one) and with both held (their grids
+        from the metadata lmdeploy's output gives their entries). Any difference, or a failure of
+        featcache's side, leaves the model to lmdeploy's preprocessing."""
+        import numpy as np
+        from PIL import Image
+
+        rng = np.random.default_rng(0)
+        images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
+                  for w, h in ((67, 45), (40, 90))]
+        token = self.model.processor.image_token
+        prompt = f"probe {token} between {token} end"
+        messages = [{"role": "user", "content": [{"type": "text", "text": prompt},
+                                                 *({"type": "image", "data": im} for im in images)]}]
+        cache, self.cache = self.cache, _Uncounted()  # (no request's counters)
+        try:
+            want = type(self.model).preprocess(self.model, messages, prompt, None)  # lmdeploy's own
+            items = image_items(messages) or []
+            missed = self._expand(items, [None] * len(items), {}, prompt, None)
+            held = {i: {**decode_item(processor_item_meta(m, self.namespace)), REF_KEY: None}
+                    for i, m in enumerate(want["multimodal"])}
+            hit = self._expand(items, [None] * len(items), held, prompt, None)
+        except Exception as e:  # noqa: BLE001 (any failure: featcache's output is not used)
+            return f"{type(e).__name__}: {e}"
+        finally:
+            self.cache = cache
+        return _difference(want, missed, pixels=True) or _difference(want, hit, pixels=False)
 
     def _preprocess(self, messages: list[dict[str, Any]], input_prompt: Any = None,
                     mm_processor_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -169,6 +206,35 @@ class ProcessorFrontend(Frontend):
                 item[REF_KEY] = self._miss_ref(key, processor_item_meta(item, self.namespace))
             multimodal.append(item)
         return dict(input_ids=input_ids.tolist(), multimodal=multimodal)
+
+
+class _Uncounted:
+    def count(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def _difference(want: dict[str, Any], got: dict[str, Any], pixels: bool) -> str | None:
+    """What differs between lmdeploy's output ``want`` and featcache's ``got`` (a hit's pixels, a
+    0-row placeholder, compared by their trailing shape and dtype), or None."""
+    held = "" if pixels else " (images held)"
+    if list(want["input_ids"]) != list(got["input_ids"]):
+        return f"input ids{held}"
+    if len(want["multimodal"]) != len(got["multimodal"]):
+        return f"image count{held}"
+    for i, (x, y) in enumerate(zip(want["multimodal"], got["multimodal"], strict=True)):
+        if set(x) != set(y) - {REF_KEY}:
+            return f"image {i}'s fields{held}: {sorted(set(x) ^ (set(y) - {REF_KEY}))}"
+        for name in x:
+            a, b = x[name], y[name]
+            if name == "pixel_values":
+                same = a.dtype == b.dtype and (torch.equal(a, b) if pixels else a.shape[1:] == b.shape[1:])
+            elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+                same = torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+            else:
+                same = a == b or list(a) == list(b)
+            if not same:
+                return f"image {i}'s {name}{held}"
+    return None
 
 
 def _kwargs_class(processor: Any) -> Any:
