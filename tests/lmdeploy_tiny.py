@@ -54,13 +54,17 @@ LLAMA4_TILE_TOKENS = 4  # 56 px tiles, patch 14, pixel shuffle 0.5: 4 <|patch|> 
 # (tests/chatglm_config_standin.py), its tokenizer this module's byte-level one
 GLM4V_9B = "ChatGLMModel"
 GLM4V_9B_TOKENS = 6  # 56 px, patch 14, 2x2 merged, boi and eoi: 2 + 2 * 2
+# CogVLM2 (``CogVLMForCausalLM``): remote code, the same stand-in config module; 6 tokens an image
+# as GLM-4V's (lmdeploy's CogVLM2 count); its directory name picks lmdeploy's cogvlm template
+COGVLM = "CogVLMForCausalLM"
 LLAVA_TOKENS = 16  # the tiny LLaVA: CLIP at 56 px, patch 14, CLS dropped: 16 tokens an image
 GEMMA3_TOKENS = 4  # the tiny Gemma 3: 56 px images, patch 14, 2x2 pooled: 4 tokens an image
 DIRS = {INTERNVL: "internvl_hf_tiny", QWEN2VL: "qwen2vl_tiny", INTERNS1: "interns1_tiny",
         QWEN3VL: "qwen3vl_tiny", QWEN3VL_MOE: "qwen3vl_moe_tiny", QWEN3_5: "qwen3_5_tiny",
         QWEN3_5_MOE: "qwen3_5_moe_tiny", GLM4V: "glm4v_tiny", GEMMA3: "gemma3_tiny",
         INTERNS1PRO: "interns1pro_standin", LLAVA: "llava_tiny", QWEN3_OMNI: "qwen3_omni_tiny",
-        KIMI: "kimi_k25_standin", LLAMA4: "llama4_tiny", GLM4V_9B: "glm4v_9b_standin"}
+        KIMI: "kimi_k25_standin", LLAMA4: "llama4_tiny", GLM4V_9B: "glm4v_9b_standin",
+        COGVLM: "cogvlm_standin"}
 # the processor-level ("new") preprocessing API of lmdeploy 0.18
 NEW_API = (QWEN3VL, QWEN3VL_MOE, QWEN3_5, QWEN3_5_MOE, GLM4V, INTERNS1PRO, QWEN3_OMNI)
 QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS = 32 * 32, 32 * 32 * 64  # patch 16, merge 2: 1 to 64 tokens
@@ -274,8 +278,8 @@ def build(root: str, arch: str) -> str:
         _kimi(out)
     elif arch == LLAMA4:
         _llama4(out)
-    elif arch == GLM4V_9B:
-        _glm4v_9b(out)
+    elif arch in (GLM4V_9B, COGVLM):
+        _glm4v_9b(out, arch)
     elif arch in NEW_API:
         _qwen3(out, arch)
     else:
@@ -617,9 +621,10 @@ def _llama4(out: str) -> None:
                                     "pixel_shuffle_ratio": 0.5})
 
 
-def _glm4v_9b(out: str) -> None:
+def _glm4v_9b(out: str, arch: str = GLM4V_9B) -> None:
     """GLM-4V-9B: EVA2CLIP at 56 px (the public checkpoint: 1120 px, 1602 tokens), patch 14, so
-    6 tokens an image, every one the pad token; its remote config a stand-in, by auto_map."""
+    6 tokens an image, every one the pad token; its remote config a stand-in, by auto_map.
+    CogVLM2 (``arch`` COGVLM): the same shape (lmdeploy counts its tokens as GLM-4V's)."""
     import shutil
 
     tok = _tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_image|>",
@@ -630,10 +635,14 @@ def _glm4v_9b(out: str) -> None:
     tok.save_pretrained(out)
     here = os.path.dirname(os.path.abspath(__file__))
     shutil.copy(os.path.join(here, "chatglm_config_standin.py"), out)
+    cog = arch == COGVLM
     config = dict(
-        architectures=[GLM4V_9B], model_type="chatglm", dtype="float32", torch_dtype="float32",
-        auto_map={"AutoConfig": "chatglm_config_standin.ChatGLMConfigStandIn",
-                  "AutoModelForCausalLM": "modeling_chatglm.ChatGLMForConditionalGeneration"},
+        architectures=[arch], model_type="cogvlm" if cog else "chatglm", dtype="float32",
+        torch_dtype="float32",
+        auto_map={"AutoConfig": "chatglm_config_standin." + ("CogVLMConfigStandIn" if cog else
+                                                            "ChatGLMConfigStandIn")} | ({} if cog else {
+                  "AutoModelForCausalLM": "modeling_chatglm.ChatGLMForConditionalGeneration"}),
+        vocab_size=len(tok),
         padded_vocab_size=len(tok), hidden_size=_LLM["hidden_size"], num_layers=2, seq_length=4096,
         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
         boi_token_id=tok.convert_tokens_to_ids("<|begin_of_image|>"),

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-TENSOR, DEEPSTACK, MAIN_ONLY, LIST = "tensor", "deepstack", "main", "list"
+TENSOR, DEEPSTACK, MAIN_ONLY, LIST, PER_IMAGE = "tensor", "deepstack", "main", "list", "per_image"
 VISUAL = ("image", "video")  # the modalities of an ``mm_data`` list that the vision call takes
 LEGACY, PROCESSOR = "legacy", "processor"
 
@@ -46,7 +46,8 @@ class ArchSpec:
     # ((main, [one [rows, hidden] per deepstack level]): every level is cached, in one entry of
     # [rows, (levels + 1) * hidden]); ``MAIN_ONLY`` ((main, levels the forward discards): only
     # main is cached, the forward gets (main, [])); ``LIST`` (one [rows, hidden] per image, in
-    # order: Kimi-K2.5's ``get_image_features``)
+    # order: Kimi-K2.5's ``get_image_features``); ``PER_IMAGE`` ([images, rows, hidden], every
+    # image as many rows, and read so by the forward: CogVLM's index assignment)
     output: str = TENSOR
     # forward inputs that describe every visual item of the step, rebuilt after lmdeploy's own
     # prepare whenever featcache took items out of it: ``step_inputs(model, vision, context,
@@ -118,6 +119,18 @@ def omni_step_inputs(model: Any, vision: Any, context: Any, items: list[Any], to
     visual = [d for d in items if modality_of(d) in VISUAL]
     inputs["image_mask"] = model.get_multimodal_mask(context.input_ids, visual)
     inputs["grid_thw"] = torch.tensor([[1, merge, merge * n] for n in tokens], dtype=torch.long)
+
+
+def cogvlm_step_inputs(model: Any, vision: Any, context: Any, items: list[Any], tokens: list[int],
+                       inputs: dict[str, Any]) -> None:
+    """CogVLM (``cogvlm.py``): its forward writes the vision rows at ``vision_ids`` and routes every
+    decoder layer's vision and language experts by ``vision_ids`` and ``lang_ids``, which its
+    prepare builds from the step's ids only when it was handed images: rebuilt here the same way,
+    over the step's ids (the first sequence's, as lmdeploy's), whatever featcache took out."""
+    ids = context.input_ids
+    at = torch.arange(0, ids.size(-1), device=ids.device)
+    vision_mask = ids[0] == items[0].meta["image_token_id"]
+    inputs["vision_ids"], inputs["lang_ids"] = at[vision_mask], at[~vision_mask]
 
 
 def modality_of(data: Any) -> str | None:
@@ -218,6 +231,11 @@ SPECS: dict[str, ArchSpec] = {
     # model_metas, so prefix caching stays off, as lmdeploy leaves it
     "ChatGLMModel": _GLM4V_9B,
     "ChatGLMForConditionalGeneration": _GLM4V_9B,
+    # CogVLM / CogVLM2: model.vision -> [images, tokens, hidden] (EVA2CLIP, boi and eoi included),
+    # written at the step's vision_ids, which also route its experts; positions from model_metas
+    "CogVLMForCausalLM": ArchSpec(
+        "cogvlm", "CogVLMForCausalLM", "model.vision", True, {"images": _empty}, output=PER_IMAGE,
+        step_inputs=cogvlm_step_inputs, prefix_caching=False),
     # Llama 4: get_image_features -> [tiles, patches, hidden] before the projector (which runs on
     # hits too); an image's rows are its <|patch|> tokens; prefix caching stays off, as lmdeploy
     # leaves it for the legacy API
@@ -330,6 +348,7 @@ SUPPORT: tuple[Support, ...] = (
     _cached("ChatGLMModel", "GLM-4V-9B (with a vision_config)", "positions from the step's model_metas"),
     _cached("ChatGLMForConditionalGeneration", "GLM-4V-9B (with a vision_config)",
             "positions from the step's model_metas"),
+    _cached("CogVLMForCausalLM", "CogVLM, CogVLM2", "positions from the step's model_metas"),
     _cached("Llama4ForConditionalGeneration", "Llama 4", "as lmdeploy leaves it; an image's rows are not "
             "its span's length"),
     _cached("KimiK25ForConditionalGeneration", "Kimi-K2.5, Kimi-K2.6"),
@@ -337,10 +356,6 @@ SUPPORT: tuple[Support, ...] = (
     _through("Phi3VForCausalLM", "Phi-3-Vision",
              "its vision call scatters into the embeddings itself (vision_embed_tokens over the "
              "step's ids): the per-image features are inside it; " + _NOT_YET),
-    _through("CogVLMForCausalLM", "CogVLM",
-             "remote code; positions from the step's model_metas (prefix caching must stay off), and "
-             "its prepare routes every decoder layer's vision experts by the step's images (an "
-             "all-hit step must rebuild that routing from the ids); " + _NOT_YET),
     _through("DeepseekVLV2ForCausalLM", "DeepSeek-VL2 (a language_config of DeepseekV2ForCausalLM)",
              "one preprocessed entry and one fused vision-and-scatter call per request: no image "
              "has an identity of its own in the engine"),

@@ -58,7 +58,7 @@ import torch
 
 from ...core.cache import FeatureCache
 from ...core.singleflight import Flight, SingleFlight
-from ..families import DEEPSTACK, LIST, MAIN_ONLY, SPECS, VISUAL, ArchSpec, modality_of
+from ..families import DEEPSTACK, LIST, MAIN_ONLY, PER_IMAGE, SPECS, VISUAL, ArchSpec, modality_of
 from ..request.frontend import SECTION
 from ..request.refs import REF_KEY, FeatRef
 from ..request.tags import FeatTag
@@ -379,12 +379,12 @@ def _ensure_vision_wrapper(model: Any, spec: ArchSpec) -> None:
             served = _serve(plan, run, clock)
             parts = [p.contiguous() for p in served.chunk(levels, dim=-1)]
             return parts[0], parts[1:]
-        if spec.output == LIST:  # one tensor per computed image in, one per image of the step out
-            served = _serve(plan, lambda: torch.cat(list(current(*args, **kwargs))), clock)
-            return list(served.split(plan.tokens))
+        if spec.output == LIST:  # a tensor per computed image in, one per image of the step out
+            return [*_serve(plan, lambda: torch.cat([*current(*args, **kwargs)]), clock).split(plan.tokens)]
         if spec.output == MAIN_ONLY:
             return _serve(plan, lambda: current(*args, **kwargs)[0], clock), []
-        return _serve(plan, lambda: current(*args, **kwargs), clock)
+        served = _serve(plan, lambda: current(*args, **kwargs), clock)  # (PER_IMAGE: as many rows each)
+        return served.reshape(len(plan.refs), -1, served.shape[-1]) if spec.output == PER_IMAGE else served
 
     vision._featcache = True  # type: ignore[attr-defined]
     setattr(owner, attr, vision)
