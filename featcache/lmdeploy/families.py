@@ -318,8 +318,6 @@ def _through(arch: str, family: str, why: str) -> Support:
     return Support(arch, family, "passes through", why)
 
 
-_NOT_YET = "not yet declared (issue 51)"
-
 SUPPORT: tuple[Support, ...] = (
     _cached("InternVLChatModel", "InternVL 1.5-3.5"),
     _cached("InternVLForConditionalGeneration", "InternVL3/3.5 -HF"),
@@ -341,10 +339,11 @@ SUPPORT: tuple[Support, ...] = (
     _cached("Gemma3ForConditionalGeneration", "Gemma 3", "full-prefill masks"),
     _cached("LlavaForConditionalGeneration", "LLaVA (HF)"),
     _through("LlavaNextForConditionalGeneration", "LLaVA-NeXT",
-             "lmdeploy 0.18's own LLaVA-NeXT frontend does not build on transformers 5 (its "
-             "_from_config(..., trust_remote_code=) and del model.language_model), which the "
-             "Qwen3.5 and GLM-4.1V families need; with transformers 4 it is a two-stage vision "
-             "call (get_image_features per tile, pack_image_features per image); " + _NOT_YET),
+             "lmdeploy 0.18 serves it only on transformers 4: its LLaVA-NeXT frontend does not build "
+             "on 5 (its _from_config(..., trust_remote_code=) and del model.language_model), which "
+             "every family since Qwen3.5 and GLM-4.1V needs, and featcache is tested on; not declared "
+             "for 4 (a two-stage vision call: get_image_features per tile, pack_image_features per "
+             "image, both to be wrapped)"),
     _cached("ChatGLMModel", "GLM-4V-9B (with a vision_config)", "positions from the step's model_metas"),
     _cached("ChatGLMForConditionalGeneration", "GLM-4V-9B (with a vision_config)",
             "positions from the step's model_metas"),
@@ -353,9 +352,12 @@ SUPPORT: tuple[Support, ...] = (
             "its span's length"),
     _cached("KimiK25ForConditionalGeneration", "Kimi-K2.5, Kimi-K2.6"),
     _cached("Kimi_K25ForConditionalGeneration", "Kimi-K2.5, Kimi-K2.6"),
-    _through("Phi3VForCausalLM", "Phi-3-Vision",
-             "its vision call scatters into the embeddings itself (vision_embed_tokens over the "
-             "step's ids): the per-image features are inside it; " + _NOT_YET),
+    _through("Phi3VForCausalLM", "Phi-3-Vision, Phi-3.5-Vision",
+             "not declared: its vision call makes the whole step's embeddings (vision_embed_tokens "
+             "over the step's ids), each image's rows made inside it by hd_feature_transform; "
+             "serving them takes a second wrapper (the CLIP call on the misses' crops only) and "
+             "an all-hit placeholder of 336 px crops, tested over a stand-in of its remote "
+             "processor (a 2024 family, after every one lmdeploy added since)"),
     _through("DeepseekVLV2ForCausalLM", "DeepSeek-VL2 (a language_config of DeepseekV2ForCausalLM)",
              "one preprocessed entry and one fused vision-and-scatter call per request: no image "
              "has an identity of its own in the engine"),
