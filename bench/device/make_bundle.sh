@@ -20,6 +20,7 @@ WHEELS=(
   xgrammar==0.2.9 apache-tvm-ffi==0.1.11     # lmdeploy/pytorch/engine/guided_process.py
   lmdb==3.0.0                                # featcache's disk tier
   blake3==1.0.11                             # featcache's keys
+  flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.1  # lmdeploy's Qwen3.5 (gated delta) on CUDA
   ${EXTRA_WHEELS:-}
 )
 PLAT=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
