@@ -331,7 +331,7 @@ def test_a_processor_level_preprocessor_gets_the_processor_frontend():
     decides by the signature), and request options reach the frontend."""
     from lmdeploy.vl.engine import ImageEncoder
 
-    from featcache.lmdeploy.request.processor import ProcessorFrontend
+    from featcache.lmdeploy.request.frontend import ProcessorFrontend
 
     seen = []
 

@@ -12,9 +12,7 @@ between tiles and an ``<|image|>`` marker. Its rows are the ``<|patch|>`` tokens
 
 from __future__ import annotations
 
-import gc
-import types
-
+import _family_rig
 import _lmdeploy_stack
 import pytest
 import torch
@@ -23,13 +21,12 @@ from torch import nn
 _lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
 
 import lmdeploy_tiny as tiny  # noqa: E402
+from _family_rig import FamilyRig, assert_prompt_is_lmdeploys, model_cache_stats, tag_mode  # noqa: E402
 from lmdeploy.pytorch.models import llama4  # noqa: E402
-from transformers import AutoConfig  # noqa: E402
 
-from featcache import FeatureCache  # noqa: E402
 from featcache.lmdeploy import PREFIX_CACHED, families  # noqa: E402
 from featcache.lmdeploy.pytorch.engine import ROWS_KEY, KeyedInputProcessor  # noqa: E402
-from featcache.lmdeploy.request.frontend import SECTION, install_frontend  # noqa: E402
+from featcache.lmdeploy.request.frontend import SECTION  # noqa: E402
 from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
 
 HIDDEN = 256
@@ -84,40 +81,6 @@ def rows(item: dict, input_ids: list[int]) -> int:
     return input_ids[start:start + item["image_tokens"]].count(item["image_token_id"])
 
 
-class Rig:
-    def __init__(self, path: str) -> None:
-        self.config = AutoConfig.from_pretrained(path)
-        self.cache = FeatureCache(device="cpu", device_bytes="64MiB", host_bytes=0)
-        self.plain = tiny.PromptPath(path, trust_remote_code=True)
-        self.frontend = tiny.PromptPath(path, trust_remote_code=True)
-        install_frontend(self.frontend.model, self.cache, "test:llama4")
-        self.frontend.record_featcache()
-        self.inner = llama4.Llama4InputProcessor(self.config, DTYPE)
-        self.processor = KeyedInputProcessor(self.inner, SPEC.items, SPEC.token_rows)
-
-    def close(self) -> None:
-        self.plain.close()
-        self.frontend.close()
-        gc.collect()
-        self.cache.close()
-
-    def prompt(self, *images, plain: bool = False) -> dict:
-        path = self.plain if plain else self.frontend
-        return path.prompt(tiny.messages(*(tiny.image_item(i) for i in images), text="compare"))
-
-    def step(self, model: FakeLlama4, prompt: dict, processor=None, prepare=None) -> dict:
-        result = (processor or self.processor).preprocess_input(prompt["input_ids"], prompt["multimodal"])
-        n = len(prompt["input_ids"])
-        context = types.SimpleNamespace(
-            input_ids=torch.tensor([prompt["input_ids"]]), position_ids=torch.arange(n)[None],
-            attn_metadata=None, input_multimodals=[result.input_multimodals])
-        return model.run((prepare or CLASS.prepare_inputs_for_generation)(model, None, None, context))
-
-    def plain_step(self, prompt: dict) -> dict:
-        own = getattr(CLASS.prepare_inputs_for_generation, "__wrapped__", CLASS.prepare_inputs_for_generation)
-        return self.step(FakeLlama4(self.config), prompt, self.inner, own)
-
-
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
     return tiny.checkpoint(tiny.LLAMA4, tmp_path_factory)
@@ -126,7 +89,7 @@ def path(tmp_path_factory):
 @pytest.fixture
 def rig(path, monkeypatch):
     assert tiny.featcache_prepare(monkeypatch, CLASS, SPEC) is CLASS
-    r = Rig(path)
+    r = FamilyRig(tiny.LLAMA4, path, CLASS, lambda config: llama4.Llama4InputProcessor(config, DTYPE))
     yield r
     r.close()
 
@@ -134,15 +97,9 @@ def rig(path, monkeypatch):
 A, B, C = (tiny.noise_image(100, 80, 0), tiny.noise_image(40, 30, 1), tiny.noise_image(50, 120, 2))
 
 
-def seed(rig: Rig, *images) -> dict[bytes, torch.Tensor]:
+def seed(rig: FamilyRig, *images) -> dict[bytes, torch.Tensor]:
     """Store features for ``images`` as a previous step's model would have (before the projector)."""
-    stored = {}
-    prompt = rig.prompt(*images)
-    for item in prompt["multimodal"]:
-        ref = item[REF_KEY]
-        stored[ref.key] = torch.randn(rows(item, prompt["input_ids"]), HIDDEN).to(DTYPE)
-        rig.cache.put(ref.key, stored[ref.key], meta=ref.meta)
-    return stored
+    return _family_rig.seed(rig, *images, hidden=HIDDEN, dtype=DTYPE, rows=rows)
 
 
 def test_a_span_holds_more_tokens_than_rows_and_the_input_processor_counts_them(rig):
@@ -157,16 +114,8 @@ def test_a_span_holds_more_tokens_than_rows_and_the_input_processor_counts_them(
 def test_hits_skip_preprocessing_and_the_prompt_is_lmdeploys(rig, images):
     seed(rig, A)
     rig.frontend.calls.clear()
-    ours, plain = rig.prompt(*images), rig.prompt(*images, plain=True)
-    assert ours["input_ids"] == plain["input_ids"]
-    for x, y in zip(plain["multimodal"], ours["multimodal"], strict=True):
-        assert set(y) - {REF_KEY} == set(x)
-        for name in set(x) - {"pixel_values"}:
-            assert x[name] == y[name], name
-        if y[REF_KEY].hit:
-            assert y["pixel_values"].shape == (0, *x["pixel_values"].shape[1:])
-        else:
-            assert torch.equal(y["pixel_values"], x["pixel_values"])
+    ours = rig.prompt(*images)
+    assert_prompt_is_lmdeploys(rig.prompt(*images, plain=True), ours, hits_have_pixels=False)
     assert [item[REF_KEY].hit for item in ours["multimodal"]] == [im is A for im in images]
     misses = [im.size for im in images if im is not A]
     assert rig.frontend.calls == [[m] for m in misses]  # per image, the misses only
@@ -182,7 +131,7 @@ def test_a_step_serves_hits_computes_misses_and_keeps_lmdeploys_inputs(rig, imag
     prompt = rig.prompt(*images)
     model = FakeLlama4(rig.config)
     got = rig.step(model, prompt)
-    theirs = rig.plain_step(rig.prompt(*images, plain=True))
+    theirs = rig.plain_step(FakeLlama4(rig.config), rig.prompt(*images, plain=True))
     ids = torch.tensor(prompt["input_ids"])
     mask = ids == prompt["multimodal"][0]["image_token_id"]
     items = prompt["multimodal"]
@@ -230,34 +179,15 @@ def test_tag_mode_each_model_process_skips_the_tower_for_the_images_it_holds(rig
     """Several processes: the API process tags every image; the model process (its own cache,
     ``ranks``) computes an image the first time and serves it after; the rows are those plain
     lmdeploy's own step makes, the rows counted in the engine process's input processor."""
-    import json
-    import pickle
-
-    from featcache.lmdeploy import counters_cache
-    from featcache.lmdeploy.pytorch import ranks
-    from featcache.lmdeploy.request.tags import FeatTag
-
-    api_cache = counters_cache()
-    api = tiny.PromptPath(rig.frontend.model.model_path, trust_remote_code=True)
-    install_frontend(api.model, api_cache, "test:llama4", tags=True)
-    ranks.configure(json.dumps({"feature_cache": {"device": "cpu", "device_bytes": 64 << 20,
-                                                   "host_bytes": 0}}))
-    try:
+    with tag_mode(rig) as send:
         model = FakeLlama4(rig.config)
         for images in [(A, B), (B, C)]:
-            sent = api.prompt(tiny.messages(*(tiny.image_item(i) for i in images), text="compare"))
-            plain = rig.prompt(*images, plain=True)
-            assert sent["input_ids"] == plain["input_ids"]
-            assert all(isinstance(m[REF_KEY], FeatTag) for m in sent["multimodal"])
-            got = rig.step(model, pickle.loads(pickle.dumps(sent)))  # as lmdeploy's RPC hands it over
-            theirs = rig.plain_step(plain)
+            sent = send(*images)
+            got = rig.step(model, sent)
+            theirs = rig.plain_step(FakeLlama4(rig.config), rig.prompt(*images, plain=True))
             mask = torch.tensor(sent["input_ids"]) == sent["multimodal"][0]["image_token_id"]
             assert torch.equal(got["inputs_embeds"][0][mask], theirs["inputs_embeds"][0][mask])
         # the tower ran for A and B, then for C only (B served from the model process's cache)
         assert len(model.calls) == 2
         assert model.calls[1].shape[0] == sent["multimodal"][1]["pixel_values"].shape[0]
-        assert ranks.local_cache().stats()[SECTION]["vision_skipped"] == 1
-    finally:
-        ranks.reset_for_tests()
-        api.close()
-        api_cache.close()
+        assert model_cache_stats()["vision_skipped"] == 1

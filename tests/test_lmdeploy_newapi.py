@@ -430,7 +430,7 @@ def test_a_failure_inside_featcache_falls_back_to_lmdeploy(rig, monkeypatch):
         raise RuntimeError("planted")
 
     monkeypatch.setattr(newapi, "get_mm_items_offset", broken, raising=False)
-    monkeypatch.setattr(newapi.ProcessorFrontend, "_expand", broken)
+    monkeypatch.setattr(newapi.ProcessorLevel, "_expand", broken)
     plain = rig.prompt(A, B, plain=True)
     ours = rig.prompt(A, B)
     assert ours["input_ids"] == plain["input_ids"]
@@ -705,8 +705,8 @@ def test_a_probe_that_finds_a_difference_leaves_every_request_to_lmdeploy(
 
         monkeypatch.setattr(newapi, "processor_patches", off)
     else:
-        short = _short_by_one(newapi.ProcessorFrontend._expand)
-        monkeypatch.setattr(newapi.ProcessorFrontend, "_expand", short)
+        short = _short_by_one(newapi.ProcessorLevel._expand)
+        monkeypatch.setattr(newapi.ProcessorLevel, "_expand", short)
     rig = Rig(tiny.QWEN3VL, tiny.checkpoint(tiny.QWEN3VL, tmp_path_factory))
     try:
         frontend = rig.frontend.model.preprocess.frontend

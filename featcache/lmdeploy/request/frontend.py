@@ -46,6 +46,7 @@ from .entry_meta import decode_item, encode_item
 from .media import LOCAL_FILES, MediaPolicy
 from .media import MediaOptionError as MediaOptionError  # (its home: media; named here too)
 from .messages import decoded, image_items, preprocessed, without
+from .processor import ProcessorLevel
 from .refs import REF_KEY, FeatRef
 from .resolve import SECTION, DataUrlKeys, SourceResolver, bindings
 from .sources import KEY_INFO, CachedImage, install_sources
@@ -71,8 +72,6 @@ def install_frontend(vision_model: Any, cache: FeatureCache, namespace: str,
         raise RuntimeError("featcache is already installed on this pipeline")
     if "mm_processor_kwargs" in inspect.signature(original).parameters:
         # lmdeploy's processor-level API: the prompt and every image in one processor call
-        from .processor import ProcessorFrontend
-
         frontend: Frontend = ProcessorFrontend(vision_model, cache, original, namespace, tags=tags,
                                                hasher=hasher)
 
@@ -275,3 +274,7 @@ def _keyed_by_bytes(item: dict[str, Any]) -> bool:
     """Whether the item's image was decoded by ``Frontend._served`` after its bytes' key missed."""
     info = getattr(item["data"], "info", None)
     return isinstance(info, dict) and isinstance(info.get(KEY_INFO), bytes)
+
+
+class ProcessorFrontend(ProcessorLevel, Frontend):
+    """The frontend of lmdeploy's processor-level API (``processor.ProcessorLevel``)."""

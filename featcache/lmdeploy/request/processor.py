@@ -1,6 +1,7 @@
-"""The frontend of lmdeploy's processor-level preprocessing API (``ProcessorFrontend``), and its
-startup probe: featcache's output for a request, made from entries' metadata and featcache's own
-pixels, is used only where it is shown equal to lmdeploy's on this installation."""
+"""What the frontend does for lmdeploy's processor-level preprocessing API (``ProcessorLevel``,
+made ``frontend.ProcessorFrontend`` over ``frontend.Frontend``), and its startup probe:
+featcache's output for a request, made from entries' metadata and featcache's own pixels, is used
+only where it is shown equal to lmdeploy's on this installation."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import torch
 from ..families import reproduces_expansion
 from ..fastprep import PatchMaker, processor_patch_maker, processor_patches
 from .entry_meta import decode_item, processor_item_meta
-from .frontend import Frontend
 from .media import image_size
 from .messages import decoded, image_items
 from .refs import REF_KEY
@@ -22,9 +22,10 @@ from .resolve import SECTION
 log = logging.getLogger("featcache")
 
 
-class ProcessorFrontend(Frontend):
-    """The frontend hook for lmdeploy's processor-level preprocessing API (``__call__`` is the
-    vision model's new-API ``preprocess``).
+class ProcessorLevel:
+    """The frontend hook for lmdeploy's processor-level preprocessing API, over ``Frontend``'s
+    keying, lookups and fallbacks (``frontend.ProcessorFrontend``: ``__call__`` is the vision
+    model's new-API ``preprocess``).
 
     Qwen3-VL, Qwen3.5 and the other families lmdeploy 0.18 added lately preprocess a request with
     ``preprocess(messages, input_prompt, mm_processor_kwargs)`` (``VisionModel.preprocess`` in
@@ -58,6 +59,12 @@ class ProcessorFrontend(Frontend):
     processes) every request takes that path: each image travels with its pixels and a ``FeatTag``,
     and the model processes skip the vision model for the images they hold (``ranks``).
     """
+
+    # ``Frontend``'s, which this class is used over
+    cache: Any
+    original: Any
+    namespace: str
+    tags: bool
 
     def __init__(self, vision_model: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -1,0 +1,157 @@
+"""What the per-family lmdeploy tests share (tests/test_lmdeploy_kimi.py, _llama4, _glm4v_9b,
+_cogvlm): lmdeploy's real prompt path for a family's tiny checkpoint, plain and with featcache's
+frontend installed; the family's real input processor inside ``KeyedInputProcessor``; one prefill
+step through its ``prepare`` (featcache's, or lmdeploy's own for plain) and a stand-in model; the
+features a previous step would have stored; the prompt check; and the several-process (tag) mode's
+API side with a model process's cache."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import lmdeploy_tiny as tiny
+import torch
+from transformers import AutoConfig
+
+from featcache import FeatureCache
+from featcache.lmdeploy import families
+from featcache.lmdeploy.pytorch.engine import KeyedInputProcessor
+from featcache.lmdeploy.request.frontend import install_frontend
+from featcache.lmdeploy.request.refs import REF_KEY
+
+
+def _transforms(needed: bool) -> Any:
+    """torchvision's transforms while lmdeploy builds a frontend that needs them (GLM-4V, CogVLM)."""
+    if not needed:
+        return contextlib.nullcontext()
+    from bench.lib import torchvision_ref
+
+    return torchvision_ref.installed()
+
+
+class FamilyRig:
+    """``inner``: the family's lmdeploy input processor, made from the config; ``cls``: its
+    lmdeploy model class (its ``prepare_inputs_for_generation`` patched by the test's fixture);
+    ``transforms``: its frontend is built from torchvision's transforms."""
+
+    def __init__(self, arch: str, path: str, cls: type, inner: Callable[[Any], Any],
+                 transforms: bool = False) -> None:
+        self.arch, self.path, self.cls, self.transforms = arch, path, cls, transforms
+        self.spec = families.SPECS[arch]
+        self.config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+        self.cache = FeatureCache(device="cpu", device_bytes="64MiB", host_bytes=0)
+        self.plain = self.path_of()
+        self.frontend = self.path_of()
+        install_frontend(self.frontend.model, self.cache, f"test:{arch}")
+        self.frontend.record_featcache()
+        self.inner = inner(self.config)
+        self.processor = KeyedInputProcessor(self.inner, self.spec.items, self.spec.token_rows)
+
+    def path_of(self) -> tiny.PromptPath:
+        with _transforms(self.transforms):  # (lmdeploy builds its transforms once, here)
+            return tiny.PromptPath(self.path, trust_remote_code=True)
+
+    def close(self) -> None:
+        self.plain.close()
+        self.frontend.close()
+        gc.collect()
+        self.cache.close()
+
+    def prompt(self, *images: Any, plain: bool = False) -> dict[str, Any]:
+        path = self.plain if plain else self.frontend
+        return path.prompt(tiny.messages(*(tiny.image_item(i) for i in images), text="compare"))
+
+    def step(self, model: Any, prompt: dict[str, Any], processor: Any = None, prepare: Any = None) -> Any:
+        """One prefill step of ``prompt``: the input processor, ``prepare`` (default: the class's,
+        featcache's where patched), the stand-in model's ``run``."""
+        result = (processor or self.processor).preprocess_input(prompt["input_ids"], prompt["multimodal"])
+        n = len(prompt["input_ids"])
+        context = types.SimpleNamespace(
+            input_ids=torch.tensor([prompt["input_ids"]]), position_ids=torch.arange(n)[None],
+            attn_metadata=None, input_embeddings=None, input_embedding_indexing=None,
+            is_decoding=False, vision_inputs=None, input_multimodals=[result.input_multimodals])
+        return model.run((prepare or self.cls.prepare_inputs_for_generation)(model, None, None, context))
+
+    def plain_step(self, model: Any, prompt: dict[str, Any]) -> Any:
+        """The same step as plain lmdeploy runs it: its own input processor and prepare."""
+        own = getattr(self.cls.prepare_inputs_for_generation, "__wrapped__",
+                      self.cls.prepare_inputs_for_generation)
+        return self.step(model, prompt, self.inner, own)
+
+
+def seed(rig: FamilyRig, *images: Any, hidden: int, dtype: torch.dtype,
+         rows: Callable[[dict[str, Any], list[int]], int] | None = None) -> dict[bytes, torch.Tensor]:
+    """Store features for ``images`` as a previous step's model would have (``rows``: an image's
+    feature rows; default its token count)."""
+    stored = {}
+    prompt = rig.prompt(*images)
+    for item in prompt["multimodal"]:
+        ref = item[REF_KEY]
+        n = rows(item, prompt["input_ids"]) if rows else tiny.tokens(item)
+        stored[ref.key] = torch.randn(n, hidden).to(dtype)
+        rig.cache.put(ref.key, stored[ref.key], meta=ref.meta)
+    return stored
+
+
+def assert_prompt_is_lmdeploys(plain: dict[str, Any], ours: dict[str, Any], hits_have_pixels: bool) -> None:
+    """featcache's prompt equals lmdeploy's: ids, every per-image field; a miss's pixels equal, a
+    hit's lmdeploy's own (``hits_have_pixels``: its preprocessing ran) or a 0-row placeholder."""
+    assert ours["input_ids"] == plain["input_ids"]
+    assert len(ours["multimodal"]) == len(plain["multimodal"])
+    for x, y in zip(plain["multimodal"], ours["multimodal"], strict=True):
+        assert set(y) - {REF_KEY} == set(x)
+        for name in x:
+            a, b = x[name], y[name]
+            if name == "pixel_values":
+                if y[REF_KEY].hit and not hits_have_pixels:
+                    assert b.shape[1:] == a.shape[1:] and b.shape[0] == 0 and b.dtype == a.dtype
+                else:
+                    assert torch.equal(a, b) and a.dtype == b.dtype
+            elif isinstance(a, torch.Tensor):
+                assert torch.equal(a, b), name
+            else:
+                assert a == b, name
+
+
+@contextlib.contextmanager
+def tag_mode(rig: FamilyRig) -> Iterator[Callable[..., dict[str, Any]]]:
+    """Several processes (lmdeploy's mp engine, tp > 1): an API process's prompt path whose frontend
+    tags every image, and a model process's cache (``ranks``). Yields ``send(*images)``: the API
+    process's prompt as lmdeploy's RPC hands it to the engine (pickled and back)."""
+    import pickle
+
+    from featcache.lmdeploy import counters_cache
+    from featcache.lmdeploy.pytorch import ranks
+    from featcache.lmdeploy.request.tags import FeatTag
+
+    api_cache = counters_cache()
+    api = rig.path_of()
+    install_frontend(api.model, api_cache, f"test:{rig.arch}", tags=True)
+    ranks.configure(json.dumps({"feature_cache": {"device": "cpu", "device_bytes": 64 << 20,
+                                                   "host_bytes": 0}}))
+
+    def send(*images: Any) -> dict[str, Any]:
+        sent = api.prompt(tiny.messages(*(tiny.image_item(i) for i in images), text="compare"))
+        assert sent["input_ids"] == rig.prompt(*images, plain=True)["input_ids"]
+        assert all(isinstance(m[REF_KEY], FeatTag) for m in sent["multimodal"])
+        return pickle.loads(pickle.dumps(sent))
+
+    try:
+        yield send
+    finally:
+        ranks.reset_for_tests()
+        api.close()
+        api_cache.close()
+
+
+def model_cache_stats() -> dict[str, int]:
+    """The model process's counters (inside ``tag_mode``)."""
+    from featcache.lmdeploy.pytorch import ranks
+    from featcache.lmdeploy.request.frontend import SECTION
+
+    return ranks.local_cache().stats()[SECTION]
