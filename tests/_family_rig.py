@@ -155,3 +155,17 @@ def model_cache_stats() -> dict[str, int]:
     from featcache.lmdeploy.request.frontend import SECTION
 
     return ranks.local_cache().stats()[SECTION]
+
+
+def assert_hits_skip_preprocessing(rig: FamilyRig, images: tuple[Any, ...], held: Any,
+                                   per_image: bool) -> None:
+    """A request mixing ``held`` (seeded before) with new images: its prompt is lmdeploy's, its
+    refs say which hit, and lmdeploy's preprocessing ran on the new images only (``per_image``:
+    one call an image, as Llama 4's frontend; else one call a request)."""
+    rig.frontend.calls.clear()
+    ours = rig.prompt(*images)
+    assert_prompt_is_lmdeploys(rig.prompt(*images, plain=True), ours, hits_have_pixels=False)
+    assert [item[REF_KEY].hit for item in ours["multimodal"]] == [im is held for im in images]
+    misses = [im.size for im in images if im is not held]
+    want = [[m] for m in misses] if per_image else ([misses] if misses else [])
+    assert rig.frontend.calls == want  # a hit is never preprocessed

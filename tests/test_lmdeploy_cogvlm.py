@@ -14,9 +14,7 @@ tokens, hidden], which its forward flattens before an index assignment (``PER_IM
 
 from __future__ import annotations
 
-import gc
-import types
-
+import _family_rig
 import _lmdeploy_stack
 import pytest
 import torch
@@ -25,13 +23,10 @@ from torch import nn
 _lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
 
 import lmdeploy_tiny as tiny  # noqa: E402
+from _family_rig import FamilyRig, model_cache_stats, tag_mode  # noqa: E402
 from lmdeploy.pytorch.models import cogvlm  # noqa: E402
-from transformers import AutoConfig  # noqa: E402
 
-from featcache import FeatureCache  # noqa: E402
 from featcache.lmdeploy import PREFIX_CACHED, families  # noqa: E402
-from featcache.lmdeploy.pytorch.engine import KeyedInputProcessor  # noqa: E402
-from featcache.lmdeploy.request.frontend import SECTION, install_frontend  # noqa: E402
 from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
 
 HIDDEN = 256
@@ -101,44 +96,6 @@ class FakeCogVLM:
         return out, self.model.layers[0].calls[-1]
 
 
-class Rig:
-    def __init__(self, path: str) -> None:
-        from bench.lib import torchvision_ref
-
-        self.config = AutoConfig.from_pretrained(path, trust_remote_code=True)
-        self.cache = FeatureCache(device="cpu", device_bytes="64MiB", host_bytes=0)
-        with torchvision_ref.installed():  # (lmdeploy builds its transforms once, here)
-            self.plain = tiny.PromptPath(path, trust_remote_code=True)
-            self.frontend = tiny.PromptPath(path, trust_remote_code=True)
-        install_frontend(self.frontend.model, self.cache, "test:cogvlm")
-        self.frontend.record_featcache()
-        self.inner = cogvlm.CogVLMInputProcessor(self.config, DTYPE)
-        self.processor = KeyedInputProcessor(self.inner, SPEC.items, SPEC.token_rows)
-
-    def close(self) -> None:
-        self.plain.close()
-        self.frontend.close()
-        gc.collect()
-        self.cache.close()
-
-    def prompt(self, *images, plain: bool = False) -> dict:
-        path = self.plain if plain else self.frontend
-        return path.prompt(tiny.messages(*(tiny.image_item(i) for i in images), text="compare"))
-
-    def step(self, model: FakeCogVLM, prompt: dict, processor=None, prepare=None):
-        result = (processor or self.processor).preprocess_input(prompt["input_ids"], prompt["multimodal"])
-        n = len(prompt["input_ids"])
-        context = types.SimpleNamespace(
-            input_ids=torch.tensor([prompt["input_ids"]]), position_ids=torch.arange(n)[None],
-            attn_metadata=None, input_embeddings=None, input_embedding_indexing=None,
-            input_multimodals=[result.input_multimodals])
-        return model.run((prepare or CLASS.prepare_inputs_for_generation)(model, None, None, context))
-
-    def plain_step(self, prompt: dict):
-        own = getattr(CLASS.prepare_inputs_for_generation, "__wrapped__", CLASS.prepare_inputs_for_generation)
-        return self.step(FakeCogVLM(self.config), prompt, self.inner, own)
-
-
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
     _lmdeploy_stack.need_transforms()
@@ -148,7 +105,8 @@ def path(tmp_path_factory):
 @pytest.fixture
 def rig(path, monkeypatch):
     assert tiny.featcache_prepare(monkeypatch, CLASS, SPEC) is CLASS
-    r = Rig(path)
+    r = FamilyRig(tiny.COGVLM, path, CLASS, lambda config: cogvlm.CogVLMInputProcessor(config, DTYPE),
+                  transforms=True)
     yield r
     r.close()
 
@@ -156,30 +114,14 @@ def rig(path, monkeypatch):
 A, B, C = (tiny.noise_image(100, 80, 0), tiny.noise_image(40, 30, 1), tiny.noise_image(50, 120, 2))
 
 
-def seed(rig: Rig, *images) -> dict[bytes, torch.Tensor]:
-    stored = {}
-    for item in rig.prompt(*images)["multimodal"]:
-        ref = item[REF_KEY]
-        stored[ref.key] = torch.randn(tiny.tokens(item), HIDDEN).to(DTYPE)
-        rig.cache.put(ref.key, stored[ref.key], meta=ref.meta)
-    return stored
+def seed(rig: FamilyRig, *images) -> dict[bytes, torch.Tensor]:
+    return _family_rig.seed(rig, *images, hidden=HIDDEN, dtype=DTYPE)
 
 
 @pytest.mark.parametrize("images", [(A,), (B, A), (A, C, A)], ids=["hit", "miss-hit", "hit-miss-hit"])
 def test_hits_skip_preprocessing_and_the_prompt_is_lmdeploys(rig, images):
     seed(rig, A)
-    rig.frontend.calls.clear()
-    ours, plain = rig.prompt(*images), rig.prompt(*images, plain=True)
-    assert ours["input_ids"] == plain["input_ids"]
-    for x, y in zip(plain["multimodal"], ours["multimodal"], strict=True):
-        assert set(y) - {REF_KEY} == set(x)
-        for name in set(x) - {"pixel_values"}:
-            assert x[name] == y[name], name
-        if not y[REF_KEY].hit:
-            assert torch.equal(y["pixel_values"], x["pixel_values"])
-    assert [item[REF_KEY].hit for item in ours["multimodal"]] == [im is A for im in images]
-    misses = [im.size for im in images if im is not A]
-    assert rig.frontend.calls == ([misses] if misses else [])  # a hit is never preprocessed
+    _family_rig.assert_hits_skip_preprocessing(rig, images, A, per_image=False)
 
 
 @pytest.mark.parametrize("images", [(A, B), (B, A, C), (A,), (A, A), (C, C)],
@@ -193,7 +135,7 @@ def test_a_step_serves_hits_computes_misses_and_keeps_the_expert_routing(rig, im
     prompt = rig.prompt(*images)
     model = FakeCogVLM(rig.config)
     got, routing = rig.step(model, prompt)
-    theirs, their_routing = rig.plain_step(rig.prompt(*images, plain=True))
+    theirs, their_routing = rig.plain_step(FakeCogVLM(rig.config), rig.prompt(*images, plain=True))
     ids = torch.tensor(prompt["input_ids"])
     mask = ids == prompt["multimodal"][0]["image_token_id"]
     items = prompt["multimodal"]
@@ -243,36 +185,15 @@ def test_prefix_caching_stays_off_for_cogvlm():
 
 
 def test_tag_mode_each_model_process_skips_the_tower_for_the_images_it_holds(rig):
-    import json
-    import pickle
-
-    from bench.lib import torchvision_ref
-    from featcache.lmdeploy import counters_cache
-    from featcache.lmdeploy.pytorch import ranks
-    from featcache.lmdeploy.request.tags import FeatTag
-
-    api_cache = counters_cache()
-    with torchvision_ref.installed():
-        api = tiny.PromptPath(rig.frontend.model.model_path, trust_remote_code=True)
-    install_frontend(api.model, api_cache, "test:cogvlm", tags=True)
-    ranks.configure(json.dumps({"feature_cache": {"device": "cpu", "device_bytes": 64 << 20,
-                                                   "host_bytes": 0}}))
-    try:
+    with tag_mode(rig) as send:
         model = FakeCogVLM(rig.config)
         for images in [(A, B), (B, C)]:
-            sent = api.prompt(tiny.messages(*(tiny.image_item(i) for i in images), text="compare"))
-            plain = rig.prompt(*images, plain=True)
-            assert sent["input_ids"] == plain["input_ids"]
-            assert all(isinstance(m[REF_KEY], FeatTag) for m in sent["multimodal"])
-            got, _ = rig.step(model, pickle.loads(pickle.dumps(sent)))  # as lmdeploy's RPC hands it over
-            assert torch.equal(got, rig.plain_step(plain)[0])
+            got, _ = rig.step(model, send(*images))
+            theirs, _ = rig.plain_step(FakeCogVLM(rig.config), rig.prompt(*images, plain=True))
+            assert torch.equal(got, theirs)
         calls = model.model.vision.calls
         assert len(calls) == 2 and calls[1].shape[0] == 1
-        assert ranks.local_cache().stats()[SECTION]["vision_skipped"] == 1
-    finally:
-        ranks.reset_for_tests()
-        api.close()
-        api_cache.close()
+        assert model_cache_stats()["vision_skipped"] == 1
 
 
 def test_a_declaration_with_flat_rows_fails(rig, monkeypatch):

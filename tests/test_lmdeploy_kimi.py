@@ -14,9 +14,7 @@ every image and featcache tags them (``preprocess_not_skipped``); a hit skips th
 
 from __future__ import annotations
 
-import gc
-import types
-
+import _family_rig
 import _lmdeploy_stack
 import pytest
 import torch
@@ -25,13 +23,11 @@ from torch import nn
 _lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
 
 import lmdeploy_tiny as tiny  # noqa: E402
+from _family_rig import FamilyRig, assert_prompt_is_lmdeploys, model_cache_stats, tag_mode  # noqa: E402
 from lmdeploy.pytorch.models import kimi_k25  # noqa: E402
-from transformers import AutoConfig  # noqa: E402
 
-from featcache import FeatureCache  # noqa: E402
 from featcache.lmdeploy import families  # noqa: E402
-from featcache.lmdeploy.pytorch.engine import KeyedInputProcessor  # noqa: E402
-from featcache.lmdeploy.request.frontend import SECTION, install_frontend  # noqa: E402
+from featcache.lmdeploy.request.frontend import SECTION  # noqa: E402
 from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
 
 HIDDEN = 256
@@ -91,44 +87,6 @@ class FakeKimi:
         return self.language_model.calls[-1]
 
 
-class Rig:
-    def __init__(self, path: str) -> None:
-        self.config = AutoConfig.from_pretrained(path, trust_remote_code=True)
-        self.cache = FeatureCache(device="cpu", device_bytes="64MiB", host_bytes=0)
-        self.plain = tiny.PromptPath(path, trust_remote_code=True)
-        self.frontend = tiny.PromptPath(path, trust_remote_code=True)
-        install_frontend(self.frontend.model, self.cache, "test:kimi")
-        self.frontend.record_featcache()
-        self.inner = kimi_k25.KimiK25InputProcessor(self.config, DTYPE)
-        self.processor = KeyedInputProcessor(self.inner)
-
-    def close(self) -> None:
-        self.plain.close()
-        self.frontend.close()
-        gc.collect()
-        self.cache.close()
-
-    def prompt(self, *images, plain: bool = False) -> dict:
-        path = self.plain if plain else self.frontend
-        return path.prompt(tiny.messages(*(tiny.image_item(i) for i in images), text="compare"))
-
-    def step(self, model: FakeKimi, prompt: dict, processor=None, prepare=None) -> dict:
-        """One prefill step of ``prompt``: input processor, prepare, forward; what reached the
-        language model (``prepare``: lmdeploy's own, unpatched, for plain lmdeploy's step)."""
-        result = (processor or self.processor).preprocess_input(prompt["input_ids"], prompt["multimodal"])
-        n = len(prompt["input_ids"])
-        context = types.SimpleNamespace(
-            input_ids=torch.tensor([prompt["input_ids"]]), position_ids=torch.arange(n)[None],
-            attn_metadata=None, input_embeddings=None, input_embedding_indexing=None,
-            is_decoding=False, vision_inputs=None, input_multimodals=[result.input_multimodals])
-        return model.run((prepare or CLASS.prepare_inputs_for_generation)(model, None, None, context))
-
-    def plain_step(self, prompt: dict) -> tuple[FakeKimi, dict]:
-        model = FakeKimi(self.config)
-        own = getattr(CLASS.prepare_inputs_for_generation, "__wrapped__", CLASS.prepare_inputs_for_generation)
-        return model, self.step(model, prompt, self.inner, own)
-
-
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
     return tiny.checkpoint(tiny.KIMI, tmp_path_factory)
@@ -137,7 +95,7 @@ def path(tmp_path_factory):
 @pytest.fixture
 def rig(path, monkeypatch):
     assert tiny.featcache_prepare(monkeypatch, CLASS, SPEC) is CLASS
-    r = Rig(path)
+    r = FamilyRig(tiny.KIMI, path, CLASS, lambda config: kimi_k25.KimiK25InputProcessor(config, DTYPE))
     yield r
     r.close()
 
@@ -145,14 +103,8 @@ def rig(path, monkeypatch):
 A, B, C = (tiny.noise_image(100, 80, 0), tiny.noise_image(40, 300, 1), tiny.noise_image(500, 500, 2))
 
 
-def seed(rig: Rig, *images) -> dict[bytes, torch.Tensor]:
-    """Store features for ``images`` as a previous step's model would have."""
-    stored = {}
-    for item in rig.prompt(*images)["multimodal"]:
-        ref = item[REF_KEY]
-        stored[ref.key] = torch.randn(tiny.tokens(item), HIDDEN).to(DTYPE)
-        rig.cache.put(ref.key, stored[ref.key], meta=ref.meta)
-    return stored
+def seed(rig: FamilyRig, *images) -> dict[bytes, torch.Tensor]:
+    return _family_rig.seed(rig, *images, hidden=HIDDEN, dtype=DTYPE)
 
 
 @pytest.mark.parametrize("images", [(A,), (B, A), (A, C, A), (C, B)],
@@ -164,13 +116,8 @@ def test_the_prompt_is_lmdeploys_and_its_images_are_keyed(rig, images):
     seed(rig, A)
     assert not rig.frontend.model.preprocess.frontend.expands
     before = rig.cache.stats()[SECTION].get("preprocess_not_skipped", 0)
-    ours, plain = rig.prompt(*images), rig.prompt(*images, plain=True)
-    assert ours["input_ids"] == plain["input_ids"]
-    for x, y in zip(plain["multimodal"], ours["multimodal"], strict=True):
-        assert set(y) - {REF_KEY} == set(x)
-        for name in x:
-            assert torch.equal(torch.as_tensor(x[name]), torch.as_tensor(y[name])) if name != "modality" \
-                else x[name] == y[name]
+    ours = rig.prompt(*images)
+    assert_prompt_is_lmdeploys(rig.prompt(*images, plain=True), ours, hits_have_pixels=True)
     assert [item[REF_KEY].hit for item in ours["multimodal"]] == [im is A for im in images]
     after = rig.cache.stats()[SECTION].get("preprocess_not_skipped", 0)
     assert after - before == sum(im is A for im in images)
@@ -186,7 +133,7 @@ def test_a_step_keeps_every_image_and_the_tower_sees_the_misses_only(rig, images
     prompt = rig.prompt(*images)
     model = FakeKimi(rig.config)
     got = rig.step(model, prompt)
-    _, theirs = rig.plain_step(rig.prompt(*images, plain=True))
+    theirs = rig.plain_step(FakeKimi(rig.config), rig.prompt(*images, plain=True))
     ids = torch.tensor(prompt["input_ids"])
     mask = ids == prompt["multimodal"][0]["image_token_id"]
     items = prompt["multimodal"]
@@ -245,34 +192,15 @@ def test_tag_mode_each_model_process_skips_the_tower_for_the_images_it_holds(rig
     image, sent with its pixels; the model process (its own cache, ``ranks``) computes an image
     the first time and serves it after, through Kimi's prepare and forward; the rows are those
     plain lmdeploy's own step makes."""
-    import json
-    import pickle
-
-    from featcache.lmdeploy import counters_cache
-    from featcache.lmdeploy.pytorch import ranks
-    from featcache.lmdeploy.request.tags import FeatTag
-
-    api_cache = counters_cache()
-    api = tiny.PromptPath(rig.frontend.model.model_path, trust_remote_code=True)
-    install_frontend(api.model, api_cache, "test:kimi", tags=True)
-    ranks.configure(json.dumps({"feature_cache": {"device": "cpu", "device_bytes": 64 << 20,
-                                                   "host_bytes": 0}}))
-    try:
+    with tag_mode(rig) as send:
         model = FakeKimi(rig.config)
         for images in [(A, B), (B, C)]:
-            sent = api.prompt(tiny.messages(*(tiny.image_item(i) for i in images), text="compare"))
-            plain = rig.prompt(*images, plain=True)
-            assert sent["input_ids"] == plain["input_ids"]
-            assert all(isinstance(m[REF_KEY], FeatTag) for m in sent["multimodal"])
-            got = rig.step(model, pickle.loads(pickle.dumps(sent)))  # as lmdeploy's RPC hands it over
-            _, theirs = rig.plain_step(plain)
+            sent = send(*images)
+            got = rig.step(model, sent)
+            theirs = rig.plain_step(FakeKimi(rig.config), rig.prompt(*images, plain=True))
             mask = torch.tensor(sent["input_ids"]) == sent["multimodal"][0]["image_token_id"]
             assert torch.equal(got["inputs_embeds"][0][mask], theirs["inputs_embeds"][0][mask])
         # the tower ran for A and B, then for C only (B served from the model process's cache)
         assert len(model.calls) == 2
         assert model.calls[1][1].tolist() == sent["multimodal"][1]["grid_thws"].tolist()
-        assert ranks.local_cache().stats()[SECTION]["vision_skipped"] == 1
-    finally:
-        ranks.reset_for_tests()
-        api.close()
-        api_cache.close()
+        assert model_cache_stats()["vision_skipped"] == 1

@@ -21,7 +21,7 @@ from torch import nn
 _lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
 
 import lmdeploy_tiny as tiny  # noqa: E402
-from _family_rig import FamilyRig, assert_prompt_is_lmdeploys, model_cache_stats, tag_mode  # noqa: E402
+from _family_rig import FamilyRig, model_cache_stats, tag_mode  # noqa: E402
 from lmdeploy.pytorch.models import llama4  # noqa: E402
 
 from featcache.lmdeploy import PREFIX_CACHED, families  # noqa: E402
@@ -113,12 +113,7 @@ def test_a_span_holds_more_tokens_than_rows_and_the_input_processor_counts_them(
 @pytest.mark.parametrize("images", [(A,), (B, A), (A, C, A)], ids=["hit", "miss-hit", "hit-miss-hit"])
 def test_hits_skip_preprocessing_and_the_prompt_is_lmdeploys(rig, images):
     seed(rig, A)
-    rig.frontend.calls.clear()
-    ours = rig.prompt(*images)
-    assert_prompt_is_lmdeploys(rig.prompt(*images, plain=True), ours, hits_have_pixels=False)
-    assert [item[REF_KEY].hit for item in ours["multimodal"]] == [im is A for im in images]
-    misses = [im.size for im in images if im is not A]
-    assert rig.frontend.calls == [[m] for m in misses]  # per image, the misses only
+    _family_rig.assert_hits_skip_preprocessing(rig, images, A, per_image=True)
 
 
 @pytest.mark.parametrize("images", [(A, B), (B, A, C), (A,), (C, C)],
