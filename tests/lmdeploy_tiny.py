@@ -51,7 +51,7 @@ KIMI = "KimiK25ForConditionalGeneration"
 LLAMA4 = "Llama4ForConditionalGeneration"
 LLAMA4_TILE_TOKENS = 4  # 56 px tiles, patch 14, pixel shuffle 0.5: 4 <|patch|> tokens a tile
 # GLM-4V-9B (``ChatGLMModel`` with a vision_config): remote code; its config a stand-in
-# (tests/chatglm_config_standin.py), its tokenizer this module's byte-level one
+# (bench/device/seed_remote_code.py's, as the GPU builder's), its tokenizer this module's
 GLM4V_9B = "ChatGLMModel"
 GLM4V_9B_TOKENS = 6  # 56 px, patch 14, 2x2 merged, boi and eoi: 2 + 2 * 2
 # CogVLM2 (``CogVLMForCausalLM``): remote code, the same stand-in config module; 6 tokens an image
@@ -625,22 +625,23 @@ def _glm4v_9b(out: str, arch: str = GLM4V_9B) -> None:
     """GLM-4V-9B: EVA2CLIP at 56 px (the public checkpoint: 1120 px, 1602 tokens), patch 14, so
     6 tokens an image, every one the pad token; its remote config a stand-in, by auto_map.
     CogVLM2 (``arch`` COGVLM): the same shape (lmdeploy counts its tokens as GLM-4V's)."""
-    import shutil
-
     tok = _tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_image|>",
                       "<|end_of_image|>"])
     tok.chat_template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     tok.save_pretrained(out)
-    here = os.path.dirname(os.path.abspath(__file__))
-    shutil.copy(os.path.join(here, "chatglm_config_standin.py"), out)
+    from bench.device.seed_remote_code import STANDIN_FILES  # (the GPU builder's config stand-ins)
+
     cog = arch == COGVLM
+    module = "configuration_cogvlm.py" if cog else "configuration_chatglm.py"
+    name, source = STANDIN_FILES[module]
+    with open(os.path.join(out, module), "w") as f:
+        f.write(source)
     config = dict(
         architectures=[arch], model_type="cogvlm" if cog else "chatglm", dtype="float32",
         torch_dtype="float32",
-        auto_map={"AutoConfig": "chatglm_config_standin." + ("CogVLMConfigStandIn" if cog else
-                                                            "ChatGLMConfigStandIn")} | ({} if cog else {
+        auto_map={"AutoConfig": f"{module[:-3]}.{name}"} | ({} if cog else {
                   "AutoModelForCausalLM": "modeling_chatglm.ChatGLMForConditionalGeneration"}),
         vocab_size=len(tok),
         padded_vocab_size=len(tok), hidden_size=_LLM["hidden_size"], num_layers=2, seq_length=4096,

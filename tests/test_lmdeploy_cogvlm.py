@@ -1,7 +1,7 @@
 """featcache on CogVLM / CogVLM2 (``CogVLMForCausalLM``), on lmdeploy 0.18's real CPU code: its legacy
 frontend (``CogVLMVisionModel``: torchvision's transforms, unpacked aside by the test command; its
 own chat template) over a tiny checkpoint whose remote config is a stand-in
-(``chatglm_config_standin``), its input processor inside ``KeyedInputProcessor``, and its real
+(``bench.device.seed_remote_code``), its input processor inside ``KeyedInputProcessor``, and its real
 ``prepare_inputs_for_generation``, ``forward`` and model forward (the vision call,
 ``model.vision``, written at ``vision_ids``), patched by featcache, over a fake EVA2CLIP and
 recording decoder layers.

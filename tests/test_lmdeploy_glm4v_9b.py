@@ -1,7 +1,7 @@
 """featcache on GLM-4V-9B (``ChatGLMModel`` / ``ChatGLMForConditionalGeneration`` with a
 ``vision_config``), on lmdeploy 0.18's real CPU code: its legacy frontend (``GLM4VisionModel``:
 torchvision's transforms, unpacked aside by the test command) over a tiny checkpoint whose remote
-config is a stand-in (``chatglm_config_standin``), its input processor inside
+config is a stand-in (``bench.device.seed_remote_code``), its input processor inside
 ``KeyedInputProcessor``, and its real top-level ``prepare_inputs_for_generation`` and ``forward``
 and its transformer's ``forward`` (the vision call, ``transformer.vision``, and the scatter),
 patched by featcache, over a fake EVA2CLIP and a recording encoder.

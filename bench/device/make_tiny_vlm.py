@@ -3,7 +3,7 @@
 and TurboMind) can load. Run where the models are used (the GPU machine builds its own in seconds).
 
     python3 bench/device/make_tiny_vlm.py OUT_DIR
-        [--arch internvl|qwen2vl|internvl_chat|qwen3vl|qwen3_5|glm4v|gemma3|llava|llama4|all]
+        [--arch internvl|qwen2vl|internvl_chat|qwen3vl|qwen3_5|glm4v|gemma3|llava|llama4|glm4v_9b|cogvlm|all]
                                           [--dtype bfloat16|float16|float32]
 
 Writes OUT_DIR/internvl_hf_tiny, OUT_DIR/qwen2vl_tiny and/or OUT_DIR/internvl_chat_tiny:
@@ -494,12 +494,103 @@ def llama4(out, dtype='bfloat16'):
     return out
 
 
+def _from_lmdeploys_class(out, config, dtype, unmerge=None):
+    """A remote-code family (no transformers model class): config.json, its stand-in config class
+    (``seed_remote_code.STANDIN_FILES``), and random weights made by lmdeploy's own model class,
+    saved under the public checkpoints' names, which its load_weights reads: its parameters' own,
+    but for a merged one that ``unmerge`` names (merged name -> the halves' names, split along the
+    output dimension, as CogVLM's gate_up_proj); linear weights N(0, 0.02), norm weights 1, biases
+    0. Needs lmdeploy (and triton)."""
+    import seed_remote_code
+    from lmdeploy.pytorch.models.module_map import MODULE_MAP
+    from lmdeploy.pytorch.models.patch import _get_model_class
+    from load_check import hf_config
+    from safetensors.torch import save_file
+    module = next(f for f, (name, _) in seed_remote_code.STANDIN_FILES.items()
+                  if f"{f[:-3]}.{name}" == config['auto_map']['AutoConfig'])
+    with open(os.path.join(out, module), 'w') as f:
+        f.write(seed_remote_code.STANDIN_FILES[module][1])
+    with open(os.path.join(out, 'config.json'), 'w') as f:
+        json.dump({**config, 'torch_dtype': dtype}, f, indent=2)
+    hf = hf_config(out, dtype)
+    model = _get_model_class(hf, MODULE_MAP)(hf, ctx_mgr=None, dtype=getattr(torch, dtype), device='cpu')
+    g = torch.Generator().manual_seed(0)
+    weights = {}
+    for name, p in model.named_parameters():
+        if name.endswith('bias'):
+            weights[name] = torch.zeros_like(p)
+        elif 'norm' in name.rsplit('.', 2)[-2]:
+            weights[name] = torch.ones_like(p)
+        else:
+            weights[name] = (torch.randn(p.shape, generator=g) * 0.02).to(p.dtype)
+    for merged, halves in (unmerge or {}).items():
+        for name in [n for n in weights if merged in n and '.vision.' not in n]:
+            for half, part in zip(halves, weights.pop(name).chunk(2), strict=True):
+                weights[name.replace(merged, half)] = part
+    save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(out, 'model.safetensors'),
+              metadata={'format': 'pt'})
+
+
+# EVA2CLIP at 56 px (patch 14, 2x2 merged: 6 tokens an image with boi and eoi), hidden 128, head 64
+EVA2CLIP = dict(hidden_size=128, num_heads=2, num_hidden_layers=2, intermediate_size=256, patch_size=14,
+                image_size=56, in_channels=3, layer_norm_eps=1e-6, scaling_factor=8, num_positions=17,
+                hidden_act='gelu', dropout_prob=0.0)
+
+
+def glm4v_9b(out, dtype='bfloat16'):
+    """GLM-4V-9B (``ChatGLMModel`` with a vision_config): EVA2CLIP at 56 px (the public checkpoint:
+    1120 px, 1602 tokens), a 2-layer ChatGLM (hidden 256, 4 heads of 64, 2 KV groups); its config
+    a stand-in of the remote one, its weights lmdeploy's class's (``_from_lmdeploys_class``)."""
+    os.makedirs(out, exist_ok=True)
+    tok = qwen_tokenizer(out, ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<|begin_of_image|>',
+                               '<|end_of_image|>'])
+    tok.save_pretrained(out)
+    ids = tok.convert_tokens_to_ids
+    _from_lmdeploys_class(out, dict(
+        architectures=['ChatGLMModel'], model_type='chatglm',
+        auto_map={'AutoConfig': 'configuration_chatglm.ChatGLMConfig',
+                  'AutoModelForCausalLM': 'modeling_chatglm.ChatGLMForConditionalGeneration'},
+        padded_vocab_size=len(tok), vocab_size=len(tok), hidden_size=256, num_layers=2,
+        num_attention_heads=4,
+        multi_query_attention=True, multi_query_group_num=2, kv_channels=64, ffn_hidden_size=512,
+        layernorm_epsilon=1e-5, rmsnorm=True, add_bias_linear=False, add_qkv_bias=True,
+        apply_residual_connection_post_layernorm=False, post_layer_norm=True,
+        fp32_residual_connection=False,
+        seq_length=4096, rope_ratio=1, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        boi_token_id=ids('<|begin_of_image|>'), eoi_token_id=ids('<|end_of_image|>'),
+        tie_word_embeddings=False,
+        vision_config=EVA2CLIP), dtype)
+    json.dump(dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
+              open(os.path.join(out, 'generation_config.json'), 'w'), indent=2)
+    return out
+
+
+def cogvlm(out, dtype='bfloat16'):
+    """CogVLM2 (``CogVLMForCausalLM``): EVA2CLIP at 56 px, a 2-layer LLaMA-style LLM with vision
+    experts (hidden 256, 4 heads of 64); the directory's name picks lmdeploy's cogvlm template;
+    its config a stand-in of the remote one, its weights lmdeploy's class's."""
+    os.makedirs(out, exist_ok=True)
+    tok = qwen_tokenizer(out, ['<|endoftext|>', '<|im_start|>', '<|im_end|>'])
+    tok.save_pretrained(out)
+    _from_lmdeploys_class(out, dict(
+        architectures=['CogVLMForCausalLM'], model_type='cogvlm',
+        auto_map={'AutoConfig': 'configuration_cogvlm.CogVLMConfig'},
+        vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, hidden_act='silu', rms_norm_eps=1e-5, max_position_embeddings=4096,
+        pad_token_id=tok.pad_token_id, bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False, vision_config=EVA2CLIP), dtype,
+        unmerge={'.gate_up_proj': ('.gate_proj', '.up_proj')})
+    json.dump(dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
+              open(os.path.join(out, 'generation_config.json'), 'w'), indent=2)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('out')
     ap.add_argument('--arch', default='all',
                     choices=['internvl', 'qwen2vl', 'internvl_chat', 'qwen3vl', 'qwen3_5', 'glm4v', 'gemma3',
-                             'llava', 'llama4', 'both', 'all'])
+                             'llava', 'llama4', 'glm4v_9b', 'cogvlm', 'both', 'all'])
     ap.add_argument('--dtype', default='bfloat16', choices=['bfloat16', 'float16', 'float32'])
     a = ap.parse_args()
     built = []
@@ -520,6 +611,10 @@ def main():
         built.append(llava(os.path.join(a.out, 'llava_tiny'), a.dtype))
     if a.arch in ('llama4', 'all'):
         built.append(llama4(os.path.join(a.out, 'llama4_tiny'), a.dtype))
+    if a.arch in ('glm4v_9b', 'all'):
+        built.append(glm4v_9b(os.path.join(a.out, 'glm4v_9b_tiny'), a.dtype))
+    if a.arch in ('cogvlm', 'all'):
+        built.append(cogvlm(os.path.join(a.out, 'cogvlm_tiny'), a.dtype))
     for b in built:
         size = sum(os.path.getsize(os.path.join(b, f)) for f in os.listdir(b))
         print(f'wrote {b} ({size / 1e6:.2f} MB): {sorted(os.listdir(b))}')

@@ -1,7 +1,10 @@
-"""The trust_remote_code files bench/device/make_seed_models.py writes into each seed checkpoint:
-the config classes of InternVL2 (``InternVLChatConfig``), its InternViT (``InternVisionConfig``)
-and InternLM2 (``InternLM2Config``), their fields as the hub's files define them (no modeling
-code: lmdeploy has its own). ``REMOTE_FILES``: file name -> source.
+"""The trust_remote_code files the checkpoint builders write: the config classes of InternVL2
+(``InternVLChatConfig``), its InternViT (``InternVisionConfig``) and InternLM2
+(``InternLM2Config``), their fields as the hub's files define them (``REMOTE_FILES``: file name ->
+source, for bench/device/make_seed_models.py); and stand-ins for GLM-4V-9B's and CogVLM's config
+classes (``STANDIN_FILES``, for bench/device/make_tiny_vlm.py and tests/lmdeploy_tiny.py): every
+field kept as config.json gives it, ``vision_config`` a dict, as lmdeploy 0.18 reads it. No
+modeling code: lmdeploy has its own.
 """
 
 CONFIGURATION_INTERN_VIT = '''"""InternViT configuration (fields as in the hub's configuration_intern_vit.py;
@@ -122,3 +125,25 @@ class InternVLChatConfig(PretrainedConfig):
 REMOTE_FILES = {"configuration_intern_vit.py": CONFIGURATION_INTERN_VIT,
                 "configuration_internlm2.py": CONFIGURATION_INTERNLM2,
                 "configuration_internvl_chat.py": CONFIGURATION_INTERNVL_CHAT}
+
+STANDIN_CONFIG = '''"""A stand-in for the checkpoint's remote-code config class (written by featcache's
+bench/device/make_tiny_vlm.py or tests/lmdeploy_tiny.py): every field kept as config.json gives
+it, ``vision_config`` a dict, as lmdeploy 0.18 reads it."""
+from transformers import PretrainedConfig
+
+
+class {name}(PretrainedConfig):
+    model_type = "{model_type}"
+
+    def __init__(self, vision_config=None, **kwargs):
+        self.vision_config = vision_config
+        super().__init__(**kwargs)
+'''
+
+# file name -> (class name, source), as the public checkpoints name them in their auto_map
+STANDIN_FILES = {
+    "configuration_chatglm.py": ("ChatGLMConfig",
+                                 STANDIN_CONFIG.format(name="ChatGLMConfig", model_type="chatglm")),
+    "configuration_cogvlm.py": ("CogVLMConfig",
+                                STANDIN_CONFIG.format(name="CogVLMConfig", model_type="cogvlm")),
+}
