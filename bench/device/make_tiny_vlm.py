@@ -3,7 +3,8 @@
 and TurboMind) can load. Run where the models are used (the GPU machine builds its own in seconds).
 
     python3 bench/device/make_tiny_vlm.py OUT_DIR
-        [--arch internvl|qwen2vl|internvl_chat|qwen3vl|qwen3_5|glm4v|gemma3|llava|llama4|glm4v_9b|cogvlm|all]
+        [--arch internvl|qwen2vl|internvl_chat|qwen3vl|qwen3_5|qwen3vl_moe|qwen3_5_moe|glm4v|gemma3|llava|
+                llama4|glm4v_9b|cogvlm|all]
                                           [--dtype bfloat16|float16|float32]
 
 Writes OUT_DIR/internvl_hf_tiny, OUT_DIR/qwen2vl_tiny and/or OUT_DIR/internvl_chat_tiny:
@@ -68,19 +69,20 @@ def _patch_config(out, arch, dtype):
 
 
 def _save(model_cls, cfg, out, arch, dtype, eos_token_id, pad_token_id, renames=(), config=None,
-          flat_text=False):
+          flat_text=False, public=None):
     """Random weights saved as the public checkpoints hold them, which is what lmdeploy's loaders
     read: ``renames`` (old prefix, new prefix) for the weight names transformers 5 saves
     otherwise (a SigLIP/CLIP tower's ``vision_model.`` level); ``config``: entries written into
     config.json over the saved ones (a dict value merged one level down); ``flat_text``: the
     text config's entries at the top level too (GLM-4.1V's config.json, which lmdeploy's text
-    model reads)."""
+    model reads).; ``public``: a function that puts a weight saved in transformers' layout into the public
+    checkpoints' (name, tensor -> tensor)."""
     torch.manual_seed(0)
     m = model_cls(cfg).to(getattr(torch, dtype)).eval()
     m.save_pretrained(out, safe_serialization=True)
     _patch_config(out, arch, dtype)
-    if renames:
-        _rename_weights(os.path.join(out, 'model.safetensors'), renames)
+    if renames or public:
+        _rename_weights(os.path.join(out, 'model.safetensors'), renames, public)
     p = os.path.join(out, 'config.json')
     c = json.load(open(p))
     for k, v in (config or {}).items():
@@ -96,7 +98,7 @@ def _save(model_cls, cfg, out, arch, dtype, eos_token_id, pad_token_id, renames=
     assert any(k.endswith('lm_head.weight') for k in keys), 'lm_head.weight missing from checkpoint'
 
 
-def _rename_weights(path, renames):
+def _rename_weights(path, renames, public=None):
     from safetensors.torch import load_file, save_file
     weights = load_file(path)
     renamed = {}
@@ -104,7 +106,7 @@ def _rename_weights(path, renames):
         for old, new in renames:
             if k.startswith(old) and not k.startswith(new):
                 k = new + k[len(old):]
-        renamed[k] = v
+        renamed[k] = public(k, v).contiguous() if public else v
     save_file(renamed, path, metadata={'format': 'pt'})
 
 
@@ -300,8 +302,9 @@ def qwen3_processor(out, min_pixels, max_pixels):
 
 def qwen3(out, arch, dtype='bfloat16'):
     """Qwen3-VL (``qwen3vl``: two deepstack levels) or Qwen3.5 (``qwen3_5``: one linear-attention
-    and one full-attention layer): patch 16, merge 2, mean/std 0.5 as their public checkpoints; a
-    2-layer ViT (hidden 128, head_dim 64) and a 2-layer LLM (hidden 256, head_dim 64)."""
+    and one full-attention layer), or their MoE variants (``qwen3vl_moe``, ``qwen3_5_moe``: 4
+    experts, 2 a token): patch 16, merge 2, mean/std 0.5 as their public checkpoints; a 2-layer
+    ViT (hidden 128, head_dim 64) and a 2-layer LLM (hidden 256, head_dim 64)."""
     import transformers
     os.makedirs(out, exist_ok=True)
     tok = qwen3_processor(out, 32 * 32, 32 * 32 * 64)
@@ -313,23 +316,44 @@ def qwen3(out, arch, dtype='bfloat16'):
                 pad_token_id=tok.pad_token_id, tie_word_embeddings=False, head_dim=64,
                 rope_parameters={'rope_type': 'default', 'rope_theta': 10000.0, 'mrope_section': [8, 12, 12],
                                  'mrope_interleaved': True}, **LLM)
-    if arch == 'qwen3vl':
+    moe = arch.endswith('_moe')
+    if moe:
+        # (the experts' width other than the hidden size: a fused weight's layout is then unambiguous)
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1)
+    if arch.startswith('qwen3vl'):
         vision['deepstack_visual_indexes'] = [0, 1]
         # lmdeploy's Qwen3-VL text model adds a level after each of the first layers and ends
         # with a norm that needs a residual: one layer more than the levels (the real ones: 3 of 28)
         text['num_hidden_layers'] = 3
-        names = ('Qwen3VLConfig', 'Qwen3VLForConditionalGeneration')
+        names = ('Qwen3VLMoeConfig', 'Qwen3VLMoeForConditionalGeneration') if moe else (
+            'Qwen3VLConfig', 'Qwen3VLForConditionalGeneration')
     else:
         text.update(layer_types=['linear_attention', 'full_attention'], linear_num_value_heads=4,
                     linear_num_key_heads=2, linear_key_head_dim=64, linear_value_head_dim=64)
-        names = ('Qwen3_5Config', 'Qwen3_5ForConditionalGeneration')
+        names = ('Qwen3_5MoeConfig', 'Qwen3_5MoeForConditionalGeneration') if moe else (
+            'Qwen3_5Config', 'Qwen3_5ForConditionalGeneration')
     cfg = getattr(transformers, names[0])(
         text_config=text, vision_config=vision, image_token_id=ids('<|image_pad|>'),
         video_token_id=ids('<|video_pad|>'), vision_start_token_id=ids('<|vision_start|>'),
         vision_end_token_id=ids('<|vision_end|>'), tie_word_embeddings=False)
     cfg.architectures = [names[1]]
-    _save(getattr(transformers, names[1]), cfg, out, names[1], dtype, tok.eos_token_id, tok.pad_token_id)
+    # (Qwen3-VL-MoE's config.json has norm_topk_prob, which lmdeploy reads; transformers 5.24 drops it)
+    extra = {'text_config': {'norm_topk_prob': True}} if moe else None
+    _save(getattr(transformers, names[1]), cfg, out, names[1], dtype, tok.eos_token_id, tok.pad_token_id,
+          config=extra, public=_public_experts if moe else None)
     return out
+
+
+def _public_experts(name, w):
+    """Fused expert weights as the public Qwen3-VL-MoE checkpoints hold them (gate_up_proj [experts,
+    hidden, 2 x width], down_proj [experts, width, hidden], which lmdeploy's loader transposes),
+    from transformers 5's [experts, 2 x width, hidden] and [experts, hidden, width], if so saved."""
+    hidden = LLM['hidden_size']
+    if name.endswith('experts.gate_up_proj') and w.shape[-1] == hidden:
+        return w.transpose(-1, -2)
+    if name.endswith('experts.down_proj') and w.shape[-2] == hidden:
+        return w.transpose(-1, -2)
+    return w
 
 
 GLM4V_SPECIAL = ['<|endoftext|>', '[gMASK]', '<sop>', '<|user|>', '<|assistant|>', '<|im_end|>',
@@ -589,7 +613,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('out')
     ap.add_argument('--arch', default='all',
-                    choices=['internvl', 'qwen2vl', 'internvl_chat', 'qwen3vl', 'qwen3_5', 'glm4v', 'gemma3',
+                    choices=['internvl', 'qwen2vl', 'internvl_chat', 'qwen3vl', 'qwen3_5', 'qwen3vl_moe',
+                             'qwen3_5_moe', 'glm4v', 'gemma3',
                              'llava', 'llama4', 'glm4v_9b', 'cogvlm', 'both', 'all'])
     ap.add_argument('--dtype', default='bfloat16', choices=['bfloat16', 'float16', 'float32'])
     a = ap.parse_args()
@@ -600,7 +625,7 @@ def main():
         built.append(qwen2vl(os.path.join(a.out, 'qwen2vl_tiny'), a.dtype))
     if a.arch in ('internvl_chat', 'all'):
         built.append(internvl_chat(os.path.join(a.out, 'internvl_chat_tiny'), a.dtype))
-    for arch in ('qwen3vl', 'qwen3_5'):
+    for arch in ('qwen3vl', 'qwen3_5', 'qwen3vl_moe', 'qwen3_5_moe'):
         if a.arch in (arch, 'all'):
             built.append(qwen3(os.path.join(a.out, f'{arch}_tiny'), arch, a.dtype))
     if a.arch in ('glm4v', 'all'):
