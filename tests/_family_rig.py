@@ -62,8 +62,8 @@ class FamilyRig:
         gc.collect()
         self.cache.close()
 
-    def prompt(self, *images: Any, plain: bool = False) -> dict[str, Any]:
-        path = self.plain if plain else self.frontend
+    def prompt(self, *images: Any, plain: bool = False, path: Any = None) -> dict[str, Any]:
+        path = path or (self.plain if plain else self.frontend)
         return path.prompt(tiny.messages(*(tiny.image_item(i) for i in images), text="compare"))
 
     def step(self, model: Any, prompt: dict[str, Any], processor: Any = None, prepare: Any = None) -> Any:
@@ -119,10 +119,12 @@ def assert_prompt_is_lmdeploys(plain: dict[str, Any], ours: dict[str, Any], hits
 
 
 @contextlib.contextmanager
-def tag_mode(rig: FamilyRig) -> Iterator[Callable[..., dict[str, Any]]]:
+def tag_mode(rig: Any) -> Iterator[Callable[..., dict[str, Any]]]:
     """Several processes (lmdeploy's mp engine, tp > 1): an API process's prompt path whose frontend
     tags every image, and a model process's cache (``ranks``). Yields ``send(*images)``: the API
-    process's prompt as lmdeploy's RPC hands it to the engine (pickled and back)."""
+    process's prompt (its ids plain lmdeploy's, every image tagged) as lmdeploy's RPC hands it to
+    the engine (pickled and back). ``rig``: a ``FamilyRig``, or any rig with its ``arch``,
+    ``path_of()`` (a new prompt path of its checkpoint) and ``prompt(*images, plain=, path=)``."""
     import pickle
 
     from featcache.lmdeploy import counters_cache
@@ -136,7 +138,7 @@ def tag_mode(rig: FamilyRig) -> Iterator[Callable[..., dict[str, Any]]]:
                                                    "host_bytes": 0}}))
 
     def send(*images: Any) -> dict[str, Any]:
-        sent = api.prompt(tiny.messages(*(tiny.image_item(i) for i in images), text="compare"))
+        sent = rig.prompt(*images, path=api)
         assert sent["input_ids"] == rig.prompt(*images, plain=True)["input_ids"]
         assert all(isinstance(m[REF_KEY], FeatTag) for m in sent["multimodal"])
         return pickle.loads(pickle.dumps(sent))

@@ -30,6 +30,7 @@ from torch import nn
 _lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
 
 import lmdeploy_tiny as tiny  # noqa: E402
+from _family_rig import model_cache_stats, tag_mode  # noqa: E402
 from lmdeploy.pytorch.models import gemma3_vl, llava  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
@@ -158,8 +159,11 @@ class Rig:
         gc.collect()
         self.cache.close()
 
-    def prompt(self, *images, plain: bool = False, text: str = "describe") -> dict:
-        path = self.plain if plain else self.frontend
+    def path_of(self) -> tiny.PromptPath:
+        return tiny.PromptPath(self.frontend.model.model_path)
+
+    def prompt(self, *images, plain: bool = False, text: str = "describe", path=None) -> dict:
+        path = path or (self.plain if plain else self.frontend)
         return path.prompt(tiny.messages(*(tiny.image_item(i) for i in images), text=text))
 
     def step(self, model, prompt: dict) -> dict:
@@ -318,34 +322,15 @@ def test_tag_mode_each_model_process_skips_the_tower_for_the_images_it_holds(pat
     image (lmdeploy's preprocessing the first time an image is seen); the model process (its own
     cache, ``ranks``) computes an image the first time and serves it after, through the same
     prepare and forward; the rows are those plain lmdeploy's own step makes."""
-    import json
-    import pickle
-
-    from featcache.lmdeploy import counters_cache
-    from featcache.lmdeploy.pytorch import ranks
-    from featcache.lmdeploy.request.tags import FeatTag
-
     rig = patched
-    api_cache = counters_cache()
-    api = tiny.PromptPath(rig.frontend.model.model_path)
-    install_frontend(api.model, api_cache, f"test:{rig.arch}", tags=True)
-    ranks.configure(json.dumps({"feature_cache": {"device": "cpu", "device_bytes": 64 << 20,
-                                                   "host_bytes": 0}}))
-    try:
+    with tag_mode(rig) as send:
         model = rig.fake_model()
         for images in [(A, B), (B, C)]:
-            sent = api.prompt(tiny.messages(*(tiny.image_item(i) for i in images)))
-            plain = rig.prompt(*images, plain=True)
-            assert sent["input_ids"] == plain["input_ids"]
-            assert all(isinstance(m[REF_KEY], FeatTag) for m in sent["multimodal"])
-            got = rig.step(model, pickle.loads(pickle.dumps(sent)))  # as lmdeploy's RPC hands it over
-            _, theirs = rig.plain_step(plain)
+            sent = send(*images)
+            got = rig.step(model, sent)
+            _, theirs = rig.plain_step(rig.prompt(*images, plain=True))
             mask = torch.tensor(sent["input_ids"]) == sent["multimodal"][0]["image_token_id"]
             assert torch.equal(got["inputs_embeds"][0][mask], theirs["inputs_embeds"][0][mask])
         # the tower ran for A and B, then for C only (B served from the model process's cache)
         assert len(model.calls) == 2 and model.calls[1].shape[0] == 1
-        assert ranks.local_cache().stats()[SECTION]["vision_skipped"] == 1
-    finally:
-        ranks.reset_for_tests()
-        api.close()
-        api_cache.close()
+        assert model_cache_stats()["vision_skipped"] == 1

@@ -32,6 +32,7 @@ from torch import nn
 _lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
 
 import lmdeploy_tiny as tiny  # noqa: E402
+from _family_rig import model_cache_stats, tag_mode  # noqa: E402
 from lmdeploy.pytorch.models import (  # noqa: E402
     glm4_1v,
     interns1_pro,
@@ -297,8 +298,11 @@ class Rig:
         gc.collect()
         self.cache.close()
 
-    def prompt(self, *images, plain: bool = False, text: str = "describe", **kwargs) -> dict:
-        path = self.plain if plain else self.frontend
+    def path_of(self) -> tiny.PromptPath:
+        return tiny.PromptPath(self.frontend.model.model_path)
+
+    def prompt(self, *images, plain: bool = False, text: str = "describe", path=None, **kwargs) -> dict:
+        path = path or (self.plain if plain else self.frontend)
         return path.prompt(tiny.messages(*(tiny.image_item(i) for i in images), text=text), **kwargs)
 
     def fake_model(self):
@@ -638,30 +642,16 @@ def test_tag_mode_each_model_process_skips_the_tower_for_the_images_it_holds(pat
     preprocessing for every request (its output lmdeploy's own) and tags every image; the model
     process (its own cache, ``ranks``) computes an image the first time and serves it after,
     through the same prepare and forward."""
-    import json
-    import pickle
-
-    from featcache.lmdeploy import counters_cache
-    from featcache.lmdeploy.pytorch import ranks
-    from featcache.lmdeploy.request.tags import FeatTag
-
     rig = patched
-    api_cache = counters_cache()
-    api = tiny.PromptPath(rig.frontend.model.model_path)
-    install_frontend(api.model, api_cache, f"test:{rig.arch}", tags=True)
-    ranks.configure(json.dumps({"feature_cache": {"device": "cpu", "device_bytes": 64 << 20,
-                                                   "host_bytes": 0}}))
-    try:
+    with tag_mode(rig) as send:
         model = rig.fake_model()
         visual = vision_of(model)
         rows = []
         for images in [(A, B), (B, C)]:
-            sent = api.prompt(tiny.messages(*(tiny.image_item(i) for i in images)))
+            sent = send(*images)
             plain = rig.prompt(*images, plain=True)
-            assert sent["input_ids"] == plain["input_ids"]
             for m, p in zip(sent["multimodal"], plain["multimodal"], strict=True):
-                assert isinstance(m[REF_KEY], FeatTag) and torch.equal(m["pixel_values"], p["pixel_values"])
-            sent = pickle.loads(pickle.dumps(sent))  # as lmdeploy's RPC hands it to the engine
+                assert torch.equal(m["pixel_values"], p["pixel_values"])
             got = rig.step(model, sent)
             mask = torch.tensor(sent["input_ids"]) == sent["multimodal"][0]["image_token_id"]
             rows.append(got["inputs_embeds"][0][mask].float())
@@ -671,11 +661,7 @@ def test_tag_mode_each_model_process_skips_the_tower_for_the_images_it_holds(pat
         assert len(visual.calls) == 2
         c_rows = rig.prompt(C, plain=True)["multimodal"][0]["pixel_values"].shape[0]
         assert visual.calls[1].shape[0] == c_rows
-        assert ranks.local_cache().stats()[SECTION]["vision_skipped"] == 1
-    finally:
-        ranks.reset_for_tests()
-        api.close()
-        api_cache.close()
+        assert model_cache_stats()["vision_skipped"] == 1
 
 
 def test_the_startup_probe_finds_featcaches_output_equal_to_lmdeploys_here(rig):
