@@ -25,6 +25,46 @@ from featcache.lmdeploy.request.frontend import install_frontend
 from featcache.lmdeploy.request.refs import REF_KEY
 
 
+class Recorder:
+    """A language model that records what reaches it (the input embeddings and every other input)
+    and hands back the embeddings; its own prepare is lmdeploy's minimal one."""
+
+    def __init__(self, vocab: int, hidden: int, dtype: torch.dtype) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.embed = torch.nn.Embedding(vocab, hidden).to(dtype)
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.embed
+
+    def prepare_inputs_for_generation(self, past_key_values: Any = None, inputs_embeds: Any = None,
+                                      context: Any = None) -> dict[str, Any]:
+        return dict(input_ids=context.input_ids, position_ids=context.position_ids,
+                    past_key_values=past_key_values, attn_metadata=None, inputs_embeds=inputs_embeds)
+
+    def __call__(self, input_ids: Any = None, position_ids: Any = None, inputs_embeds: Any = None,
+                 **kwargs: Any) -> Any:
+        self.calls.append(dict(inputs_embeds=inputs_embeds, **kwargs))
+        return inputs_embeds
+
+    forward = __call__
+
+
+class FakeEVA2CLIP(torch.nn.Module):
+    """Stands in for GLM-4V's and CogVLM's ``EVA2CLIPModel``: [images, tokens, hidden] from each
+    image's own pixels, its calls recorded (an nn.Module: featcache wraps its ``forward``, as it
+    wraps the real one's)."""
+
+    def __init__(self, tokens: int, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.tokens, self.hidden, self.dtype = tokens, hidden, dtype
+        self.calls: list[torch.Tensor] = []
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        self.calls.append(images)
+        flat = images.float().reshape(images.shape[0], -1)
+        return flat[:, :self.tokens * self.hidden].reshape(-1, self.tokens, self.hidden).to(self.dtype)
+
+
 def _transforms(needed: bool) -> Any:
     """torchvision's transforms while lmdeploy builds a frontend that needs them (GLM-4V, CogVLM)."""
     if not needed:

@@ -23,7 +23,7 @@ from torch import nn
 _lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
 
 import lmdeploy_tiny as tiny  # noqa: E402
-from _family_rig import FamilyRig, model_cache_stats, tag_mode  # noqa: E402
+from _family_rig import FakeEVA2CLIP, FamilyRig, model_cache_stats, tag_mode  # noqa: E402
 from lmdeploy.pytorch.models import cogvlm  # noqa: E402
 
 from featcache.lmdeploy import PREFIX_CACHED, families  # noqa: E402
@@ -33,18 +33,6 @@ HIDDEN = 256
 DTYPE = torch.float16
 CLASS = cogvlm.CogVLMForCausalLM
 SPEC = families.SPECS[tiny.COGVLM]
-TOKENS = tiny.GLM4V_9B_TOKENS
-
-
-class FakeEVA(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[torch.Tensor] = []
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        self.calls.append(images)
-        flat = images.float().reshape(images.shape[0], -1)
-        return flat[:, :TOKENS * HIDDEN].reshape(-1, TOKENS, HIDDEN).to(DTYPE)
 
 
 class Layer:
@@ -64,7 +52,7 @@ class FakeModel:
     forward = cogvlm.CogVLMModel.forward
 
     def __init__(self, vocab: int) -> None:
-        self.vision = FakeEVA()
+        self.vision = FakeEVA2CLIP(tiny.GLM4V_9B_TOKENS, HIDDEN, DTYPE)
         self.embed_tokens = nn.Embedding(vocab, HIDDEN).to(DTYPE)  # the same in every instance:
         nn.init.normal_(self.embed_tokens.weight, generator=torch.Generator().manual_seed(0))
         self.layers = [Layer()]

@@ -18,7 +18,7 @@ from torch import nn
 _lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
 
 import lmdeploy_tiny as tiny  # noqa: E402
-from _family_rig import FamilyRig, model_cache_stats, tag_mode  # noqa: E402
+from _family_rig import FakeEVA2CLIP, FamilyRig, model_cache_stats, tag_mode  # noqa: E402
 from lmdeploy.pytorch.models import chatglm2  # noqa: E402
 
 from featcache.lmdeploy import PREFIX_CACHED, families  # noqa: E402
@@ -31,21 +31,6 @@ CLASS = chatglm2.ChatGLMForConditionalGeneration
 SPEC = families.SPECS[tiny.GLM4V_9B]
 
 
-class FakeEVA(nn.Module):
-    """[images, tokens, hidden] from each image's own pixels (an nn.Module: featcache wraps its
-    ``forward``, as it wraps the real ``EVA2CLIPModel``'s)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[torch.Tensor] = []
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        self.calls.append(images)
-        flat = images.float().reshape(images.shape[0], -1)
-        n = tiny.GLM4V_9B_TOKENS
-        return flat[:, :n * HIDDEN].reshape(-1, n, HIDDEN).to(DTYPE)
-
-
 class FakeTransformer:
     """``ChatGLMModel``'s own forward over a fake vision model, a token embedding, a rotary stand-in
     and a recording encoder."""
@@ -53,7 +38,7 @@ class FakeTransformer:
     forward = chatglm2.ChatGLMModel.forward
 
     def __init__(self, vocab: int) -> None:
-        self.vision = FakeEVA()
+        self.vision = FakeEVA2CLIP(tiny.GLM4V_9B_TOKENS, HIDDEN, DTYPE)
         self.embedding = nn.Embedding(vocab, HIDDEN).to(DTYPE)  # the same in every instance:
         nn.init.normal_(self.embedding.weight, generator=torch.Generator().manual_seed(0))
         self.calls: list[torch.Tensor] = []

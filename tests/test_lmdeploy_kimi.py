@@ -23,7 +23,7 @@ from torch import nn
 _lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
 
 import lmdeploy_tiny as tiny  # noqa: E402
-from _family_rig import FamilyRig, assert_prompt_is_lmdeploys, model_cache_stats, tag_mode  # noqa: E402
+from _family_rig import FamilyRig, Recorder, assert_prompt_is_lmdeploys, model_cache_stats, tag_mode  # noqa: E402
 from lmdeploy.pytorch.models import kimi_k25  # noqa: E402
 
 from featcache.lmdeploy import families  # noqa: E402
@@ -46,23 +46,6 @@ def features(pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> list[torch.
     return out
 
 
-class Recorder:
-    def __init__(self, vocab: int) -> None:
-        self.calls: list[dict] = []
-        self.embed = nn.Embedding(vocab, HIDDEN).to(DTYPE)
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.embed
-
-    def prepare_inputs_for_generation(self, past_key_values=None, inputs_embeds=None, context=None):
-        return dict(input_ids=context.input_ids, position_ids=context.position_ids,
-                    past_key_values=past_key_values, attn_metadata=None, inputs_embeds=inputs_embeds)
-
-    def __call__(self, input_ids=None, position_ids=None, inputs_embeds=None, **kwargs):
-        self.calls.append(dict(inputs_embeds=inputs_embeds, **kwargs))
-        return inputs_embeds
-
-
 class FakeKimi:
     """Stands in for a ``KimiK25ForConditionalGeneration``: its own prepare and forward (and their
     checks); a fake vision call; a recorder for the language model."""
@@ -72,7 +55,7 @@ class FakeKimi:
     language_model_only = False
 
     def __init__(self, config) -> None:
-        self.language_model = Recorder(config.text_config.vocab_size)
+        self.language_model = Recorder(config.text_config.vocab_size, HIDDEN, DTYPE)
         self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def get_input_embeddings(self) -> nn.Module:

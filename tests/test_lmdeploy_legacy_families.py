@@ -30,7 +30,7 @@ from torch import nn
 _lmdeploy_stack.require()  # a skip naming the missing module; CI fails instead
 
 import lmdeploy_tiny as tiny  # noqa: E402
-from _family_rig import model_cache_stats, tag_mode  # noqa: E402
+from _family_rig import Recorder, model_cache_stats, tag_mode  # noqa: E402
 from lmdeploy.pytorch.models import gemma3_vl, llava  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
@@ -54,25 +54,6 @@ def features(pixel_values: torch.Tensor, tokens: int = tiny.GEMMA3_TOKENS) -> to
     return flat[:, :tokens * HIDDEN].reshape(-1, tokens, HIDDEN)
 
 
-class Recorder:
-    def __init__(self, vocab: int) -> None:
-        self.calls: list[dict] = []
-        self.embed = nn.Embedding(vocab, HIDDEN).to(DTYPE)
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.embed
-
-    def prepare_inputs_for_generation(self, past_key_values=None, inputs_embeds=None, context=None):
-        return dict(input_ids=context.input_ids, position_ids=context.position_ids,
-                    past_key_values=past_key_values, attn_metadata=None, inputs_embeds=inputs_embeds)
-
-    def __call__(self, input_ids, position_ids, inputs_embeds=None, **kwargs):
-        self.calls.append(dict(inputs_embeds=inputs_embeds, **kwargs))
-        return inputs_embeds
-
-    forward = __call__
-
-
 class FakeGemma3:
     """Stands in for a ``Gemma3ForConditionalGeneration``: its own prepare, forward and mask
     builder; a fake vision call; a recorder for the language model."""
@@ -82,7 +63,7 @@ class FakeGemma3:
     def __init__(self, config) -> None:
         self.config = config
         self.sliding_window = config.text_config.sliding_window
-        self.language_model = Recorder(config.text_config.vocab_size)
+        self.language_model = Recorder(config.text_config.vocab_size, HIDDEN, DTYPE)
         self.calls: list[torch.Tensor] = []
 
     def get_input_embeddings(self) -> nn.Module:
@@ -103,7 +84,7 @@ class FakeLlava:
 
     def __init__(self, config) -> None:
         self.config = config
-        self.language_model = Recorder(config.text_config.vocab_size)
+        self.language_model = Recorder(config.text_config.vocab_size, HIDDEN, DTYPE)
         self.calls: list[torch.Tensor] = []
 
     def get_image_features(self, pixel_values, vision_feature_layer=-1,
