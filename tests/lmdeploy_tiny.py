@@ -592,8 +592,6 @@ def _llama4(out: str) -> None:
     and config; the image processor a stand-in (``llama4_image_standin``), by auto_map."""
     import shutil
 
-    from transformers import Llama4Config
-
     tok = _tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|image_start|>", "<|image_end|>",
                       "<|image|>", "<|patch|>", "<|tile_x_separator|>", "<|tile_y_separator|>"])
     tok.chat_template = (
@@ -605,18 +603,9 @@ def _llama4(out: str) -> None:
     with open(os.path.join(out, "preprocessor_config.json"), "w") as f:
         json.dump({"image_processor_type": "Llama4ImageProcessorStandIn", "auto_map": {
             "AutoImageProcessor": "llama4_image_standin.Llama4ImageProcessorStandIn"}}, f, indent=2)
-    ids = tok.convert_tokens_to_ids
-    cfg = Llama4Config(
-        vision_config=dict(image_size=56, patch_size=14, hidden_size=64, num_hidden_layers=2,
-                           num_attention_heads=2, intermediate_size=128, pixel_shuffle_ratio=0.5,
-                           projector_input_dim=128, projector_output_dim=128, vision_output_dim=64,
-                           rope_theta=10000),
-        text_config=dict(vocab_size=len(tok), bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id, head_dim=64, num_local_experts=2,
-                         num_experts_per_tok=1, intermediate_size_mlp=512, interleave_moe_layer_step=1,
-                         no_rope_layers=[1, 1], attention_chunk_size=1024, **_LLM),
-        boi_token_index=ids("<|image_start|>"), eoi_token_index=ids("<|image_end|>"),
-        image_token_index=ids("<|patch|>"), tie_word_embeddings=False)
+    from bench.device.make_tiny_vlm import llama4_config  # (the GPU checkpoint's)
+
+    cfg = llama4_config(tok)
     _finish(out, cfg, LLAMA4, tok, {"processor_class": "Llama4Processor", "patch_size": 14,
                                     "pixel_shuffle_ratio": 0.5})
 
@@ -631,26 +620,12 @@ def _glm4v_9b(out: str, arch: str = GLM4V_9B) -> None:
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     tok.save_pretrained(out)
-    from bench.device.seed_remote_code import STANDIN_FILES  # (the GPU builder's config stand-ins)
+    from bench.device.make_tiny_vlm import cogvlm_config, glm4v_9b_config  # (the GPU checkpoints')
+    from bench.device.seed_remote_code import write_standin
 
-    cog = arch == COGVLM
-    module = "configuration_cogvlm.py" if cog else "configuration_chatglm.py"
-    name, source = STANDIN_FILES[module]
-    with open(os.path.join(out, module), "w") as f:
-        f.write(source)
-    config = dict(
-        architectures=[arch], model_type="cogvlm" if cog else "chatglm", dtype="float32",
-        torch_dtype="float32",
-        auto_map={"AutoConfig": f"{module[:-3]}.{name}"} | ({} if cog else {
-                  "AutoModelForCausalLM": "modeling_chatglm.ChatGLMForConditionalGeneration"}),
-        vocab_size=len(tok),
-        padded_vocab_size=len(tok), hidden_size=_LLM["hidden_size"], num_layers=2, seq_length=4096,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-        boi_token_id=tok.convert_tokens_to_ids("<|begin_of_image|>"),
-        eoi_token_id=tok.convert_tokens_to_ids("<|end_of_image|>"),
-        vision_config=dict(image_size=56, patch_size=14, hidden_size=64, num_hidden_layers=2,
-                           num_heads=2, intermediate_size=128, in_channels=3, dropout_prob=0.0,
-                           layer_norm_eps=1e-6, scaling_factor=8, num_positions=17))
+    config = {**(cogvlm_config if arch == COGVLM else glm4v_9b_config)(tok),
+              "dtype": "float32", "torch_dtype": "float32"}
+    write_standin(out, config["auto_map"]["AutoConfig"])
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     with open(os.path.join(out, "generation_config.json"), "w") as f:

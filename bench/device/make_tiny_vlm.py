@@ -482,26 +482,11 @@ def llava(out, dtype='bfloat16'):
     return out
 
 
-def llama4(out, dtype='bfloat16'):
-    """Llama 4 (``Llama4ForConditionalGeneration``): 56 px tiles (the public checkpoints: 336 px),
-    patch 14, pixel shuffle 0.5: 4 ``<|patch|>`` tokens a tile, up to 4 tiles and a global one;
-    a 2-layer ViT (hidden 64, head_dim 32 as 1408/44's... 64 here) and a 2-layer MoE LLM (2
-    experts, one a token, every layer MoE). The tokenizer of tests/lmdeploy_tiny.py's Llama 4."""
-    from transformers import (
-        Llama4Config,
-        Llama4ForConditionalGeneration,
-        Llama4ImageProcessor,
-        Llama4Processor,
-    )
-    os.makedirs(out, exist_ok=True)
-    tok = qwen_tokenizer(out, ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<|image_start|>',
-                               '<|image_end|>', '<|image|>', '<|patch|>', '<|tile_x_separator|>',
-                               '<|tile_y_separator|>'])
-    ip = Llama4ImageProcessor(size={'height': 56, 'width': 56}, max_patches=4)
-    Llama4Processor(image_processor=ip, tokenizer=tok, patch_size=14, pixel_shuffle_ratio=0.5,
-                    chat_template=tok.chat_template).save_pretrained(out)
+def llama4_config(tok):
+    """The tiny Llama 4's config (this file's GPU checkpoint, tests/lmdeploy_tiny.py's too)."""
+    from transformers import Llama4Config
     ids = tok.convert_tokens_to_ids
-    cfg = Llama4Config(
+    return Llama4Config(
         vision_config=dict(image_size=56, patch_size=14, hidden_size=128, num_hidden_layers=2,
                            num_attention_heads=2, intermediate_size=512, pixel_shuffle_ratio=0.5,
                            projector_input_dim=256, projector_output_dim=256, vision_output_dim=256,
@@ -512,6 +497,22 @@ def llama4(out, dtype='bfloat16'):
                          no_rope_layers=[1, 1], attention_chunk_size=8192, **LLM),
         boi_token_index=ids('<|image_start|>'), eoi_token_index=ids('<|image_end|>'),
         image_token_index=ids('<|patch|>'), tie_word_embeddings=False)
+
+
+def llama4(out, dtype='bfloat16'):
+    """Llama 4 (``Llama4ForConditionalGeneration``): 56 px tiles (the public checkpoints: 336 px),
+    patch 14, pixel shuffle 0.5: 4 ``<|patch|>`` tokens a tile, up to 4 tiles and a global one;
+    a 2-layer ViT (hidden 64, head_dim 32 as 1408/44's... 64 here) and a 2-layer MoE LLM (2
+    experts, one a token, every layer MoE). The tokenizer of tests/lmdeploy_tiny.py's Llama 4."""
+    from transformers import Llama4ForConditionalGeneration, Llama4ImageProcessor, Llama4Processor
+    os.makedirs(out, exist_ok=True)
+    tok = qwen_tokenizer(out, ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<|image_start|>',
+                               '<|image_end|>', '<|image|>', '<|patch|>', '<|tile_x_separator|>',
+                               '<|tile_y_separator|>'])
+    ip = Llama4ImageProcessor(size={'height': 56, 'width': 56}, max_patches=4)
+    Llama4Processor(image_processor=ip, tokenizer=tok, patch_size=14, pixel_shuffle_ratio=0.5,
+                    chat_template=tok.chat_template).save_pretrained(out)
+    cfg = llama4_config(tok)
     cfg.architectures = ['Llama4ForConditionalGeneration']
     _save(Llama4ForConditionalGeneration, cfg, out, 'Llama4ForConditionalGeneration', dtype,
           tok.eos_token_id, tok.pad_token_id)
@@ -525,15 +526,12 @@ def _from_lmdeploys_class(out, config, dtype, unmerge=None):
     but for a merged one that ``unmerge`` names (merged name -> the halves' names, split along the
     output dimension, as CogVLM's gate_up_proj); linear weights N(0, 0.02), norm weights 1, biases
     0. Needs lmdeploy (and triton)."""
-    import seed_remote_code
     from lmdeploy.pytorch.models.module_map import MODULE_MAP
     from lmdeploy.pytorch.models.patch import _get_model_class
     from load_check import hf_config
     from safetensors.torch import save_file
-    module = next(f for f, (name, _) in seed_remote_code.STANDIN_FILES.items()
-                  if f"{f[:-3]}.{name}" == config['auto_map']['AutoConfig'])
-    with open(os.path.join(out, module), 'w') as f:
-        f.write(seed_remote_code.STANDIN_FILES[module][1])
+    from seed_remote_code import write_standin
+    write_standin(out, config['auto_map']['AutoConfig'])
     with open(os.path.join(out, 'config.json'), 'w') as f:
         json.dump({**config, 'torch_dtype': dtype}, f, indent=2)
     hf = hf_config(out, dtype)
@@ -561,16 +559,11 @@ EVA2CLIP = dict(hidden_size=128, num_heads=2, num_hidden_layers=2, intermediate_
                 hidden_act='gelu', dropout_prob=0.0)
 
 
-def glm4v_9b(out, dtype='bfloat16'):
-    """GLM-4V-9B (``ChatGLMModel`` with a vision_config): EVA2CLIP at 56 px (the public checkpoint:
-    1120 px, 1602 tokens), a 2-layer ChatGLM (hidden 256, 4 heads of 64, 2 KV groups); its config
-    a stand-in of the remote one, its weights lmdeploy's class's (``_from_lmdeploys_class``)."""
-    os.makedirs(out, exist_ok=True)
-    tok = qwen_tokenizer(out, ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<|begin_of_image|>',
-                               '<|end_of_image|>'])
-    tok.save_pretrained(out)
+def glm4v_9b_config(tok):
+    """The tiny GLM-4V-9B's config.json (this file's GPU checkpoint, tests/lmdeploy_tiny.py's too):
+    EVA2CLIP at 56 px, a 2-layer ChatGLM (hidden 256, 4 heads of 64, 2 KV groups)."""
     ids = tok.convert_tokens_to_ids
-    _from_lmdeploys_class(out, dict(
+    return dict(
         architectures=['ChatGLMModel'], model_type='chatglm',
         auto_map={'AutoConfig': 'configuration_chatglm.ChatGLMConfig',
                   'AutoModelForCausalLM': 'modeling_chatglm.ChatGLMForConditionalGeneration'},
@@ -583,7 +576,30 @@ def glm4v_9b(out, dtype='bfloat16'):
         seq_length=4096, rope_ratio=1, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
         boi_token_id=ids('<|begin_of_image|>'), eoi_token_id=ids('<|end_of_image|>'),
         tie_word_embeddings=False,
-        vision_config=EVA2CLIP), dtype)
+        vision_config=EVA2CLIP)
+
+
+def cogvlm_config(tok):
+    """The tiny CogVLM2's config.json (this file's GPU checkpoint, tests/lmdeploy_tiny.py's too):
+    EVA2CLIP at 56 px, a 2-layer LLaMA-style LLM with vision experts (hidden 256, 4 heads of 64)."""
+    return dict(
+        architectures=['CogVLMForCausalLM'], model_type='cogvlm',
+        auto_map={'AutoConfig': 'configuration_cogvlm.CogVLMConfig'},
+        vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, hidden_act='silu', rms_norm_eps=1e-5, max_position_embeddings=4096,
+        pad_token_id=tok.pad_token_id, bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False, vision_config=EVA2CLIP)
+
+
+def glm4v_9b(out, dtype='bfloat16'):
+    """GLM-4V-9B (``ChatGLMModel`` with a vision_config): EVA2CLIP at 56 px (the public checkpoint:
+    1120 px, 1602 tokens), a 2-layer ChatGLM (hidden 256, 4 heads of 64, 2 KV groups); its config
+    a stand-in of the remote one, its weights lmdeploy's class's (``_from_lmdeploys_class``)."""
+    os.makedirs(out, exist_ok=True)
+    tok = qwen_tokenizer(out, ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<|begin_of_image|>',
+                               '<|end_of_image|>'])
+    tok.save_pretrained(out)
+    _from_lmdeploys_class(out, glm4v_9b_config(tok), dtype)
     json.dump(dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
               open(os.path.join(out, 'generation_config.json'), 'w'), indent=2)
     return out
@@ -596,14 +612,8 @@ def cogvlm(out, dtype='bfloat16'):
     os.makedirs(out, exist_ok=True)
     tok = qwen_tokenizer(out, ['<|endoftext|>', '<|im_start|>', '<|im_end|>'])
     tok.save_pretrained(out)
-    _from_lmdeploys_class(out, dict(
-        architectures=['CogVLMForCausalLM'], model_type='cogvlm',
-        auto_map={'AutoConfig': 'configuration_cogvlm.CogVLMConfig'},
-        vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, hidden_act='silu', rms_norm_eps=1e-5, max_position_embeddings=4096,
-        pad_token_id=tok.pad_token_id, bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-        tie_word_embeddings=False, vision_config=EVA2CLIP), dtype,
-        unmerge={'.gate_up_proj': ('.gate_proj', '.up_proj')})
+    halves = {'.gate_up_proj': ('.gate_proj', '.up_proj')}  # (its checkpoints' MLP weights, unmerged)
+    _from_lmdeploys_class(out, cogvlm_config(tok), dtype, unmerge=halves)
     json.dump(dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
               open(os.path.join(out, 'generation_config.json'), 'w'), indent=2)
     return out

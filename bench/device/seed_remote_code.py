@@ -147,3 +147,15 @@ STANDIN_FILES = {
     "configuration_cogvlm.py": ("CogVLMConfig",
                                 STANDIN_CONFIG.format(name="CogVLMConfig", model_type="cogvlm")),
 }
+
+
+def write_standin(out, auto_config):
+    """Write into the checkpoint ``out`` the stand-in module its ``auto_map['AutoConfig']``
+    (``module.Class``) names."""
+    import os
+    module, name = auto_config.rsplit('.', 1)
+    found, source = STANDIN_FILES[f'{module}.py']
+    if found != name:
+        raise KeyError(f'no stand-in config class {auto_config}')
+    with open(os.path.join(out, f'{module}.py'), 'w') as f:
+        f.write(source)
