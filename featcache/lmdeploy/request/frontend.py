@@ -3,7 +3,8 @@
 Installed on the instance ``VisionModel.preprocess(messages)`` of lmdeploy's ``ImageEncoder``
 (it runs on the encoder's worker thread, off the engine loop); a model with lmdeploy's
 processor-level ``preprocess(messages, input_prompt, mm_processor_kwargs)`` gets
-``processor.ProcessorFrontend``, this class with that API's output. For each image of a request:
+``ProcessorFrontend`` (below: ``processor.ProcessorLevel`` over this class), with that API's
+output. For each image of a request:
 
 - key it (``image_key`` over the decoded image, the model identity and the image's parameters;
   images that came as data URLs or files are keyed by their encoded bytes before decoding, and
