@@ -7,7 +7,9 @@ is rebuilt exactly without preprocessing. It is one JSON object (keys sorted, no
     {"cost_s": SECONDS,                     the vision model's time of the miss, when measured
      "fields": {NAME: VALUE, ...},         every field of lmdeploy's per-image dict but the pixels
      "ns": NAMESPACE,                       the key's namespace (model identity), when known
-     "pixels": [[TRAILING SHAPE], DTYPE]}   of ``pixel_values``, for the 0-row placeholder of a hit
+     "pixels": [[TRAILING SHAPE], DTYPE],   of ``pixel_values``, for the 0-row placeholder of a hit
+     "pixel_field": NAME}                  where the pixels are not ``pixel_values`` (a video's
+                                            items: ``pixel_values_videos``)
 
 A VALUE is None, a bool, int, float or str as is; a list of VALUEs; ``{"tuple": [VALUE, ...]}``;
 or ``{"tensor": [DTYPE, SHAPE, FLAT VALUES]}`` for a tensor of at most 64 elements (token counts,
@@ -36,6 +38,7 @@ from .refs import REF_KEY
 __all__ = ["EntryMeta", "decode_item", "encode_item", "namespace_of", "processor_item_meta", "read"]
 
 MAX_TENSOR_ELEMENTS = 64  # metadata tensors (image_grid_thw, image_tokens) are tiny
+PIXEL_FIELDS = ("pixel_values", "pixel_values_videos")  # an image's pixels; a video item's
 
 
 def encode_item(item: dict[str, Any], namespace: str | None = None) -> bytes:
@@ -44,13 +47,16 @@ def encode_item(item: dict[str, Any], namespace: str | None = None) -> bytes:
 
     Raises ``TypeError`` for fields it cannot encode (the image is then not cached).
     """
-    pixels = item["pixel_values"]
+    name = next((n for n in PIXEL_FIELDS if n in item), PIXEL_FIELDS[0])
+    pixels = item[name]
     if not isinstance(pixels, torch.Tensor):
-        raise TypeError("pixel_values is not a tensor")
-    fields = {k: _encode(v) for k, v in item.items() if k not in ("pixel_values", REF_KEY)}
+        raise TypeError(f"{name} is not a tensor")
+    fields = {k: _encode(v) for k, v in item.items() if k not in (name, REF_KEY)}
     record: dict[str, Any] = {
         "pixels": [list(pixels.shape[1:]), str(pixels.dtype).removeprefix("torch.")],
         "fields": fields}
+    if name != PIXEL_FIELDS[0]:
+        record["pixel_field"] = name
     if namespace is not None:
         record["ns"] = namespace
     return json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
@@ -62,7 +68,10 @@ def decode_item(meta: bytes) -> dict[str, Any]:
     record = json.loads(meta)
     tail, dtype = record["pixels"]
     item = {k: _decode(v) for k, v in record["fields"].items()}
-    item["pixel_values"] = torch.empty((0, *tail), dtype=getattr(torch, dtype))
+    name = record.get("pixel_field", PIXEL_FIELDS[0])
+    if name not in PIXEL_FIELDS:
+        raise ValueError(f"unknown pixel field {name!r:.40}")
+    item[name] = torch.empty((0, *tail), dtype=getattr(torch, dtype))
     return item
 
 

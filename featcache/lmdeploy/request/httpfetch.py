@@ -52,6 +52,8 @@ _MAX_CONNECT_REPLY = 64 << 10  # the most a proxy's answer to CONNECT may hold
 # the request headers: lmdeploy's (its User-Agent) over those requests adds; one request a connection
 _HEADERS = {"Accept-Encoding": "gzip, deflate", "Accept": "*/*", "Connection": "close"}
 _GZIP, _DEFLATE = ("gzip", "x-gzip"), "deflate"
+# per medium: the environment variable lmdeploy reads its fetch timeout from, and its default
+_TIMEOUTS = {"image": ("LMDEPLOY_IMAGE_FETCH_TIMEOUT", 10), "video": ("LMDEPLOY_VIDEO_FETCH_TIMEOUT", 30)}
 
 
 class FetchError(ValueError):
@@ -61,16 +63,20 @@ class FetchError(ValueError):
     message."""
 
 
-def fetch_http(url: str, allowed_media_domains: list[str] | None, policy: MediaPolicy) -> bytes:
+def fetch_http(url: str, allowed_media_domains: list[str] | None, policy: MediaPolicy,
+               medium: str = "image", cap: int | None = None) -> bytes:
     """The body behind the http(s) image URL ``url``, fetched with lmdeploy 0.18's checks and
     headers (module docstring), within one deadline for all of it and at most
     ``policy.max_image_bytes`` of it, as sent and decoded. Raises ``FetchError`` for a URL that
-    cannot be fetched, ``MediaError`` once the deadline has passed or the body passes the cap."""
+    cannot be fetched, ``MediaError`` once the deadline has passed or the body passes the cap.
+    ``medium="video"``: lmdeploy's video deadline (``LMDEPLOY_VIDEO_FETCH_TIMEOUT``, 30 s) and
+    ``cap`` bytes at most (the video limits' own)."""
     from lmdeploy.vl.media import connection  # lmdeploy's request headers
 
     domains = {d.lower() for d in allowed_media_domains} if allowed_media_domains else None
-    deadline = _Deadline(int(os.environ.get("LMDEPLOY_IMAGE_FETCH_TIMEOUT", 10)),
-                         f"the image at {shown(url)!r}")
+    env, default = _TIMEOUTS[medium]
+    deadline = _Deadline(int(os.environ.get(env, default)), f"the {medium} at {shown(url)!r}", env)
+    cap = policy.max_image_bytes if cap is None else cap
     headers = {**_HEADERS, **connection.headers}
     for _ in range(MAX_REDIRECTS + 1):
         parsed = _checked(url, domains)
@@ -87,7 +93,7 @@ def fetch_http(url: str, allowed_media_domains: list[str] | None, policy: MediaP
                 if not 200 <= response.status < 300:
                     raise _failed(deadline, f"its server answered {response.status} "
                                   f"{response.reason[:80]}")
-                return _body(response, policy.max_image_bytes, deadline)
+                return _body(response, cap, deadline)
             finally:
                 response.close()  # (its socket too: the connection passed it on)
                 conn.close()
@@ -132,9 +138,10 @@ def _failed(deadline: _Deadline, why: str) -> FetchError:
 class _Deadline:
     """When a fetch must be done: ``timeout_s`` after it was made."""
 
-    def __init__(self, timeout_s: int, what: str) -> None:
+    def __init__(self, timeout_s: int, what: str, env: str = "LMDEPLOY_IMAGE_FETCH_TIMEOUT") -> None:
         self.timeout_s = timeout_s
         self.what = what
+        self.env = env
         self._at = time.monotonic() + timeout_s
 
     def left(self) -> float:
@@ -146,8 +153,7 @@ class _Deadline:
 
     def passed(self) -> MediaError:
         return MediaError(f"{self.what} was not received within {self.timeout_s} s "
-                          "(LMDEPLOY_IMAGE_FETCH_TIMEOUT): send it as a data URL, or from a "
-                          "faster server")
+                          f"({self.env}): send it as a data URL, or from a faster server")
 
 
 # -- one request -------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .sources import CachedImage
+from .video.entries import VIDEO_FIELD, KeyedVideo
 
 
 def image_items(messages: list[dict[str, Any]]) -> list[tuple[int, int, dict[str, Any]]] | None:
@@ -27,6 +28,27 @@ def image_items(messages: list[dict[str, Any]]) -> list[tuple[int, int, dict[str
     return items
 
 
+def media_items(messages: list[dict[str, Any]]
+                ) -> tuple[list[tuple[int, int, dict[str, Any]]], list[dict[str, Any]]] | None:
+    """(image items as ``image_items`` gives them, video items) in lmdeploy's order; None if any
+    item is of another modality (audio, time series)."""
+    images, videos = [], []
+    for m, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for c, item in enumerate(content):
+            if not isinstance(item, dict) or item.get("type") in (None, "text"):
+                continue
+            if item["type"] == "image":
+                images.append((m, c, item))
+            elif item["type"] == "video":
+                videos.append(item)
+            else:
+                return None
+    return images, videos
+
+
 def without(
     messages: list[dict[str, Any]], drop: list[tuple[int, int, dict[str, Any]]]
 ) -> list[dict[str, Any]]:
@@ -42,10 +64,16 @@ def without(
 
 
 def decoded(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``messages`` with every ``CachedImage`` decoded, for lmdeploy's own preprocessing."""
+    """``messages`` with every ``CachedImage`` decoded, and every video featcache read handed over
+    as lmdeploy's parser makes it (a held one decoded now), for lmdeploy's own preprocessing."""
     def item(x: Any) -> Any:
         if isinstance(x, dict) and isinstance(x.get("data"), CachedImage):
             return dict(x, data=x["data"].decode())
+        if isinstance(x, dict) and isinstance(x.get(VIDEO_FIELD), KeyedVideo):
+            frames, metadata = x[VIDEO_FIELD].decoded()
+            out = dict(x, data=frames, video_metadata=metadata)
+            del out[VIDEO_FIELD]
+            return out
         return x
 
     return [dict(m, content=[item(x) for x in m["content"]])

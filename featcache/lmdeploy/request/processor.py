@@ -5,6 +5,7 @@ only where it is shown equal to lmdeploy's on this installation."""
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from typing import Any
@@ -13,11 +14,13 @@ import torch
 
 from ..families import reproduces_expansion
 from ..fastprep import PatchMaker, processor_patch_maker, processor_patches
-from .entry_meta import decode_item, processor_item_meta
+from .entry_meta import PIXEL_FIELDS, decode_item, processor_item_meta
 from .media import image_size
-from .messages import decoded, image_items
+from .messages import decoded, image_items, media_items
 from .refs import REF_KEY
 from .resolve import SECTION
+from .video.entries import INFO, VIDEO_FIELD, KeyedVideo, VideoHit, entry_meta, item_key, lookup
+from .video.expand import plan_videos, video_replacements
 
 log = logging.getLogger("featcache")
 
@@ -83,6 +86,13 @@ class ProcessorLevel:
                 self.cache.count(SECTION, "expansion_probe_failed")
                 log.warning("featcache: lmdeploy preprocesses every image of this model (featcache's "
                             "output differed from lmdeploy's at startup: %s)", differs)
+        if self.expands and _takes_videos(processor):
+            differs = self.probe_video()
+            self.videos = differs is None
+            if differs is not None:
+                self.cache.count(SECTION, "video_probe_failed")
+                log.warning("featcache: videos are not cached for this model (featcache's output "
+                            "differed from lmdeploy's at startup: %s)", differs)
 
     def probe(self) -> str | None:
         """Where featcache's output for a request differs from lmdeploy's on this installation
@@ -115,22 +125,93 @@ class ProcessorLevel:
             self.cache = cache
         return _difference(want, missed, pixels=True) or _difference(want, hit, pixels=False)
 
+    def probe_video(self) -> str | None:
+        """``probe`` for videos: one request of a short random video between text, made by
+        lmdeploy, then by featcache with the video missing (the video processor's pixels) and held
+        (from the entries featcache would have stored for it); the difference, or None."""
+        import numpy as np
+
+        rng = np.random.default_rng(1)
+        frames = rng.integers(0, 256, (4, 40, 70, 3), dtype=np.uint8)
+        metadata = {"total_num_frames": 8, "fps": 4.0, "duration": 2.0, "video_backend": "opencv",
+                    "frames_indices": [0, 2, 5, 7]}
+        token = self.model.processor.video_token
+        prompt = f"probe {token} end"
+        item = {"type": "video", "data": frames, "video_metadata": metadata}
+        messages = [{"role": "user", "content": [{"type": "text", "text": prompt}, item]}]
+        cache, self.cache = self.cache, _Uncounted()
+        sent, self.sent = getattr(self, "sent", None), None
+        try:
+            want = type(self.model).preprocess(self.model, messages, prompt, None)
+            miss = KeyedVideo(b"probe", b"", {}, frames=frames, metadata=metadata)
+            missed = self._expand([], [], {}, prompt, None, [miss], None)
+            held = [decode_item(m[REF_KEY].meta) for m in missed["multimodal"]]
+            info = json.loads(held[0].pop(INFO))
+            for x in held[1:]:
+                x.pop(INFO)
+            hit = KeyedVideo(b"probe", b"", {}, hit=VideoHit([None] * len(held), held, info))
+            got = self._expand([], [], {}, prompt, None, [hit], None)
+        except Exception as e:  # noqa: BLE001 (any failure: videos are not cached)
+            return f"{type(e).__name__}: {e}"
+        finally:
+            self.cache, self.sent = cache, sent
+        return _difference(want, missed, pixels=True) or _difference(want, got, pixels=False)
+
     def _preprocess(self, messages: list[dict[str, Any]], input_prompt: Any = None,
                     mm_processor_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
-        items = image_items(messages)
-        if not items:  # no image, or another modality among them: lmdeploy's own, untouched
+        split = media_items(messages)
+        if split is None or not any(split):  # no media, or audio or time series among them
             return self.original(decoded(messages), input_prompt, mm_processor_kwargs)
-        size = image_size(self.model.processor.image_processor, mm_processor_kwargs)
+        items, video_items = split
+        processor = self.model.processor
+        size = image_size(processor.image_processor, mm_processor_kwargs) if items else None
+        videos = self._videos(video_items, mm_processor_kwargs)
+        if videos is None:  # videos this frontend does not cache: lmdeploy's, untouched
+            self.cache.count(SECTION, "videos_uncached", len(video_items))
+            return self._plain(messages, input_prompt, mm_processor_kwargs, *self._lookup(items))
         keys, hits = self._lookup(items, None if size is None else {"processor_size": size})
-        if self.tags or not self.expands or (not hits and self.maker is None):
-            if not self.tags:  # lmdeploy's image processor makes the misses' pixels
-                self.cache.count(SECTION, "preprocess_fallback", len(items) - len(hits))
-            if hits and not self.tags:
-                self.cache.count(SECTION, "preprocess_not_skipped", len(hits))
-            out = self.original(decoded(messages), input_prompt, mm_processor_kwargs)
-            self._tag(out, keys, hits)
-            return out
+        if videos and isinstance(input_prompt, str) and self.expands:
+            if self.tags:  # several processes: every image and video with its pixels and a tag
+                hits = {}
+            return self._expand(items, keys, hits, input_prompt, size, videos,
+                                _video_size(processor, mm_processor_kwargs))
+        if self.tags or not self.expands or (not hits and self.maker is None) or videos:
+            return self._plain(messages, input_prompt, mm_processor_kwargs, keys, hits)
         return self._expand(items, keys, hits, input_prompt, size)
+
+    def _plain(self, messages: list[dict[str, Any]], input_prompt: Any, mm_processor_kwargs: Any,
+               keys: list[bytes | None], hits: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        """lmdeploy's own preprocessing of the whole request, its images tagged (``_tag``)."""
+        if not self.tags:  # lmdeploy's image processor makes the misses' pixels
+            self.cache.count(SECTION, "preprocess_fallback", len(keys) - len(hits))
+        if hits and not self.tags:
+            self.cache.count(SECTION, "preprocess_not_skipped", len(hits))
+        out = self.original(decoded(messages), input_prompt, mm_processor_kwargs)
+        self._tag(out, keys, hits)
+        return out
+
+    def _videos(self, items: list[dict[str, Any]], mm_processor_kwargs: Any) -> list[KeyedVideo] | None:
+        """Each video's ``KeyedVideo`` (looked up again under its processor size, where the
+        request asks one), or None where any is not featcache's to cache."""
+        videos = [item.get(VIDEO_FIELD) for item in items]
+        if not videos:
+            return []
+        if not self.videos or not all(isinstance(v, KeyedVideo) and v.key for v in videos):
+            return None
+        size = _video_size(self.model.processor, mm_processor_kwargs)
+        if size is None:
+            return videos
+        out = []
+        for video in videos:  # keyed with the size: another grid, another entry
+            if video.hit is not None:
+                video.hit.release()
+            sized = KeyedVideo(self.hasher.image_key(bytes(video.key), namespace=self.namespace,
+                                                     params={"video_size": size}),
+                               video.raw, video.options, frames=video.frames, metadata=video.metadata)
+            if not self.tags:
+                sized.hit = lookup(self.cache, self.hasher, self.namespace, sized.key)
+            out.append(sized)
+        return out
 
     def _tag(self, out: dict[str, Any], keys: list[bytes | None],
              hits: dict[int, dict[str, Any]]) -> None:
@@ -151,7 +232,8 @@ class ProcessorLevel:
 
     def _expand(self, items: list[tuple[int, int, dict[str, Any]]], keys: list[bytes | None],
                 hits: dict[int, dict[str, Any]], input_prompt: Any,
-                size: dict[str, int] | None) -> dict[str, Any]:
+                size: dict[str, int] | None, videos: list[KeyedVideo] | None = None,
+                video_size: dict[str, int] | None = None) -> dict[str, Any]:
         """The request's output, the processor run on its misses only (module docstring)."""
         from lmdeploy.vl.constants import Modality
         from lmdeploy.vl.model.preprocess_utils import get_expanded_input_ids, get_mm_items_offset
@@ -161,11 +243,12 @@ class ProcessorLevel:
         call: dict[str, Any] = {"padding": True, "return_tensors": "pt"}
         if size is not None:
             call["images_kwargs"] = {"size": size}
+        if video_size is not None:
+            call["videos_kwargs"] = {"size": video_size}
         merged = processor._merge_kwargs(_kwargs_class(processor),
                                          tokenizer_init_kwargs=processor.tokenizer.init_kwargs, **call)
         missed = [i for i in range(len(items)) if i not in hits]
-        grids: list[torch.Tensor] = [hit["image_grid_thw"] for hit in hits.values()]
-        grid_of = dict(zip(hits, grids, strict=True))
+        grid_of = {i: hit["image_grid_thw"] for i, hit in hits.items()}
         pixels: list[torch.Tensor] = []
         if missed:
             images = [items[i][2]["data"] for i in missed]
@@ -183,20 +266,23 @@ class ProcessorLevel:
                 raise RuntimeError(f"the image processor made {bundle.shape[0]} rows for grids of {rows}")
             pixels = [bundle] if len(missed) == 1 else [p.clone() for p in bundle.split(rows)]
             grid_of.update(zip(missed, thw, strict=True))
-        every = torch.stack([torch.as_tensor(grid_of[i]) for i in range(len(items))])
+        every = (torch.stack([torch.as_tensor(grid_of[i]) for i in range(len(items))]) if items
+                 else torch.zeros((0, 3), dtype=torch.long))
+        plans = plan_videos(model, videos or [], merged["videos_kwargs"]) if videos else []
         token_id = model.mm_tokens.image_token_id
         if isinstance(input_prompt, str):
             replacements = [processor.replace_image_token({"image_grid_thw": every}, image_idx=i)
                             for i in range(len(items))]
-            text, _ = processor.get_text_with_replacements([input_prompt], replacements)
+            text, _ = processor.get_text_with_replacements([input_prompt], replacements,
+                                                           video_replacements(processor, plans))
             text_kwargs = dict(merged["text_kwargs"])
             for name in ("return_mm_token_type_ids", "return_text_replacement_offsets"):
                 text_kwargs.pop(name, None)
             input_ids = processor.tokenizer(text, **text_kwargs)["input_ids"].flatten()
-        else:  # token ids (lmdeploy's /generate): each placeholder id expanded
+        else:  # token ids (lmdeploy's /generate): each placeholder id expanded (images only)
             collected = {Modality.IMAGE: {"image_grid_thw": every}}
             input_ids = get_expanded_input_ids(input_prompt, collected, processor, model.mm_tokens)
-        offsets = get_mm_items_offset(input_ids=input_ids, mm_token_id=token_id)
+        offsets = get_mm_items_offset(input_ids=input_ids, mm_token_id=token_id) if items else []
         if len(offsets) != len(items):
             raise RuntimeError(f"the prompt holds {len(offsets)} image spans for {len(items)} images")
         multimodal = []
@@ -212,7 +298,39 @@ class ProcessorLevel:
             elif key is not None:
                 item[REF_KEY] = self._miss_ref(key, processor_item_meta(item, self.namespace))
             multimodal.append(item)
+        if plans:
+            multimodal.extend(self._video_items(plans, input_ids))
+            multimodal.sort(key=lambda x: x["offset"][0])
         return dict(input_ids=input_ids.tolist(), multimodal=multimodal)
+
+    def _video_items(self, plans: list[Any], input_ids: torch.Tensor) -> list[dict[str, Any]]:
+        """Every video's items in the output, each with its offset and its ref (a hit's lease, or
+        a miss's key for the model to store it under)."""
+        from lmdeploy.vl.constants import Modality
+        from lmdeploy.vl.model.preprocess_utils import get_mm_items_offset
+
+        offsets = iter(get_mm_items_offset(input_ids=input_ids,
+                                           mm_token_id=self.model.mm_tokens.video_token_id))
+        total = sum(len(p.items) for p in plans)
+        out = []
+        for plan in plans:
+            for j, fields in enumerate(plan.items):
+                offset = next(offsets, None)
+                if offset is None:
+                    raise RuntimeError(f"the prompt holds fewer video spans than the {total} video items")
+                item = dict(modality=Modality.VIDEO, pixel_values_videos=fields["pixel_values_videos"],
+                            video_grid_thw=fields["video_grid_thw"], offset=offset,
+                            second_per_grid=fields["second_per_grid"],
+                            video_token_id=fields["video_token_id"])
+                if plan.refs:
+                    item[REF_KEY] = plan.refs[j]
+                elif plan.video is not None and plan.video.key:
+                    key = item_key(self.hasher, self.namespace, plan.video.key, j)
+                    item[REF_KEY] = self._miss_ref(key, entry_meta(item, self.namespace, plan.info))
+                out.append(item)
+        if next(offsets, None) is not None:
+            raise RuntimeError(f"the prompt holds more video spans than the {total} video items")
+        return out
 
 
 class _Uncounted:
@@ -233,7 +351,7 @@ def _difference(want: dict[str, Any], got: dict[str, Any], pixels: bool) -> str 
             return f"image {i}'s fields{held}: {sorted(set(x) ^ (set(y) - {REF_KEY}))}"
         for name in x:
             a, b = x[name], y[name]
-            if name == "pixel_values":
+            if name in PIXEL_FIELDS:
                 same = a.dtype == b.dtype and (torch.equal(a, b) if pixels else a.shape[1:] == b.shape[1:])
             elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
                 same = torch.equal(torch.as_tensor(a), torch.as_tensor(b))
@@ -260,3 +378,21 @@ def _kwargs_class(processor: Any) -> Any:
 def _is_image(item: dict[str, Any]) -> bool:
     modality = item.get("modality")
     return getattr(modality, "value", modality) == "image"
+
+
+def _takes_videos(processor: Any) -> bool:
+    """Whether the processor expands videos as featcache does (a video processor and its own
+    ``replace_video_token``: the Qwen3-VL lineage's)."""
+    from transformers import ProcessorMixin
+
+    own = getattr(type(processor), "replace_video_token", None)
+    return (getattr(processor, "video_processor", None) is not None
+            and own is not None and own is not getattr(ProcessorMixin, "replace_video_token", None))
+
+
+def _video_size(processor: Any, mm_processor_kwargs: Any) -> dict[str, int] | None:
+    """The video size a request asks of the video processor (``media.image_size`` over its
+    ``mm_processor_kwargs["video"]``), or None."""
+    if not isinstance(mm_processor_kwargs, dict) or not mm_processor_kwargs.get("video"):
+        return None
+    return image_size(processor.video_processor, {"image": mm_processor_kwargs["video"]})

@@ -51,6 +51,9 @@ from .sources import (
     is_http,
 )
 from .tags import FeatTag, sourced
+from .video.entries import has_videos, restore
+from .video.read import BadVideoError, VideoLimits
+from .video.resolve import resolve_videos
 
 log = logging.getLogger("featcache")
 SECTION = "lmdeploy"  # the section of the cache's stats the integration counts in
@@ -69,8 +72,14 @@ class SourceResolver:
     id_contents: LruMap[bytes, bytes]  # "verify": the content key each id was first sent with
     data_urls: DataUrlKeys  # data URLs keyed before: a repeat is not base64-decoded
     media: MediaPolicy  # what image sources are read
+    video_limits: VideoLimits  # what one video may cost (``video.read``)
+    videos: bool  # whether this frontend caches videos (else they are read here, not keyed)
     _logged: bool
     _warned_at: float | None  # the last bad image's warning (``_bad_image``)
+
+    def restore(self, messages: list[Any]) -> list[Any]:
+        """lmdeploy's parsed messages with the videos read here put back (``video.entries``)."""
+        return restore(messages)
 
     def _failed(self, what: str, trace: str | None = None) -> None:
         """A failure of featcache's in the frontend (either half, or a TurboMind path through
@@ -98,6 +107,27 @@ class SourceResolver:
         except MediaOptionError:
             self.cache.count(SECTION, "options_refused")
             raise
+        resolved = self._resolve_images(messages, io_kwargs, allowed_media_domains)
+        if not has_videos(resolved):
+            return resolved
+        try:  # (``video.resolve``: each video read once, under the limits; keyed where cached)
+            return resolve_videos(resolved, media_io_kwargs, allowed_media_domains, self.media,
+                                  self.video_limits, self if self.videos else None)
+        except MediaOptionError:
+            self.cache.count(SECTION, "options_refused")
+            raise
+        except BadVideoError:
+            self.cache.count(SECTION, "bad_videos")
+            raise
+        except FetchError:
+            self.cache.count(SECTION, "fetch_failed")
+            raise
+        except MediaError:
+            self.cache.count(SECTION, "media_refused")
+            raise
+
+    def _resolve_images(self, messages: list[dict[str, Any]], io_kwargs: dict[str, Any],
+                        allowed_media_domains: list[str] | None) -> list[dict[str, Any]]:
         # a client's error (an id, a refused source, an image that is none) is counted and raised:
         # lmdeploy answers it with a 400 and its message; any other failure is featcache's
         try:

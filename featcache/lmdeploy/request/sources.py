@@ -387,7 +387,9 @@ def install_sources(prompt_processor: Any, frontend: Any) -> None:
             loop = asyncio.get_running_loop()
             messages = await loop.run_in_executor(
                 None, frontend.resolve_sources, messages, media_io_kwargs or {}, allowed_media_domains)
-        return await original(messages, media_io_kwargs, allowed_media_domains)
+        parsed = await original(messages, media_io_kwargs, allowed_media_domains)
+        restore = getattr(frontend, "restore", None)  # (the videos featcache read: ``video.entries``)
+        return parsed if restore is None else restore(parsed)
 
     async_parse_multimodal_item.frontend = frontend  # type: ignore[attr-defined]
     prompt_processor.async_parse_multimodal_item = async_parse_multimodal_item

@@ -1,0 +1,67 @@
+"""A request's videos, read before lmdeploy's parser: once, under the server's limits; keyed; a hit
+not decoded (``read`` for the reading and the limits, ``entries`` for the keys and the hand-over).
+
+``resolve_videos`` runs in the frontend's ``resolve_sources`` (``SourceResolver``), and, for a model
+featcache does not cache, in the ``SourceGuard`` (``cache`` None: every video read and decoded here
+under the limits, nothing keyed). A video part lmdeploy would read from a string source becomes a
+``marker`` holding its ``KeyedVideo``; ``entries.restore`` puts it back after the parser. A JPEG-frame
+data URL (``video/jpeg``) is left to lmdeploy, bounded (``read.read_video``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..media import MediaPolicy
+from .entries import KeyedVideo, lookup, marker, video_key, video_source
+from .read import VideoLimits, decode, decoder_identity, probe, read_video, video_io_options
+
+SECTION = "lmdeploy"
+
+
+def resolve_videos(messages: list[Any], media_io_kwargs: Any, domains: Any, media: MediaPolicy,
+                   limits: VideoLimits, keyer: Any = None) -> list[Any]:
+    """``messages`` with each readable video part read, checked and (``keyer``: the frontend, with
+    its ``cache``, ``hasher``, ``namespace`` and ``tags``) keyed and looked up; a ``marker`` in its
+    place. New messages where any video was read; raises ``MediaOptionError``, ``MediaError``,
+    ``BadVideoError``, ``FetchError`` for the client's request (answered 400)."""
+    options = video_io_options(media_io_kwargs)
+    identity = decoder_identity()
+    out = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list) or message.get("role") not in ("user", "tool"):
+            out.append(message)
+            continue
+        items = [_resolve(x, options, identity, domains, media, limits, keyer) for x in content]
+        out.append(dict(message, content=items))
+    return out
+
+
+def _resolve(item: Any, options: dict[str, Any], identity: dict[str, Any], domains: Any,
+             media: MediaPolicy, limits: VideoLimits, keyer: Any) -> Any:
+    parts = video_source(item)
+    if parts is None:
+        return item
+    source, params = parts
+    raw = read_video(source, media, limits, domains)
+    if raw is None:
+        return item
+    probe(raw, options, limits)
+    video = KeyedVideo(b"", raw, options)
+    if keyer is not None:
+        try:
+            video.key = video_key(keyer.hasher, keyer.namespace, raw,
+                                  {"io": options, "item": params, "decoder": identity})
+        except (TypeError, ValueError):  # parameters that cannot be keyed: read, not cached
+            keyer.cache.count(SECTION, "uncacheable")
+        count = keyer.cache.count
+        count(SECTION, "videos")
+        if video.key and not keyer.tags:
+            video.hit = lookup(keyer.cache, keyer.hasher, keyer.namespace, video.key)
+            count(SECTION, "video_hits" if video.hit is not None else "video_misses")
+    if video.hit is None:
+        video.frames, video.metadata = decode(raw, options)
+    else:
+        keyer.cache.count(SECTION, "video_decode_skipped")
+    return marker(params, video)
