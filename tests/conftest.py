@@ -1,9 +1,19 @@
 import os
 
-import pytest
-import torch
+# The video cases (tests/video) run in an interpreter of their own, started by
+# tests/test_lmdeploy_video.py with this variable set: transformers must find torchvision's
+# transforms before it is first imported (``video_tiny``), which the rest of the suite must not.
+VIDEO_CASES = "FEATCACHE_VIDEO_CASES"
+if os.environ.get(VIDEO_CASES):
+    import video_tiny
 
-from featcache.config import DEFAULTS
+    video_tiny.torchvision_for_transformers()
+collect_ignore = [] if os.environ.get(VIDEO_CASES) else ["video"]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from featcache.config import DEFAULTS  # noqa: E402
 
 # FEATCACHE_TEST_EVICTION=lru runs the tests with that eviction policy as every cache's default
 # ("value" is featcache's; issue 30: the reliability suite passes with "lru" and "value"); it

@@ -53,6 +53,20 @@ def torchvision_for_transformers() -> str | None:
         clear = getattr(getattr(import_utils, name), "cache_clear", None)
         if clear is not None and "torchvision" in name:
             clear()
+    # transformers was imported without it (by the suite's other modules): its lazy modules named
+    # every video processor a placeholder, and its video base module imported no transforms. Those
+    # names only are made importable again; image processors keep their PIL fallbacks.
+    sys.modules.pop("transformers.video_processing_utils", None)
+    for module in [m for n, m in list(sys.modules.items())
+                   if n == "transformers" or n.startswith("transformers.models.")]:
+        missing = getattr(module, "_object_missing_backend", None)
+        if not isinstance(missing, dict):
+            continue
+        where = getattr(module, "_class_to_module", {})
+        for name in [n for n in missing if n.endswith("VideoProcessor")
+                     or "video_processing" in str(where.get(n, ""))]:
+            del missing[name]
+            module.__dict__.pop(name, None)
     return None
 
 

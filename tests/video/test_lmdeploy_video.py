@@ -1,0 +1,291 @@
+"""featcache on videos (issue 52), on lmdeploy 0.18's real CPU code (run in an interpreter of their
+own by tests/test_lmdeploy_video.py): a tiny Qwen3-VL checkpoint with transformers' real video
+processor (``video_tiny``), MP4 clips encoded by OpenCV and decoded as lmdeploy decodes them,
+lmdeploy's real prompt path (``MultimodalProcessor`` + the new-API ``VisionModel.preprocess``),
+then its real input processor, prepare and forward with the fake tower of ``test_lmdeploy_newapi``.
+
+- a video's first request is lmdeploy's own output (ids, offsets, every frame item, pixels);
+- its repeat is served from its entries: equal to lmdeploy's output, never decoded, never given to
+  the video processor, the tower never run on it; another sampling (options, size) is a miss;
+- every hostile video is refused before decoding with a 400 that names the limit, and the server
+  (the frontend) goes on.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+
+import _lmdeploy_stack
+import pytest
+import torch
+
+_lmdeploy_stack.require()
+
+import lmdeploy_tiny as tiny  # noqa: E402
+import video_tiny as vt  # noqa: E402
+
+assert vt.torchvision_for_transformers() is None  # (tests/conftest.py did it, before transformers)
+
+from lmdeploy.pytorch.models import qwen3_vl  # noqa: E402
+from test_lmdeploy_newapi import CLASSES, FAKES, levels, step_context, vision_of  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
+
+from featcache import FeatureCache  # noqa: E402
+from featcache.lmdeploy import families  # noqa: E402
+from featcache.lmdeploy.pytorch.engine import KeyedInputProcessor  # noqa: E402
+from featcache.lmdeploy.request.frontend import SECTION, install_frontend  # noqa: E402
+from featcache.lmdeploy.request.media import MediaError, MediaOptionError, MediaPolicy  # noqa: E402
+from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
+from featcache.lmdeploy.request.video.read import BadVideoError, VideoLimits  # noqa: E402
+
+ARCH = tiny.QWEN3VL
+CLIP = vt.clip(12, 96, 64, 4.0, seed=0)
+OTHER = vt.clip(8, 64, 96, 2.0, seed=1)
+
+
+class VideoRig:
+    def __init__(self, path: str) -> None:
+        self.config = AutoConfig.from_pretrained(path)
+        self.cache = FeatureCache(device="cpu", device_bytes="64MiB", host_bytes=0)
+        self.plain = tiny.PromptPath(path)
+        self.ours = tiny.PromptPath(path)
+        install_frontend(self.ours.model, self.cache, f"test:{ARCH}", self.ours.processor)
+        self.frontend = self.ours.model.preprocess.frontend
+        self.given: list[int] = []  # videos the video processor was given, per call
+        vp = self.ours.model.processor.video_processor
+        given, call = self.given, type(vp).__call__
+
+        def recorded(this, videos, *args, **kwargs):
+            given.append(len(videos))
+            return call(this, videos, *args, **kwargs)
+
+        vp.__class__ = type(f"Recorded{type(vp).__name__}", (type(vp),), {"__call__": recorded})
+        self.processor = KeyedInputProcessor(qwen3_vl.Qwen3VLInputProcessor(self.config, torch.float16),
+                                             families.SPECS[ARCH].items)
+
+    def prompt(self, *items, plain: bool = False, text: str = "what happens", **kwargs) -> dict:
+        path = self.plain if plain else self.ours
+        return path.prompt(tiny.messages(*items, text=text), **kwargs)
+
+    def stats(self) -> dict[str, int]:
+        return self.cache.stats().get(SECTION, {})
+
+    def seed(self, prompt: dict) -> dict[bytes, torch.Tensor]:
+        """Store each miss's features as the model would (every deepstack level)."""
+        stored = {}
+        for item in prompt["multimodal"]:
+            ref = item[REF_KEY]
+            if ref.hit:
+                continue
+            start, end = item["offset"]
+            stored[ref.key] = torch.randn(end - start, 256 * 3)
+            self.cache.put(ref.key, stored[ref.key], meta=ref.meta)
+        return stored
+
+    def close(self) -> None:
+        self.plain.close()
+        self.ours.close()
+        gc.collect()
+        self.cache.close()
+
+
+@pytest.fixture
+def rig(tmp_path_factory):
+    r = VideoRig(vt.checkpoint(tmp_path_factory))
+    yield r
+    r.close()
+
+
+def video(raw: bytes = CLIP) -> dict:
+    return vt.video_item(vt.data_url(raw))
+
+
+def is_video(item: dict) -> bool:
+    return getattr(item["modality"], "value", item["modality"]) == "video"
+
+
+def assert_same(plain: dict, ours: dict) -> None:
+    """featcache's output equals lmdeploy's: ids, offsets, every item's fields; a miss's pixels
+    equal, a hit's a 0-row placeholder of the same trailing shape and dtype."""
+    assert ours["input_ids"] == plain["input_ids"]
+    assert len(ours["multimodal"]) == len(plain["multimodal"])
+    for x, y in zip(plain["multimodal"], ours["multimodal"], strict=True):
+        assert set(y) - {REF_KEY} == set(x)
+        for name in x:
+            a, b = x[name], y[name]
+            if name in ("pixel_values", "pixel_values_videos") and REF_KEY in y and y[REF_KEY].hit:
+                assert b.shape == (0, *a.shape[1:]) and b.dtype == a.dtype
+            elif isinstance(a, torch.Tensor):
+                assert torch.equal(a, b) and a.dtype == b.dtype, name
+            else:
+                assert a == b, name
+
+
+# -- the frontend --------------------------------------------------------------------------------
+
+def test_the_startup_probe_passes_and_videos_are_cached(rig):
+    assert rig.frontend.videos and rig.frontend.expands
+    assert "video_probe_failed" not in rig.stats()
+
+
+@pytest.mark.parametrize("shape", ["one", "two", "image-and-video"])
+def test_a_new_video_is_lmdeploys_own_output(rig, shape):
+    items = {"one": [video()], "two": [video(), video(OTHER)],
+             "image-and-video": [tiny.image_item(tiny.noise_image(100, 80)), video(OTHER)]}[shape]
+    ours = rig.prompt(*items, text="first <then> second")
+    assert_same(rig.prompt(*items, plain=True, text="first <then> second"), ours)
+    frames = [m for m in ours["multimodal"] if is_video(m)]
+    assert frames and all(REF_KEY in m and not m[REF_KEY].hit for m in frames)
+
+
+def test_a_repeated_video_is_served_without_decoding_or_preprocessing(rig, monkeypatch):
+    first = rig.prompt(video(), text="turn one")
+    rig.seed(first)
+    rig.given.clear()
+
+    def no_decode(*args, **kwargs):
+        raise AssertionError("a held video was decoded")
+
+    monkeypatch.setattr("featcache.lmdeploy.request.video.resolve.decode", no_decode)
+    again = rig.prompt(video(), text="turn two")
+    monkeypatch.undo()
+    assert_same(rig.prompt(video(), plain=True, text="turn two"), again)
+    assert all(m[REF_KEY].hit for m in again["multimodal"])
+    assert rig.given == []  # the video processor never saw it
+    assert rig.stats()["video_hits"] == 1 and rig.stats()["video_decode_skipped"] == 1
+
+
+def test_a_held_video_beside_a_new_one(rig):
+    rig.seed(rig.prompt(video()))
+    rig.given.clear()
+    ours = rig.prompt(video(OTHER), video(), text="compare")
+    assert_same(rig.prompt(video(OTHER), video(), plain=True, text="compare"), ours)
+    hits = [m[REF_KEY].hit for m in ours["multimodal"]]
+    assert any(hits) and not all(hits)
+    assert rig.given == [1]  # only the new video was preprocessed
+
+
+@pytest.mark.parametrize("change", [
+    {"media_io_kwargs": {"video": {"num_frames": 4}}},
+    {"media_io_kwargs": {"video": {"fps": 1}}},
+    {"mm_processor_kwargs": {"video": {"min_pixels": tiny.QWEN3_MIN_PIXELS, "max_pixels": 32 * 32 * 8}}},
+], ids=["num_frames", "fps", "size"])
+def test_another_sampling_of_the_same_video_is_a_miss(rig, change):
+    rig.seed(rig.prompt(video()))
+    ours = rig.prompt(video(), **change)
+    assert_same(rig.prompt(video(), plain=True, **change), ours)
+    assert not any(m[REF_KEY].hit for m in ours["multimodal"])
+    rig.seed(ours)
+    again = rig.prompt(video(), **change)  # that sampling is held now, under its own keys
+    assert all(m[REF_KEY].hit for m in again["multimodal"])
+    assert_same(rig.prompt(video(), plain=True, **change), again)
+
+
+def test_the_same_bytes_as_an_image_and_as_a_video_never_share_an_entry(rig):
+    buf = io.BytesIO()
+    tiny.noise_image(64, 48).save(buf, format="PNG")
+    raw = buf.getvalue()
+    image = {"type": "image_url", "image_url": {"url": vt.data_url(raw, "image/png")}}
+    got = rig.prompt(image)
+    with pytest.raises(BadVideoError):  # (a PNG is no video: refused, the image's entry untouched)
+        rig.prompt(vt.video_item(vt.data_url(raw, "video/mp4")))
+    assert rig.prompt(image)["input_ids"] == got["input_ids"]
+
+
+def test_a_failure_inside_featcache_is_a_miss_never_a_wrong_answer(rig, monkeypatch):
+    rig.seed(rig.prompt(video()))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr("featcache.lmdeploy.request.processor.plan_videos", broken)
+    ours = rig.prompt(video())
+    plain = rig.prompt(video(), plain=True)
+    assert ours["input_ids"] == plain["input_ids"]
+    assert all(torch.equal(x["pixel_values_videos"], y["pixel_values_videos"])
+               for x, y in zip(plain["multimodal"], ours["multimodal"], strict=True))
+    assert rig.stats()["frontend_errors"] == 1
+
+
+# -- hostile videos ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("raw", [b"", b"\x00\x00\x00\x18ftypmp42" + bytes(200), CLIP[: len(CLIP) // 3],
+                                 b"<html>not a video</html>"],
+                         ids=["empty", "header-only", "truncated", "not-a-video"])
+def test_bytes_that_are_no_video_are_a_400(rig, raw):
+    item = video(raw) if raw else vt.video_item("data:video/mp4;base64,")
+    with pytest.raises(ValueError):
+        rig.prompt(item)
+    assert_same(rig.prompt(video(), plain=True), rig.prompt(video()))  # the server goes on
+
+
+@pytest.mark.parametrize("limits, match", [
+    (VideoLimits(max_video_bytes=len(CLIP) - 1), "--max-video-bytes"),
+    (VideoLimits(max_frame_pixels=96 * 64 - 1), "--max-video-frame-pixels"),
+    (VideoLimits(max_video_frames=11), "--max-video-frames"),
+    (VideoLimits(max_video_seconds=2.5), "--max-video-seconds"),
+    (VideoLimits(max_sampled_frames=6), "--max-sampled-frames"),
+], ids=["bytes", "resolution", "frames", "duration", "sampled"])
+def test_a_video_past_a_limit_is_refused_before_decoding(rig, limits, match, monkeypatch):
+    rig.frontend.video_limits = limits
+    decoded = []
+    monkeypatch.setattr("featcache.lmdeploy.request.video.resolve.decode", lambda *a, **k: decoded.append(1))
+    with pytest.raises(MediaError, match=match):
+        rig.prompt(video())
+    assert decoded == [] and rig.stats()["media_refused"] == 1
+    rig.frontend.video_limits = VideoLimits()
+    monkeypatch.undo()
+    assert_same(rig.prompt(video(), plain=True), rig.prompt(video()))
+
+
+@pytest.mark.parametrize("options", [
+    {"video": {"num_frames": "32"}}, {"video": {"num_frames": 2.5}}, {"video": {"num_frames": 0}},
+    {"video": {"fps": [1]}}, {"video": {"fps": float("nan")}}, {"video": {"decoder": "x"}},
+    {"video": "fast"}, {"video": {"num_frames": True}},
+], ids=["str", "float-frames", "zero", "list", "nan", "unknown", "not-object", "bool"])
+def test_bad_decode_options_are_refused(rig, options):
+    with pytest.raises(MediaOptionError):
+        rig.prompt(video(), media_io_kwargs=options)
+    assert rig.stats()["options_refused"] == 1
+
+
+def test_asking_for_every_frame_is_bounded(rig):
+    rig.frontend.video_limits = VideoLimits(max_sampled_frames=8)
+    with pytest.raises(MediaError, match="--max-sampled-frames"):
+        rig.prompt(video(), media_io_kwargs={"video": {"num_frames": -1}})
+
+
+def test_local_video_files_follow_the_media_policy(rig, tmp_path):
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(CLIP)
+    rig.frontend.media = MediaPolicy(None)  # featcache serve's default: no local files
+    with pytest.raises(MediaError, match="reads no local files"):
+        rig.prompt(vt.video_item(str(path)))
+    rig.frontend.media = MediaPolicy(str(tmp_path))
+    ours = rig.prompt(vt.video_item(str(path)))
+    assert_same(rig.prompt(vt.video_item(str(path)), plain=True), ours)
+
+
+# -- the engine: the model is given a held video's features, computes a new one's ---------------
+
+def test_a_step_serves_held_frames_and_computes_new_ones(rig, monkeypatch):
+    cls = CLASSES[ARCH]
+    tiny.featcache_prepare(monkeypatch, cls, families.SPECS[ARCH])
+    stored = rig.seed(rig.prompt(video()))
+    prompt = rig.prompt(video(OTHER), video(), text="compare")
+    plain = rig.prompt(video(OTHER), video(), plain=True, text="compare")
+    model = FAKES[ARCH](rig.config)
+    visual = vision_of(model)
+    result = rig.processor.preprocess_input(prompt["input_ids"], prompt["multimodal"])
+    context = step_context(prompt["input_ids"], [result.input_multimodals], rig.config)
+    got = model.run(cls.prepare_inputs_for_generation(model, [None] * context._full, None, context))
+    mask = torch.tensor(prompt["input_ids"]) == prompt["multimodal"][0]["video_token_id"]
+    want = []
+    for item, own in zip(prompt["multimodal"], plain["multimodal"], strict=True):
+        ref = item[REF_KEY]
+        want.append(stored[ref.key].chunk(3, -1)[0] if ref.hit else levels(own["pixel_values_videos"])[0])
+    assert torch.equal(got["inputs_embeds"][0][mask].float(), torch.cat(want))
+    misses = [own["pixel_values_videos"] for item, own in zip(prompt["multimodal"], plain["multimodal"],
+                                                              strict=True) if not item[REF_KEY].hit]
+    assert len(visual.calls) == 1 and torch.equal(visual.calls[0], torch.cat(misses).to(visual.calls[0]))
