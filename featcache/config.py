@@ -94,6 +94,22 @@ MEDIA_DEFAULTS: dict[str, str | None] = {
     "allowed_local_media_path": None,
 }
 
+# What one video a request names may cost (featcache.lmdeploy.request.media.VideoLimits; each a
+# `featcache serve` option, named in its refusals): its encoded bytes, its stated duration and
+# frames (what the decoder walks through), the frames its sampling keeps (each held decoded), one
+# frame's pixels (4K). Memory: max_video_bytes + max_sampled_frames x max_frame_pixels x 3.
+VIDEO_DEFAULTS: dict[str, float] = {
+    "max_video_bytes": 256 << 20,
+    "max_video_seconds": 3600.0,
+    "max_video_frames": 108_000,  # an hour at 30 frames a second
+    "max_sampled_frames": 256,
+    "max_frame_pixels": 3840 * 2160,
+}
+VIDEO_OPTIONS = {  # each limit's featcache serve option
+    "max_video_bytes": "--max-video-bytes", "max_video_seconds": "--max-video-seconds",
+    "max_video_frames": "--max-video-frames", "max_sampled_frames": "--max-sampled-frames",
+    "max_frame_pixels": "--max-video-frame-pixels"}
+
 # Where a store lives when none is named (the CLI, featcache.lmdeploy.default_cache()).
 ENV_DIR = "FEATCACHE_DIR"
 DEFAULT_DIR_SHOWN = "~/.cache/featcache"

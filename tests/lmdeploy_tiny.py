@@ -378,13 +378,10 @@ def _qwen2vl(out: str) -> None:
 
 
 # the Qwen3 lineage's template (an image item: its vision span)
-QWEN3_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
-    "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'video' %}"
-    "<|vision_start|><|video_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
-    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+def _qwen3_template() -> str:
+    from bench.device.make_tiny_vlm import QWEN3_TEMPLATE  # (the GPU checkpoints': images and videos)
+
+    return QWEN3_TEMPLATE
 
 
 def _qwen3(out: str, arch: str) -> None:
@@ -395,7 +392,7 @@ def _qwen3(out: str, arch: str) -> None:
 
     tok = _tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
                       "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
-    tok.chat_template = QWEN3_TEMPLATE
+    tok.chat_template = _qwen3_template()
     tok.save_pretrained(out)
     Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
                              image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
@@ -531,7 +528,7 @@ def _qwen3_omni(out: str) -> None:
         "image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "audio_token": "<|audio_pad|>",
         "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
         "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>"})
-    tok.chat_template = QWEN3_TEMPLATE
+    tok.chat_template = _qwen3_template()
     ip = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
                                   image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
                                   size={"shortest_edge": QWEN3_MIN_PIXELS, "longest_edge": QWEN3_MAX_PIXELS})
@@ -570,7 +567,7 @@ def _kimi(out: str) -> None:
 
     tok = _tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|media_start|>",
                       "<|media_content|>", "<|media_end|>", "<|media_pad|>"])
-    tok.chat_template = QWEN3_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>",
+    tok.chat_template = _qwen3_template().replace("<|vision_start|><|image_pad|><|vision_end|>",
                                                "<|media_start|>image<|media_content|><|media_pad|><|media_end|>")
     tok.save_pretrained(out)
     here = os.path.dirname(os.path.abspath(__file__))

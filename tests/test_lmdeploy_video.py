@@ -26,7 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.timeout(1200)
 def test_every_video_case_passes():
     if not os.path.isdir(os.path.join(video_tiny.REF_DIR, "torchvision")):
-        pytest.fail(f"torchvision's wheel is not installed aside at {video_tiny.REF_DIR} (README's test command)")
+        pytest.fail(f"torchvision's wheel is not installed aside at {video_tiny.REF_DIR} "
+                    "(README's test command)")
     env = dict(os.environ, FEATCACHE_VIDEO_CASES="1")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/video"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1100)

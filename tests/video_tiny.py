@@ -16,13 +16,13 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import types
 from typing import Any
 
 import lmdeploy_tiny as tiny
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from bench.lib import images  # noqa: E402
 from bench.lib.torchvision_ref import REF_DIR  # noqa: E402
 
 _video_checkpoints: dict[str, str] = {}
@@ -93,20 +93,8 @@ def checkpoint(tmp_path_factory: Any, arch: str = tiny.QWEN3VL) -> str:
 
 
 def clip(frames: int = 12, width: int = 96, height: int = 64, fps: float = 4.0, seed: int = 0) -> bytes:
-    """An MP4 (mp4v) of ``frames`` random frames, encoded by OpenCV."""
-    import cv2
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "clip.mp4")
-        writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
-        base = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
-        for i in range(frames):
-            writer.write(np.roll(base, 3 * i, axis=1))
-        writer.release()
-        with open(path, "rb") as f:
-            return f.read()
+    """An MP4 (mp4v) of ``frames`` frames, encoded by OpenCV (the GPU check's clips)."""
+    return images.clip(seed, frames, (width, height), fps)
 
 
 def data_url(raw: bytes, mime: str = "video/mp4") -> str:

@@ -278,7 +278,8 @@ def internvl_chat(out, dtype='bfloat16'):
 QWEN3_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
     "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'video' %}"
+    "<|vision_start|><|video_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
     "{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -294,7 +295,10 @@ def qwen3_processor(out, min_pixels, max_pixels):
                                image_std=[0.5] * 3,
                                size={'shortest_edge': min_pixels, 'longest_edge': max_pixels})
     proc = Qwen3VLProcessor(image_processor=ip, tokenizer=tok,
-                            video_processor=Qwen3VLVideoProcessor(patch_size=16, merge_size=2),
+                            video_processor=Qwen3VLVideoProcessor(
+                                patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
+                                image_std=[0.5] * 3,
+                                size={'shortest_edge': min_pixels, 'longest_edge': 4 * max_pixels}),
                             chat_template=tok.chat_template)
     proc.save_pretrained(out)
     return tok

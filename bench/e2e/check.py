@@ -6,13 +6,14 @@ per distinct image, and the prefix cache must never serve one image's KV for ano
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 from typing import Any
 
 from bench.e2e.probes import PromptLogits, VisionCounter
 from bench.lib.engines import ask, build, close_pipeline, free_gpu
-from bench.lib.images import image, user_message
+from bench.lib.images import clip_data_url, image, user_message
 
 LONG_PREFIX = "".join(f"line {i:03d} of a long shared instruction. " for i in range(6))[:200]
 LONG_SUFFIX = ("then answer in one word, please, and nothing else at all; thank you very much, "
@@ -38,9 +39,28 @@ def last_logits_diff(plain: list[dict[str, Any]], other: list[dict[str, Any]]) -
     return out
 
 
-def check_requests() -> list[tuple[str, Any]]:
+# the architectures whose videos featcache caches (docs/lmdeploy.md, "Videos"): the check adds a
+# 4-turn chat over a short clip (issue 52)
+VIDEO_ARCHS = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+
+
+def video_chat() -> list[tuple[str, Any]]:
+    """A 4-turn chat resending one short clip (a data URL) every turn, then another clip."""
+    clip = {"type": "video_url", "video_url": {"url": clip_data_url(1, frames=12, size=(96, 64), fps=4.0)}}
+    other = {"type": "video_url", "video_url": {"url": clip_data_url(2, frames=8, size=(64, 96), fps=2.0)}}
+    turns: list[dict[str, Any]] = [dict(role="user", content=[dict(type="text", text="what happens?"), clip])]
+    rows = [("video chat turn 1", list(turns))]
+    for n, (answer, ask_next) in enumerate([("ok", "and then?"), ("fine", "why?"), ("sure", "last")], 2):
+        turns += [dict(role="assistant", content=answer), dict(role="user", content=ask_next)]
+        rows.append((f"video chat turn {n}", list(turns)))
+    rows.append(("video: another clip", [dict(role="user", content=[dict(type="text", text="and this?"),
+                                                                    other])]))
+    return rows
+
+
+def check_requests(videos: bool = False) -> list[tuple[str, Any]]:
     """(label, prompt) in order; a prompt is a (text, image(s)) tuple, a list of them (one batch),
-    or OpenAI-style messages."""
+    or OpenAI-style messages. ``videos``: the video chat too (``video_chat``)."""
     a, b, c, d, e = (image(s, size) for s, size in
                      [(1, (120, 90)), (2, (64, 64)), (3, (200, 60)), (4, (90, 130)), (5, (56, 56))])
     chat = [user_message("look at this", c)]
@@ -77,6 +97,7 @@ def check_requests() -> list[tuple[str, Any]]:
                                 dict(role="user", content="and now?"),
                                 dict(role="assistant", content="fine"),
                                 dict(role="user", content="last one")]),
+        *(video_chat() if videos else []),
     ]
 
 
@@ -84,12 +105,13 @@ def rows_by(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {r["label"]: r for r in result["rows"]}
 
 
-def run_check(pipe: Any, counter: VisionCounter, logits: PromptLogits) -> list[dict[str, Any]]:
+def run_check(pipe: Any, counter: VisionCounter, logits: PromptLogits,
+              videos: bool = False) -> list[dict[str, Any]]:
     from lmdeploy import GenerationConfig
 
     gen = GenerationConfig(max_new_tokens=12, do_sample=False, ignore_eos=True)
     rows = []
-    for label, prompt in check_requests():
+    for label, prompt in check_requests(videos):
         counter.take()
         logits.take()
         logits.take_last()
@@ -136,6 +158,8 @@ def check(model: str, tier_bytes: int = 12 << 10, configs: tuple[str, ...] = CHE
     counter = VisionCounter()
     logits = PromptLogits()
     results: dict[str, Any] = {"model": model}
+    with open(os.path.join(model, "config.json")) as f:
+        videos = bool(set(json.load(f).get("architectures") or ()) & set(VIDEO_ARCHS))
     dirs = [tempfile.mkdtemp(prefix="fc-check-") for _ in range(2)]
     # featcache_restart reopens featcache_prefix's store in a new pipeline: a restarted server
     # plain_prefix: lmdeploy without featcache, its prefix caching forced on (0.18 switches it off
@@ -155,7 +179,7 @@ def check(model: str, tier_bytes: int = 12 << 10, configs: tuple[str, ...] = CHE
                              disk_path=dirs[store], disk_bytes=disk_bytes) if store is not None else None
         t = time.time()
         pipe = build(kind, model, prefix, cache)
-        rows = run_check(pipe, counter, logits)
+        rows = run_check(pipe, counter, logits, videos)
         stats = cache.stats() if cache is not None else None
         close_pipeline(pipe)
         if cache is not None:

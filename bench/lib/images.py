@@ -21,6 +21,33 @@ def image(seed: int, size: tuple[int, int]) -> Any:
     return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
 
 
+def clip(seed: int, frames: int = 12, size: tuple[int, int] = (96, 64), fps: float = 4.0) -> bytes:
+    """An MP4 (mp4v, encoded by OpenCV) of ``frames`` frames of noise from ``seed`` scrolling
+    sideways, ``size`` (width, height)."""
+    import os
+    import tempfile
+
+    import cv2
+    import numpy as np
+
+    base = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "clip.mp4")
+        writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), fps, size)
+        for i in range(frames):
+            writer.write(np.roll(base, 3 * i, axis=1))
+        writer.release()
+        with open(path, "rb") as f:
+            return f.read()
+
+
+def clip_data_url(seed: int, frames: int = 12, size: tuple[int, int] = (96, 64), fps: float = 4.0) -> str:
+    """``clip(...)`` as a data URL."""
+    import base64
+
+    return "data:video/mp4;base64," + base64.b64encode(clip(seed, frames, size, fps)).decode()
+
+
 def user_message(*parts: Any) -> dict[str, Any]:
     """A user message as lmdeploy's pipeline takes it: ``parts`` in order, a ``str`` as a text item,
     anything else (a PIL image) as an ``image_data`` item; a None part is left out."""

@@ -25,6 +25,7 @@ from ..config import (
     SERVING_BUDGETS,
     SERVING_BUDGETS_DEFAULT,
     STORE_DIR_HELP,
+    VIDEO_OPTIONS,
 )
 from ..errors import FeatCacheError
 from ..sizes import parse_bytes
@@ -40,6 +41,7 @@ from ..warm import (
 )
 from .command import EXIT_BAD, EXIT_ERROR, EXIT_OK, Command, Parser, at_least_one, json_argument
 from .progress import ProgressBar
+from .videoflags import VIDEO_FLAGS, shown_default, video_limits
 
 
 def _bytes(text: str) -> int:
@@ -167,6 +169,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="the most bytes read of one image a request names (a file, a data URL, an "
                    "http body), e.g. 32MiB; larger ones are answered 400 (default: "
                    f"{MEDIA_DEFAULTS['max_image_bytes']})")
+    for name, kind, what in VIDEO_FLAGS:  # (a video past one is answered 400 naming it)
+        g.add_argument(VIDEO_OPTIONS[name], dest=name, type=kind, metavar="N",
+                       help=f"{what} (default: {shown_default(name)}); larger ones are answered 400")
     g.add_argument("--engine-process", choices=ENGINE_PROCESSES, default=None,
                    help="where the PyTorch engine runs: 'mp', lmdeploy's own engine process (the "
                    "default, as lmdeploy serve api_server runs it), or 'in' the server's process "
@@ -254,7 +259,7 @@ def _serve(args: argparse.Namespace) -> int:
     from ..lmdeploy.request.media import MediaPolicy
 
     try:
-        media = MediaPolicy.create(args.allowed_local_media_path, args.max_image_bytes)
+        media = MediaPolicy.create(args.allowed_local_media_path, args.max_image_bytes, video_limits(args))
     except (TypeError, ValueError) as e:  # not a directory, a cap of 0
         print(f"featcache serve: error: {e}", file=sys.stderr)
         return EXIT_BAD

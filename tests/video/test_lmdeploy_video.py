@@ -13,6 +13,7 @@ then its real input processor, prepare and forward with the fake tower of ``test
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import io
 
@@ -35,9 +36,14 @@ from featcache import FeatureCache  # noqa: E402
 from featcache.lmdeploy import families  # noqa: E402
 from featcache.lmdeploy.pytorch.engine import KeyedInputProcessor  # noqa: E402
 from featcache.lmdeploy.request.frontend import SECTION, install_frontend  # noqa: E402
-from featcache.lmdeploy.request.media import MediaError, MediaOptionError, MediaPolicy  # noqa: E402
+from featcache.lmdeploy.request.media import (  # noqa: E402
+    MediaError,
+    MediaOptionError,
+    MediaPolicy,
+    VideoLimits,  # noqa: E402
+)
 from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
-from featcache.lmdeploy.request.video.read import BadVideoError, VideoLimits  # noqa: E402
+from featcache.lmdeploy.request.video.read import BadVideoError  # noqa: E402
 
 ARCH = tiny.QWEN3VL
 CLIP = vt.clip(12, 96, 64, 4.0, seed=0)
@@ -46,6 +52,7 @@ OTHER = vt.clip(8, 64, 96, 2.0, seed=1)
 
 class VideoRig:
     def __init__(self, path: str) -> None:
+        self.path = path
         self.config = AutoConfig.from_pretrained(path)
         self.cache = FeatureCache(device="cpu", device_bytes="64MiB", host_bytes=0)
         self.plain = tiny.PromptPath(path)
@@ -228,13 +235,13 @@ def test_bytes_that_are_no_video_are_a_400(rig, raw):
     (VideoLimits(max_sampled_frames=6), "--max-sampled-frames"),
 ], ids=["bytes", "resolution", "frames", "duration", "sampled"])
 def test_a_video_past_a_limit_is_refused_before_decoding(rig, limits, match, monkeypatch):
-    rig.frontend.video_limits = limits
+    rig.frontend.media = dataclasses.replace(rig.frontend.media, video=limits)
     decoded = []
     monkeypatch.setattr("featcache.lmdeploy.request.video.resolve.decode", lambda *a, **k: decoded.append(1))
     with pytest.raises(MediaError, match=match):
         rig.prompt(video())
     assert decoded == [] and rig.stats()["media_refused"] == 1
-    rig.frontend.video_limits = VideoLimits()
+    rig.frontend.media = dataclasses.replace(rig.frontend.media, video=VideoLimits())
     monkeypatch.undo()
     assert_same(rig.prompt(video(), plain=True), rig.prompt(video()))
 
@@ -251,7 +258,7 @@ def test_bad_decode_options_are_refused(rig, options):
 
 
 def test_asking_for_every_frame_is_bounded(rig):
-    rig.frontend.video_limits = VideoLimits(max_sampled_frames=8)
+    rig.frontend.media = dataclasses.replace(rig.frontend.media, video=VideoLimits(max_sampled_frames=8))
     with pytest.raises(MediaError, match="--max-sampled-frames"):
         rig.prompt(video(), media_io_kwargs={"video": {"num_frames": -1}})
 
@@ -289,3 +296,45 @@ def test_a_step_serves_held_frames_and_computes_new_ones(rig, monkeypatch):
     misses = [own["pixel_values_videos"] for item, own in zip(prompt["multimodal"], plain["multimodal"],
                                                               strict=True) if not item[REF_KEY].hit]
     assert len(visual.calls) == 1 and torch.equal(visual.calls[0], torch.cat(misses).to(visual.calls[0]))
+
+
+def test_several_processes_each_model_process_skips_the_tower_for_frames_it_holds(rig, monkeypatch):
+    """lmdeploy's mp engine (tp > 1 too): the API process's frontend reads, keys and preprocesses
+    every video (its output lmdeploy's own) and tags each frame item with its pixels; the model
+    process computes a video the first time and serves it from its own cache after."""
+    import json
+    import pickle
+
+    from featcache.lmdeploy import counters_cache
+    from featcache.lmdeploy.pytorch import ranks
+    from featcache.lmdeploy.request.tags import FeatTag
+
+    cls = CLASSES[ARCH]
+    tiny.featcache_prepare(monkeypatch, cls, families.SPECS[ARCH])
+    api_cache = counters_cache()
+    api = tiny.PromptPath(rig.path)
+    install_frontend(api.model, api_cache, f"test:{ARCH}", api.processor, tags=True)
+    ranks.configure(json.dumps({"feature_cache": {"device": "cpu", "device_bytes": 64 << 20,
+                                                   "host_bytes": 0}}))
+    try:
+        model = FAKES[ARCH](rig.config)
+        visual = vision_of(model)
+        for turn in range(2):
+            sent = api.prompt(tiny.messages(video(), text=f"turn {turn}"))
+            plain = rig.prompt(video(), plain=True, text=f"turn {turn}")
+            assert_same(plain, {**sent, "multimodal": [{k: v for k, v in m.items() if k != REF_KEY}
+                                                        for m in sent["multimodal"]]})
+            assert all(isinstance(m[REF_KEY], FeatTag) for m in sent["multimodal"])
+            sent = pickle.loads(pickle.dumps(sent))  # (lmdeploy's RPC to the engine process)
+            result = rig.processor.preprocess_input(sent["input_ids"], sent["multimodal"])
+            context = step_context(sent["input_ids"], [result.input_multimodals], rig.config)
+            got = model.run(cls.prepare_inputs_for_generation(model, [None] * context._full, None, context))
+            mask = torch.tensor(sent["input_ids"]) == sent["multimodal"][0]["video_token_id"]
+            want = torch.cat([levels(p["pixel_values_videos"])[0] for p in plain["multimodal"]])
+            assert torch.equal(got["inputs_embeds"][0][mask].float(), want)
+        assert len(visual.calls) == 1  # the second turn's frames came from the model process's cache
+        assert ranks.local_cache().stats()[SECTION]["vision_skipped"] == len(sent["multimodal"])
+    finally:
+        ranks.reset_for_tests()
+        api.close()
+        api_cache.close()

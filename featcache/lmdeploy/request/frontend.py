@@ -52,7 +52,6 @@ from .refs import REF_KEY, FeatRef
 from .resolve import SECTION, DataUrlKeys, SourceResolver, bindings
 from .sources import KEY_INFO, CachedImage, install_sources
 from .tags import FeatTag, sourced
-from .video.read import VideoLimits
 
 log = logging.getLogger("featcache")
 SENT_IMAGES = 65536  # the images a tag-mode frontend remembers sending (metadata: ~100 bytes each)
@@ -120,7 +119,6 @@ class Frontend(SourceResolver):
         # what image sources are read (``media``): featcache serve's --allowed-local-media-path
         # and --max-image-bytes; any local file for the Python API (``sources.set_media_policy``)
         self.media: MediaPolicy = LOCAL_FILES
-        self.video_limits = VideoLimits()  # what one video may cost (``video.read``)
         self.videos = False  # whether videos are cached (``ProcessorLevel``: where it is shown exact)
         self._logged = False
         self._warned_at: float | None = None  # the last bad image's warning (``_bad_image``)

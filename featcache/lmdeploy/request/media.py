@@ -23,6 +23,7 @@ message, which says what to send instead and names the server option.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import functools
 import json
@@ -31,7 +32,7 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
-from ...config import MEDIA_DEFAULTS
+from ...config import MEDIA_DEFAULTS, VIDEO_DEFAULTS, VIDEO_OPTIONS
 from ...keys import KeyHasher, KeyPrefix
 from ...sizes import format_bytes, parse_bytes
 
@@ -49,6 +50,28 @@ class MediaError(ValueError):
 
 
 @dataclass(frozen=True)
+class VideoLimits:
+    """What one video of a request may cost the server (``video.read``'s docstring names each;
+    defaults ``featcache.config.VIDEO_DEFAULTS``, each a ``featcache serve`` option,
+    ``VIDEO_OPTIONS_NAMED``)."""
+
+    max_video_bytes: int = int(VIDEO_DEFAULTS["max_video_bytes"])
+    max_video_seconds: float = VIDEO_DEFAULTS["max_video_seconds"]
+    max_video_frames: int = int(VIDEO_DEFAULTS["max_video_frames"])
+    max_sampled_frames: int = int(VIDEO_DEFAULTS["max_sampled_frames"])
+    max_frame_pixels: int = int(VIDEO_DEFAULTS["max_frame_pixels"])
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{f.name} must be a positive number, not {value!r}")
+
+
+VIDEO_OPTIONS_NAMED = VIDEO_OPTIONS
+
+
+@dataclass(frozen=True)
 class MediaPolicy:
     """Where local image files may lie and how large any image source may be.
 
@@ -58,6 +81,7 @@ class MediaPolicy:
 
     allowed_local_media_path: str | None = MEDIA_DEFAULTS["allowed_local_media_path"]
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    video: VideoLimits = VideoLimits()  # what one video may cost (``video.read``)
 
     def __post_init__(self) -> None:
         cap = self.max_image_bytes
@@ -79,7 +103,7 @@ class MediaPolicy:
 
     @classmethod
     def create(cls, allowed_local_media_path: str | os.PathLike[str] | None = None,
-               max_image_bytes: int | str | None = None) -> MediaPolicy:
+               max_image_bytes: int | str | None = None, video: VideoLimits | None = None) -> MediaPolicy:
         """A policy from user values: the cap as an int or a string like "64MiB", None for the
         default (``featcache.config.MEDIA_DEFAULTS``)."""
         cap = DEFAULT_MAX_IMAGE_BYTES if max_image_bytes is None else max_image_bytes
@@ -88,7 +112,7 @@ class MediaPolicy:
                 cap = parse_bytes(cap)
             except ValueError as e:
                 raise ValueError(f"max_image_bytes: {e}") from None
-        return cls(allowed_local_media_path, cap)  # type: ignore[arg-type]
+        return cls(allowed_local_media_path, cap, VideoLimits() if video is None else video)  # type: ignore[arg-type]
 
 
 LOCAL_FILES = MediaPolicy(os.sep)  # the Python API's default: any file of the caller's, capped

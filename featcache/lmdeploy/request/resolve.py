@@ -52,7 +52,7 @@ from .sources import (
 )
 from .tags import FeatTag, sourced
 from .video.entries import has_videos, restore
-from .video.read import BadVideoError, VideoLimits
+from .video.read import BadVideoError
 from .video.resolve import resolve_videos
 
 log = logging.getLogger("featcache")
@@ -72,7 +72,6 @@ class SourceResolver:
     id_contents: LruMap[bytes, bytes]  # "verify": the content key each id was first sent with
     data_urls: DataUrlKeys  # data URLs keyed before: a repeat is not base64-decoded
     media: MediaPolicy  # what image sources are read
-    video_limits: VideoLimits  # what one video may cost (``video.read``)
     videos: bool  # whether this frontend caches videos (else they are read here, not keyed)
     _logged: bool
     _warned_at: float | None  # the last bad image's warning (``_bad_image``)
@@ -112,7 +111,7 @@ class SourceResolver:
             return resolved
         try:  # (``video.resolve``: each video read once, under the limits; keyed where cached)
             return resolve_videos(resolved, media_io_kwargs, allowed_media_domains, self.media,
-                                  self.video_limits, self if self.videos else None)
+                                  self.media.video, self if self.videos else None)
         except MediaOptionError:
             self.cache.count(SECTION, "options_refused")
             raise

@@ -34,7 +34,8 @@ from typing import Any
 
 from ....sizes import format_bytes
 from ..httpfetch import fetch_http
-from ..media import CAP_OPTION, MediaError, MediaOptionError, MediaPolicy, shown
+from ..media import CAP_OPTION, MediaError, MediaOptionError, MediaPolicy, VideoLimits, shown
+from ..media import VIDEO_OPTIONS_NAMED as OPTION
 from ..sources import encoded_bytes, is_data_url, is_http
 
 MAX_VIDEO_OPTIONS_BYTES = 4 << 10  # a request's video decode options, as canonical JSON
@@ -47,29 +48,6 @@ DEFAULT_NUM_FRAMES = 32  # lmdeploy's ``VideoMediaIO`` default
 class BadVideoError(ValueError):
     """A video a client sent cannot be read as one (no container the decoder opens, no frame,
     damaged): the client's to fix, answered 400 with this message."""
-
-
-@dataclass(frozen=True)
-class VideoLimits:
-    """What one video of a request may cost the server (the module docstring names each)."""
-
-    max_video_bytes: int = 256 << 20
-    max_video_seconds: float = 3600.0
-    max_video_frames: int = 108_000  # an hour at 30 frames a second
-    max_sampled_frames: int = 256
-    max_frame_pixels: int = 3840 * 2160
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{f.name} must be a positive number, not {value!r}")
-
-
-OPTION = {  # each limit's featcache serve option, named in its refusals
-    "max_video_bytes": "--max-video-bytes", "max_video_seconds": "--max-video-seconds",
-    "max_video_frames": "--max-video-frames", "max_sampled_frames": "--max-sampled-frames",
-    "max_frame_pixels": "--max-video-frame-pixels"}
 
 
 def _over(limits: VideoLimits, name: str, what: str, advice: str) -> MediaError:
