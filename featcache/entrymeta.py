@@ -15,6 +15,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+VIDEO_FIELD = "featcache_video"  # (``featcache.lmdeploy.request.video.entries.INFO``)
+
 
 @dataclass(frozen=True)
 class EntryMeta:
@@ -25,6 +27,9 @@ class EntryMeta:
     record: Any  # the decoded JSON value (None when empty or not JSON)
     namespace: str | None  # "ns" of a JSON object, when a string
     image_tokens: int | None  # the image's token count, when recorded
+    # a video's engine item: the video's record (``featcache.lmdeploy.request.video.entries``:
+    # "items", "grid", "metadata", "options"), or None
+    video: dict[str, Any] | None = None
 
 
 def read(meta: bytes) -> EntryMeta:
@@ -34,13 +39,18 @@ def read(meta: bytes) -> EntryMeta:
         is_json = bool(meta)
     except (UnicodeDecodeError, ValueError):
         record, is_json = None, False
-    tokens = None
+    tokens = video = None
     if isinstance(record, dict):
         fields = record.get("fields")
         nested = fields if isinstance(fields, dict) else {}
         found = record.get("image_tokens", nested.get("image_tokens"))
         tokens = found if isinstance(found, int) and not isinstance(found, bool) else None
-    return EntryMeta(len(meta), is_json, record, _namespace(record), tokens)
+        try:
+            video = json.loads(nested[VIDEO_FIELD]) if isinstance(nested.get(VIDEO_FIELD), str) else None
+        except ValueError:
+            video = None
+    return EntryMeta(len(meta), is_json, record, _namespace(record), tokens,
+                     video if isinstance(video, dict) else None)
 
 
 def namespace_of(meta: bytes) -> str | None:

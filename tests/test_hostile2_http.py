@@ -366,3 +366,22 @@ def test_an_image_featcache_cannot_key_is_still_fetched_once(rig, web, monkeypat
     out = rig.prompt(url_item(web.base + "/a.png"))
     assert len(out["multimodal"]) == 1
     assert web.hits["/a.png"] == 1
+
+
+def test_a_video_url_has_the_video_deadline_and_the_video_cap(web, monkeypatch):
+    """An http(s) video (issue 52) is fetched as an image is, within lmdeploy's video fetch
+    timeout (``LMDEPLOY_VIDEO_FETCH_TIMEOUT``) for the whole fetch and at most
+    ``--max-video-bytes`` of it: a dripped response and an oversized body are refused, each
+    naming what refused it."""
+    from featcache.lmdeploy.request.media import VideoLimits
+    from featcache.lmdeploy.request.video.read import read_video
+
+    monkeypatch.setenv("LMDEPLOY_VIDEO_FETCH_TIMEOUT", "1")
+    start = time.monotonic()
+    deadline = r"the video at .* not received within 1 s \(LMDEPLOY_VIDEO_FETCH_TIMEOUT\)"
+    with pytest.raises(MediaError, match=deadline):
+        read_video(web.base + "/drip-headers", POLICY, VideoLimits())
+    assert time.monotonic() - start < 3.0
+    with pytest.raises(MediaError, match="--max-video-bytes"):
+        read_video(web.base + "/a.png.gz", POLICY, VideoLimits(max_video_bytes=len(IMAGE) - 1))
+    assert read_video(web.base + "/a.png.gz", POLICY, VideoLimits()) == IMAGE

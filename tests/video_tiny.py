@@ -105,3 +105,26 @@ def data_url(raw: bytes, mime: str = "video/mp4") -> str:
 
 def video_item(source: str) -> dict[str, Any]:
     return {"type": "video_url", "video_url": {"url": source}}
+
+
+def lying_avi(stated: int, frames: int = 12) -> bytes:
+    """An MJPG AVI of ``frames`` frames whose headers state ``stated`` (the main header's total
+    and the stream header's length: what OpenCV's FFmpeg backend reports as its frame count)."""
+    import struct
+    import tempfile
+
+    import cv2
+    import numpy as np
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "clip.avi")
+        writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"MJPG"), 4.0, (64, 48))
+        for i in range(frames):
+            writer.write(np.full((48, 64, 3), 20 * i, np.uint8))
+        writer.release()
+        with open(path, "rb") as f:
+            raw = bytearray(f.read())
+    main, stream = raw.find(b"avih"), raw.find(b"strh")
+    struct.pack_into("<I", raw, main + 8 + 16, stated)  # avih.dwTotalFrames
+    struct.pack_into("<I", raw, stream + 8 + 32, stated)  # strh.dwLength
+    return bytes(raw)

@@ -67,10 +67,24 @@ def meta_summary(meta: bytes) -> str:
         return f"{m.size} B, not JSON"
     if not isinstance(m.record, dict):
         return f"JSON {type(m.record).__name__}, {m.size} B"
+    if m.video is not None:
+        return _video_summary(m.video, m.image_tokens)
     if m.image_tokens is not None:
         return f"image_tokens={m.image_tokens}"
     names = sorted(m.record)
     return "JSON {" + ", ".join(names[:4]) + (", ..." if len(names) > 4 else "") + "}"
+
+
+def _video_summary(video: dict[str, Any], tokens: int | None) -> str:
+    """A video's engine item: its video's grid, frames sampled (of how many, at what rate) and the
+    request's decode options."""
+    meta = video.get("metadata") if isinstance(video.get("metadata"), dict) else {}
+    sampled = meta.get("frames_indices")
+    frames = f"{len(sampled)} of {meta.get('total_num_frames')} frames" if isinstance(sampled, list) else "?"
+    grid = "x".join(str(x) for x in video.get("grid") or ()) or "?"
+    options = json.dumps(video.get("options") or {}, sort_keys=True)
+    return (f"video item of {video.get('items')} (grid {grid}; {frames} at {meta.get('fps')} fps; "
+            f"options {options}), image_tokens={tokens}")
 
 
 def meta_text(meta: bytes) -> str:

@@ -338,3 +338,26 @@ def test_several_processes_each_model_process_skips_the_tower_for_frames_it_hold
         ranks.reset_for_tests()
         api.close()
         api_cache.close()
+
+
+def test_the_store_tools_say_what_a_video_entry_is(rig):
+    from featcache.cli.render import meta_summary
+
+    first = rig.prompt(video(), media_io_kwargs={"video": {"num_frames": 8}})
+    shown = {meta_summary(m[REF_KEY].meta) for m in first["multimodal"]}
+    assert len(shown) == 1
+    (line,) = shown
+    assert line.startswith(f"video item of {len(first['multimodal'])} (grid {len(first['multimodal'])}x")
+    assert "8 of 12 frames at 4.0 fps" in line and '{"num_frames": 8}' in line
+    start, end = first["multimodal"][0]["offset"]
+    assert line.endswith(f"image_tokens={end - start}")
+
+
+def test_a_container_that_lies_about_its_frame_count(rig):
+    """Stating a million frames (it holds 12): refused before the decoder walks toward the last
+    stated frame (plain lmdeploy grabs up to it, ~0.6 s a million here, and grows with the lie).
+    Stating 2: featcache reads what lmdeploy reads of it (2 frames' worth), equal to lmdeploy."""
+    with pytest.raises(MediaError, match="holds 1000000 frames.*--max-video-frames"):
+        rig.prompt(vt.video_item(vt.data_url(vt.lying_avi(1_000_000), "video/x-msvideo")))
+    fewer = vt.video_item(vt.data_url(vt.lying_avi(2), "video/x-msvideo"))
+    assert_same(rig.prompt(fewer, plain=True), rig.prompt(fewer))

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ....core.cache import FeatureCache
+from ....entrymeta import VIDEO_FIELD as VIDEO_RECORD
 from ....keys import KeyHasher
 from ..entry_meta import decode_item, encode_item
 from ..refs import FeatRef
@@ -38,7 +39,7 @@ from .read import decode
 
 VIDEO_FIELD = "featcache_video"  # a restored video item's ``KeyedVideo``
 MARK = "featcache_video_item"  # a text part standing for a video through lmdeploy's parser
-INFO = "featcache_video"  # the field of an item entry's metadata holding the video's record
+INFO = VIDEO_RECORD  # the field of an item entry's metadata holding the video's record
 
 
 @dataclass

@@ -96,7 +96,8 @@ def plan_videos(model: Any, videos: list[KeyedVideo], videos_kwargs: dict[str, A
                       "video_grid_thw": torch.tensor([1, h, w]), "second_per_grid": spg,
                       "video_token_id": token_id} for f in range(t)]
             meta = returned[n] if returned[n] is not None else _metadata(metas[n])
-            info = {"items": t, "grid": [t, h, w], "metadata": metadata_record(meta)}
+            info = {"items": t, "grid": [t, h, w], "metadata": metadata_record(meta),
+                    "options": videos[i].options}
             plans[i] = VideoPlan(grid, meta, items, info, videos[i])
         if start != bundle.shape[0]:
             raise RuntimeError(f"the video processor made {bundle.shape[0]} rows for {start}")
