@@ -29,7 +29,7 @@ import video_tiny as vt  # noqa: E402
 assert vt.torchvision_for_transformers() is None  # (tests/conftest.py did it, before transformers)
 
 from lmdeploy.pytorch.models import qwen3_vl  # noqa: E402
-from test_lmdeploy_newapi import CLASSES, FAKES, levels, step_context, vision_of  # noqa: E402
+from test_lmdeploy_newapi import CLASSES, FAKES, levels, n_levels, step_context, vision_of  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
 from featcache import FeatureCache  # noqa: E402
@@ -45,19 +45,20 @@ from featcache.lmdeploy.request.media import (  # noqa: E402
 from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
 from featcache.lmdeploy.request.video.read import BadVideoError  # noqa: E402
 
-ARCH = tiny.QWEN3VL
+ARCHS = [tiny.QWEN3VL, tiny.QWEN3_5]  # (Qwen3.5 on Qwen3-VL's processor, as its checkpoints)
 CLIP = vt.clip(12, 96, 64, 4.0, seed=0)
 OTHER = vt.clip(8, 64, 96, 2.0, seed=1)
 
 
 class VideoRig:
-    def __init__(self, path: str) -> None:
+    def __init__(self, arch: str, path: str) -> None:
+        self.arch = arch
         self.path = path
         self.config = AutoConfig.from_pretrained(path)
         self.cache = FeatureCache(device="cpu", device_bytes="64MiB", host_bytes=0)
         self.plain = tiny.PromptPath(path)
         self.ours = tiny.PromptPath(path)
-        install_frontend(self.ours.model, self.cache, f"test:{ARCH}", self.ours.processor)
+        install_frontend(self.ours.model, self.cache, f"test:{arch}", self.ours.processor)
         self.frontend = self.ours.model.preprocess.frontend
         self.given: list[int] = []  # videos the video processor was given, per call
         vp = self.ours.model.processor.video_processor
@@ -69,7 +70,7 @@ class VideoRig:
 
         vp.__class__ = type(f"Recorded{type(vp).__name__}", (type(vp),), {"__call__": recorded})
         self.processor = KeyedInputProcessor(qwen3_vl.Qwen3VLInputProcessor(self.config, torch.float16),
-                                             families.SPECS[ARCH].items)
+                                             families.SPECS[arch].items)
 
     def prompt(self, *items, plain: bool = False, text: str = "what happens", **kwargs) -> dict:
         path = self.plain if plain else self.ours
@@ -86,7 +87,7 @@ class VideoRig:
             if ref.hit:
                 continue
             start, end = item["offset"]
-            stored[ref.key] = torch.randn(end - start, 256 * 3)
+            stored[ref.key] = torch.randn(end - start, 256 * n_levels(self.arch))
             self.cache.put(ref.key, stored[ref.key], meta=ref.meta)
         return stored
 
@@ -97,9 +98,9 @@ class VideoRig:
         self.cache.close()
 
 
-@pytest.fixture
-def rig(tmp_path_factory):
-    r = VideoRig(vt.checkpoint(tmp_path_factory))
+@pytest.fixture(params=ARCHS, ids=["qwen3vl", "qwen3_5"])
+def rig(request, tmp_path_factory):
+    r = VideoRig(request.param, vt.checkpoint(tmp_path_factory, request.param))
     yield r
     r.close()
 
@@ -277,12 +278,12 @@ def test_local_video_files_follow_the_media_policy(rig, tmp_path):
 # -- the engine: the model is given a held video's features, computes a new one's ---------------
 
 def test_a_step_serves_held_frames_and_computes_new_ones(rig, monkeypatch):
-    cls = CLASSES[ARCH]
-    tiny.featcache_prepare(monkeypatch, cls, families.SPECS[ARCH])
+    cls = CLASSES[rig.arch]
+    tiny.featcache_prepare(monkeypatch, cls, families.SPECS[rig.arch])
     stored = rig.seed(rig.prompt(video()))
     prompt = rig.prompt(video(OTHER), video(), text="compare")
     plain = rig.prompt(video(OTHER), video(), plain=True, text="compare")
-    model = FAKES[ARCH](rig.config)
+    model = FAKES[rig.arch](rig.config)
     visual = vision_of(model)
     result = rig.processor.preprocess_input(prompt["input_ids"], prompt["multimodal"])
     context = step_context(prompt["input_ids"], [result.input_multimodals], rig.config)
@@ -291,7 +292,8 @@ def test_a_step_serves_held_frames_and_computes_new_ones(rig, monkeypatch):
     want = []
     for item, own in zip(prompt["multimodal"], plain["multimodal"], strict=True):
         ref = item[REF_KEY]
-        want.append(stored[ref.key].chunk(3, -1)[0] if ref.hit else levels(own["pixel_values_videos"])[0])
+        want.append(stored[ref.key].chunk(n_levels(rig.arch), -1)[0] if ref.hit
+                    else levels(own["pixel_values_videos"])[0])
     assert torch.equal(got["inputs_embeds"][0][mask].float(), torch.cat(want))
     misses = [own["pixel_values_videos"] for item, own in zip(prompt["multimodal"], plain["multimodal"],
                                                               strict=True) if not item[REF_KEY].hit]
@@ -309,15 +311,15 @@ def test_several_processes_each_model_process_skips_the_tower_for_frames_it_hold
     from featcache.lmdeploy.pytorch import ranks
     from featcache.lmdeploy.request.tags import FeatTag
 
-    cls = CLASSES[ARCH]
-    tiny.featcache_prepare(monkeypatch, cls, families.SPECS[ARCH])
+    cls = CLASSES[rig.arch]
+    tiny.featcache_prepare(monkeypatch, cls, families.SPECS[rig.arch])
     api_cache = counters_cache()
     api = tiny.PromptPath(rig.path)
-    install_frontend(api.model, api_cache, f"test:{ARCH}", api.processor, tags=True)
+    install_frontend(api.model, api_cache, f"test:{rig.arch}", api.processor, tags=True)
     ranks.configure(json.dumps({"feature_cache": {"device": "cpu", "device_bytes": 64 << 20,
                                                    "host_bytes": 0}}))
     try:
-        model = FAKES[ARCH](rig.config)
+        model = FAKES[rig.arch](rig.config)
         visual = vision_of(model)
         for turn in range(2):
             sent = api.prompt(tiny.messages(video(), text=f"turn {turn}"))
