@@ -8,7 +8,7 @@ import asyncio
 import time
 from typing import Any, NamedTuple
 
-from bench.lib.images import image, user_message
+from bench.lib.images import clip_data_url, image, user_message
 from bench.lib.timing import summary
 
 
@@ -34,7 +34,10 @@ def first_token(pipe: Any, prompt: Any, gen: Any) -> tuple[float, Any]:
 
 
 def chat_turn(chat: int, turn: int, im: Any) -> dict[str, Any]:
-    """The user message of ``turn`` in chat ``chat``: the image comes with the first one."""
+    """The user message of ``turn`` in chat ``chat``: the image (or a video's content item, a dict)
+    comes with the first one."""
+    if turn == 0 and isinstance(im, dict):
+        return dict(role="user", content=[dict(type="text", text=f"chat {chat}: describe this"), im])
     if turn == 0:
         return user_message(f"chat {chat}: describe this", im)
     return dict(role="user", content=f"and what about detail {turn}?")
@@ -85,8 +88,11 @@ def twin_first_message(pipe: Any, chat: int, tokens: int) -> dict[str, Any]:
     return msg(lo)
 
 
+VIDEO_FPS = 4.0  # the clips of ``chats(video_s=...)``: lmdeploy samples 32 frames of them by default
+
+
 def chats(pipe: Any, gen: Any, size: tuple[int, int], count: int, seed: int = 100,
-          twins: bool = False, observe: Any = None) -> ChatSeries:
+          twins: bool = False, observe: Any = None, video_s: float = 0) -> ChatSeries:
     """``count`` 4-turn chats, each resending its image (in its first user message) every turn:
     time to first token (ms), cached and input prompt tokens per turn. With one new token the
     time is the request's wall time; with more, the first token's, by streaming.
@@ -97,7 +103,8 @@ def chats(pipe: Any, gen: Any, size: tuple[int, int], count: int, seed: int = 10
     lmdeploy itself spends on such a prompt (issue 15's reference).
 
     ``observe(kind, turn, ms, response)``, kind "chat" or "twin": called after every request
-    (``breakdown`` reads its stage timers there)."""
+    (``breakdown`` reads its stage timers there). ``video_s``: each chat is about a clip of that
+    many seconds (``size``, ``VIDEO_FPS``, an MP4 data URL) instead of an image (issue 52)."""
     walls: list[list[float]] = [[] for _ in range(4)]
     cached: list[list[int]] = [[] for _ in range(4)]
     lens: list[list[int]] = [[] for _ in range(4)]
@@ -116,7 +123,9 @@ def chats(pipe: Any, gen: Any, size: tuple[int, int], count: int, seed: int = 10
         return response
 
     for c in range(count):
-        im = image(seed + c, size)
+        im = (image(seed + c, size) if not video_s else
+              dict(type="video_url", video_url=dict(url=clip_data_url(
+                  seed + c, frames=max(1, round(video_s * VIDEO_FPS)), size=size, fps=VIDEO_FPS))))
         hist: list[dict[str, Any]] = []
         answers = []
         for turn in range(4):

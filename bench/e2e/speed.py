@@ -42,7 +42,8 @@ def bench_engine(pipe: Any, args: argparse.Namespace, size: tuple[int, int], dea
         rows = timed([(f"rep {rep} question {i}: what is in the picture?", same)
                       for i in range(args.n)], pipe, gen)
         raw["a"].append(dict(first_ms=first, ms=rows))
-        b = chats(pipe, chat_gen, size, args.chats, seed=20_000 + 100 * rep, twins=args.text_twins)
+        b = chats(pipe, chat_gen, size, args.chats, seed=20_000 + 100 * rep, twins=args.text_twins,
+                  video_s=args.video_seconds)
         raw["b"].append(dict(ms=b.walls, cached=b.cached, input_tokens=b.input_tokens,
                              input_tokens_turn_4=b.out.input_token_len))
         if args.text_twins:
