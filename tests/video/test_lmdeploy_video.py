@@ -25,6 +25,7 @@ _lmdeploy_stack.require()
 
 import lmdeploy_tiny as tiny  # noqa: E402
 import video_tiny as vt  # noqa: E402
+from _family_rig import assert_prompt_is_lmdeploys  # noqa: E402
 
 assert vt.torchvision_for_transformers() is None  # (tests/conftest.py did it, before transformers)
 
@@ -116,18 +117,7 @@ def is_video(item: dict) -> bool:
 def assert_same(plain: dict, ours: dict) -> None:
     """featcache's output equals lmdeploy's: ids, offsets, every item's fields; a miss's pixels
     equal, a hit's a 0-row placeholder of the same trailing shape and dtype."""
-    assert ours["input_ids"] == plain["input_ids"]
-    assert len(ours["multimodal"]) == len(plain["multimodal"])
-    for x, y in zip(plain["multimodal"], ours["multimodal"], strict=True):
-        assert set(y) - {REF_KEY} == set(x)
-        for name in x:
-            a, b = x[name], y[name]
-            if name in ("pixel_values", "pixel_values_videos") and REF_KEY in y and y[REF_KEY].hit:
-                assert b.shape == (0, *a.shape[1:]) and b.dtype == a.dtype
-            elif isinstance(a, torch.Tensor):
-                assert torch.equal(a, b) and a.dtype == b.dtype, name
-            else:
-                assert a == b, name
+    assert_prompt_is_lmdeploys(plain, ours, hits_have_pixels=False)
 
 
 # -- the frontend --------------------------------------------------------------------------------

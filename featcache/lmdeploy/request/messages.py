@@ -14,18 +14,8 @@ from .video.entries import VIDEO_FIELD, KeyedVideo
 def image_items(messages: list[dict[str, Any]]) -> list[tuple[int, int, dict[str, Any]]] | None:
     """(message index, content index, item) of every multimodal item, as lmdeploy's
     ``collect_multimodal_items`` orders them; None if any is not an image."""
-    items = []
-    for m, message in enumerate(messages):
-        content = message.get("content")
-        if not isinstance(content, list):
-            continue
-        for c, item in enumerate(content):
-            if not isinstance(item, dict) or item.get("type") in (None, "text"):
-                continue
-            if item["type"] != "image":
-                return None
-            items.append((m, c, item))
-    return items
+    split = media_items(messages)
+    return None if split is None or split[1] else split[0]
 
 
 def media_items(messages: list[dict[str, Any]]
