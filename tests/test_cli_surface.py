@@ -145,3 +145,29 @@ def test_purge_says_nothing_of_compact_when_little_would_come_back(tmp_path, cap
     rc, out, _ = run(capsys, "purge", str(store), "--all", "--json")
     doc = json.loads(out)
     assert doc["reclaimable_bytes"] < 1 << 20 and doc["data_file_bytes"] > 0
+
+
+# -- issue 52: the video limits ------------------------------------------------------------------------
+def test_serve_video_limits_reach_the_media_policy():
+    import argparse
+
+    from featcache.cli.videoflags import VIDEO_FLAGS, video_limits
+    from featcache.config import VIDEO_OPTIONS
+    from featcache.lmdeploy.request.media import VideoLimits
+
+    parser = argparse.ArgumentParser()
+    for name, kind, _ in VIDEO_FLAGS:
+        parser.add_argument(VIDEO_OPTIONS[name], dest=name, type=kind)
+    args = parser.parse_args(["--max-video-bytes", "8MiB", "--max-sampled-frames", "16",
+                              "--max-video-seconds", "90.5"])
+    assert video_limits(args) == VideoLimits(max_video_bytes=8 << 20, max_sampled_frames=16,
+                                             max_video_seconds=90.5)
+    assert video_limits(parser.parse_args([])) == VideoLimits()
+
+
+@pytest.mark.parametrize("flag, value", [("--max-video-bytes", "0"), ("--max-video-frames", "-3"),
+                                         ("--max-video-seconds", "nan"), ("--max-sampled-frames", "2.5")])
+def test_serve_refuses_a_video_limit_that_is_none_as_bad_usage(tmp_path, flag, value):
+    out = featcache(tmp_path, "serve", "some/model", flag, value)
+    assert out.returncode == 2 and out.stdout == ""
+    assert f"argument {flag}" in out.stderr and "Traceback" not in out.stderr
