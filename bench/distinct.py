@@ -6,7 +6,8 @@ prompt each): plain lmdeploy against featcache in the same run, ratios per repet
     python3 -m bench distinct pipeline --model M [--engine pytorch|turbomind] [--paths ...]
         [--n 16] [--batch 32] [--reps 3] [--no-disk] [--ceiling] [--json F]
     python3 -m bench distinct serve --model M [--engine pytorch|turbomind] [--clients 16]
-        [--n 16] [--batch 32] [--reps 3] [--stages] [--json F]
+        [--servers plain,featcache,featcache_in] [--n 16] [--batch 64] [--reps 3] [--bound]
+        [--stages] [--json F]
 
 Images: photo-like 1344x1008 JPEGs (``bench.lib.images.photo_jpeg``, ~0.4 MB, 12 tiles and a
 thumbnail), a new seed for every request of every repetition, the same seeds for every engine,
@@ -35,15 +36,23 @@ preprocessing was done before the clock (``_prepped``): what the engine and the 
 allow a batch when preprocessing costs nothing, the bound on any preprocessing speedup.
 
 ``serve`` (the GPU machine, the server wheels carried): plain ``lmdeploy serve api_server``
-against ``featcache serve`` (its store in a temporary directory), the same engine flags, prefix
-caching off, through the ``openai`` client with the images as JPEG data URLs: ``--n`` new images
-one at a time (time to first token), then ``--batch`` new images from ``--clients`` clients at
-once (requests/s, time to first token p50); the sequential answers' tokens compared with plain's.
-Both servers run their defaults' process model (PyTorch: the engine in lmdeploy's engine
-process; ``--engine-process in`` for featcache's in-process mode). ``--stages``: both servers run
-under bench/serve_stages.py, which times every request's stages in the server's own process; the
-report gets, per server, each phase's median per stage (``stages``: ``sequential``, ``concurrent``),
-so that where a loaded server's time goes is measured beside its rate.
+against ``featcache serve`` in its default process model (``featcache``: the engine in lmdeploy's
+engine process, as plain runs it; ``--engine-process`` picks another) and in the server's process
+(``featcache_in``), each over a store in a temporary directory, the same engine flags, prefix
+caching off, through the ``openai`` client with the images as JPEG data URLs. Every server of
+``--servers`` is up at once (on the one GPU: each takes its KV share of what is free); each of
+``--reps`` repetitions runs them one after another in a rotating order (no side always first),
+each ``--n`` new images one at a time (time to first token; the answers, ``--answer-tokens``
+tokens, compared with plain's), then ``--batch`` new images from ``--clients`` clients at once
+(requests/s, time to first token p50 and max). Every repetition's ratios against plain's same
+repetition are printed as it ends; the report keeps them and their spread (``vs_plain``; the
+default mode against the in-process one: ``vs_featcache_in``). ``--bound``: each server's
+requests/s as a fraction of the GPU's compute bound for these requests (bench/lib/bound.py: the
+tower's and the prefill's FLOPs, image tokens from plain's prompt tokens less the text alone's,
+at a bf16 matrix rate measured in the same run). ``--stages``: every server runs under
+bench/serve_stages.py, which times every request's stages in the server's own process; the
+report gets, per server, each phase's median per stage (``stages``: ``sequential``,
+``concurrent``), so that where a loaded server's time goes is measured beside its rate.
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ import argparse
 import asyncio
 import contextlib
 import faulthandler
+import json
 import os
 import shutil
 import statistics
@@ -409,11 +419,14 @@ def _url(seed: int) -> str:
     return data_url(photo_jpeg(seed), "jpeg")
 
 
-def _ask(c: Any, model: str, url: str) -> dict[str, Any]:
+def _ask(c: Any, model: str, url: str | None, max_tokens: int = 1) -> dict[str, Any]:
+    """``PROMPT`` with the image at ``url`` (None: the text alone), streamed."""
     from bench.lib.client import stream_turn
 
-    content = [dict(type="text", text=PROMPT), dict(type="image_url", image_url=dict(url=url))]
-    return stream_turn(c, model, [dict(role="user", content=content)], max_tokens=1)
+    content = [dict(type="text", text=PROMPT)]
+    if url is not None:
+        content.append(dict(type="image_url", image_url=dict(url=url)))
+    return stream_turn(c, model, [dict(role="user", content=content)], max_tokens=max_tokens)
 
 
 def _concurrent(base: str, model: str, urls: list[str], clients: int) -> tuple[float, list[float]]:
@@ -448,77 +461,155 @@ def _records(path: str | None, start: int, count: int, wait_s: float = 5.0) -> l
     return rows[start:start + count]
 
 
+SERVE_PORTS = {"plain": 23400, "featcache": 23401, "featcache_in": 23404}  # (distinct serve's own)
+
+
+def _server_command(name: str, args: argparse.Namespace, flags: list[str], store: str) -> list[str]:
+    from bench.lib import servers
+
+    port = SERVE_PORTS[name]
+    if name == "plain":
+        return servers.lmdeploy_command(args.model, port, flags)
+    mode = "in" if name == "featcache_in" else args.engine_process
+    return servers.featcache_command(args.model, store, port, flags,
+                                     None if args.engine == "turbomind" else mode)
+
+
+def _side(name: str, base: str, model: str, args: argparse.Namespace, rep: int) -> dict[str, Any]:
+    """One server's share of a repetition: ``--n`` new images one at a time (time to first token;
+    the answers' tokens, ``--answer-tokens`` of them, kept for the identity check), then
+    ``--batch`` new images from ``--clients`` clients at once (one token each)."""
+    from bench.lib import client
+
+    c = client.connect(base)
+    base_seed = 1_000 * (rep + 1)
+    turns = [_ask(c, model, _url(base_seed + i), args.answer_tokens) for i in range(args.n)]
+    many = [_url(base_seed + 500 + i) for i in range(args.batch)]
+    rps, ttfts = _concurrent(base, model, many, args.clients)
+    return dict(sequential_ms=[t["ttft_ms"] for t in turns], tokens=[t["output_ids"] for t in turns],
+                prompt_tokens=[t["prompt_tokens"] for t in turns], requests_per_s=round(rps, 2),
+                ttft_p50_ms=round(statistics.median(ttfts), 1), ttft_max_ms=round(max(ttfts), 1))
+
+
 def serve(args: argparse.Namespace) -> dict[str, Any]:
-    from bench.lib import client, servers
+    """Every server of ``--servers`` up at once (each its own port and store), then ``--reps``
+    repetitions, each running the servers one after another in an order that rotates from one
+    repetition to the next (rep 0: a b c, rep 1: b c a, ...): no server always runs first or last
+    on a warmer or busier machine. Each repetition's ratios against plain's same repetition are
+    printed as they come; the report gives them all and their spread. ``--bound``: the new-image
+    requests' compute bound (bench/lib/bound.py, a matrix rate measured before the servers start)
+    and each server's requests/s as a fraction of it."""
+    from bench.lib import bound, client, servers
     from bench.lib.models import remote_code
     from bench.lib.stages import medians, summarize
 
-    # the checkpoint's own config classes trusted where it brings them, as the pipelines do
+    names = args.servers.split(",")
+    unknown = [n for n in names if n not in SERVE_PORTS]
+    if unknown or names[0] != "plain" or len(set(names)) != len(names):
+        raise SystemExit(f"--servers: plain first, then any of featcache, featcache_in; not {args.servers}")
+    rate = bound.matrix_rate() if args.bound else None  # (before the servers hold the GPU)
     extra = ["--trust-remote-code"] if remote_code(args.model) else []
     flags = servers.server_flags(args.engine, args.eager, extra, prefix=False)
     os.makedirs(args.logs, exist_ok=True)
     report: dict[str, Any] = dict(bench="distinct serve", model=args.model, engine=args.engine,
-                                  n=args.n, batch=args.batch, clients=args.clients, flags=flags)
-    results: dict[str, Any] = {}
-    tokens: dict[str, list[Any]] = {}
-    warm = [_url(800 + w) for w in range(3)]
-    for name in ("plain", "featcache"):
-        port = servers.PORTS[name]
-        res: dict[str, Any] = {}
-        with tempfile.TemporaryDirectory() as store:
-            cmd = (servers.lmdeploy_command(args.model, port, flags) if name == "plain" else
-                   servers.featcache_command(args.model, store, port, flags, args.engine_process))
-            stages_file = os.path.join(args.logs, f"distinct-stages-{name}.jsonl") if args.stages else None
-            if stages_file is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(stages_file)
-                cmd = servers.under_stages(cmd, stages_file)
+                                  n=args.n, batch=args.batch, clients=args.clients, flags=flags,
+                                  servers=names, order="rotating")
+    results: dict[str, dict[str, Any]] = {name: {} for name in names}
+    reps: list[dict[str, dict[str, Any]]] = []
+    text_tokens = None  # the prompt's tokens without its image (plain's count): image tokens by difference
+    stage_files = {name: os.path.join(args.logs, f"distinct-stages-{name}.jsonl") if args.stages else None
+                   for name in names}
+    try:
+        with contextlib.ExitStack() as stack:
+            bases: dict[str, str] = {}
+            for name in names:
+                store = stack.enter_context(tempfile.TemporaryDirectory())
+                cmd = _server_command(name, args, flags, store)
+                if stage_files[name] is not None:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(stage_files[name])
+                    cmd = servers.under_stages(cmd, stage_files[name])
+                log = f"{args.logs}/distinct-serve-{name}.log"
+                bases[name] = stack.enter_context(servers.running(
+                    name, cmd, SERVE_PORTS[name], log, args.ready_timeout, results[name]))
+            model = client.served_model(client.connect(bases["plain"]))
+            text_tokens = _ask(client.connect(bases["plain"]), model, None)["prompt_tokens"]
+            for name in names:  # each server's first requests, untimed
+                c = client.connect(bases[name])
+                for w in range(3):
+                    _ask(c, model, _url(800 + w))
+            for rep in range(args.reps):
+                order = names[rep % len(names):] + names[:rep % len(names)]
+                row = {name: _side(name, bases[name], model, args, rep) for name in order}
+                reps.append(row)
+                print(f"[distinct] serve rep {rep} (order {' '.join(order)}): "
+                      + "; ".join(_rep_line(name, row) for name in names), flush=True)
+            for name in names:
+                if name != "plain":
+                    results[name]["counters"] = client.short(client.counters(bases[name]))
+    except Exception as e:  # noqa: BLE001 - what ran is kept; the servers' logs say more
+        report["error"] = f"{type(e).__name__}: {e}"
+        print(f"[distinct] serve ERROR {report['error']}", flush=True)
+    for name in names:
+        mine = [r[name] for r in reps]
+        if not mine:
+            continue
+        results[name].update(
+            sequential=spread([x for r in mine for x in r["sequential_ms"]]),
+            per_rep_median_ms=rep_medians([r["sequential_ms"] for r in mine]),
+            requests_per_s=[r["requests_per_s"] for r in mine],
+            concurrent_ttft_p50_ms=[r["ttft_p50_ms"] for r in mine],
+            concurrent_ttft_max_ms=[r["ttft_max_ms"] for r in mine])
+        if stage_files[name] is not None:  # (its records in the order its phases ran)
+            rows = _records(stage_files[name], 0, 10 ** 9, wait_s=0)
+            first = 4 if name == "plain" else 3  # the untimed requests (plain: the text-only one too)
             phases: dict[str, list[dict[str, Any]]] = dict(sequential=[], concurrent=[])
-            sent = 0  # requests answered, so records written
-            log = f"{args.logs}/distinct-serve-{name}.log"
-            with servers.running(name, cmd, port, log, args.ready_timeout, res) as base:
-                c = client.connect(base)
-                model = client.served_model(c)
-                for u in warm:
-                    _ask(c, model, u)
-                sent += len(warm)
-                seq, rps, p50, toks = [], [], [], []
-                for rep in range(args.reps):
-                    base_seed = 1_000 * (rep + 1)
-                    urls = [_url(base_seed + i) for i in range(args.n)]
-                    turns = [_ask(c, model, u) for u in urls]
-                    seq.append([t["ttft_ms"] for t in turns])
-                    toks += [t["output_ids"] for t in turns]
-                    phases["sequential"] += _records(stages_file, sent, len(urls))
-                    sent += len(urls)
-                    many = [_url(base_seed + 500 + i) for i in range(args.batch)]
-                    r, ttfts = _concurrent(base, model, many, args.clients)
-                    phases["concurrent"] += _records(stages_file, sent, len(many))
-                    sent += len(many)
-                    rps.append(round(r, 2))
-                    p50.append(round(statistics.median(ttfts), 1))
-                    print(f"[distinct] serve {name} rep {rep}: sequential "
-                          f"{statistics.median(seq[-1]):.1f} ms, {args.clients} clients "
-                          f"{rps[-1]} requests/s (time to first token p50 {p50[-1]} ms)", flush=True)
-                res.update(sequential=spread([x for r_ in seq for x in r_]),
-                           per_rep_median_ms=rep_medians(seq), requests_per_s=rps,
-                           concurrent_ttft_p50_ms=p50)
-                if name == "featcache":
-                    res["counters"] = client.short(client.counters(base))
-                if stages_file is not None:
-                    res["stages"] = {phase: dict(records=len(rows), medians=medians(
-                        [summarize(r) for r in rows])) for phase, rows in phases.items()}
-                tokens[name] = toks
-        results[name] = res
-    if "per_rep_median_ms" in results["plain"] and "per_rep_median_ms" in results["featcache"]:
-        mine, ref = results["featcache"], results["plain"]
-        mine["vs_plain"] = dict(
-            sequential_speedup_per_rep=_ratios(ref["per_rep_median_ms"], mine["per_rep_median_ms"]),
-            requests_per_s_speedup_per_rep=_ratios(mine["requests_per_s"], ref["requests_per_s"]),
-            token_identical=sum(a == b for a, b in zip(tokens["featcache"], tokens["plain"], strict=True)),
-            compared=len(tokens["plain"]))
+            for i in range(len(mine)):
+                at = first + i * (args.n + args.batch)
+                phases["sequential"] += rows[at:at + args.n]
+                phases["concurrent"] += rows[at + args.n:at + args.n + args.batch]
+            results[name]["stages"] = {
+                phase: dict(records=len(rs), medians=medians([summarize(r) for r in rs]))
+                for phase, rs in phases.items()}
+        if name != "plain":
+            results[name]["vs_plain"] = _versus(mine, [r["plain"] for r in reps])
+    if "featcache" in results and "featcache_in" in results and reps:
+        results["featcache"]["vs_featcache_in"] = _versus([r["featcache"] for r in reps],
+                                                          [r["featcache_in"] for r in reps])
+    if args.bound and reps and text_tokens is not None:
+        prompt = round(statistics.median(t for r in reps for t in r["plain"]["prompt_tokens"] if t))
+        report["bound"] = bound.bound_report(
+            args.model, rate, prompt - text_tokens, prompt,
+            {n: statistics.median(results[n]["requests_per_s"]) for n in names
+             if results[n].get("requests_per_s")})
+        print(f"[distinct] bound: {json.dumps(report['bound'])}", flush=True)
     report["results"] = results
     return report
+
+
+def _rep_line(name: str, row: dict[str, dict[str, Any]]) -> str:
+    """One server's figures in a repetition, and its ratios against plain's in the same one."""
+    mine, plain = row[name], row["plain"]
+    seq = statistics.median(mine["sequential_ms"])
+    line = f"{name} {mine['requests_per_s']} req/s, sequential {seq:.1f} ms"
+    if name == "plain":
+        return line
+    return (line + f" ({mine['requests_per_s'] / plain['requests_per_s']:.2f}x req/s, "
+            f"{statistics.median(plain['sequential_ms']) / seq:.2f}x sequential)")
+
+
+def _versus(mine: list[dict[str, Any]], ref: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per repetition, ``mine`` against ``ref`` (the same repetition): requests/s and sequential
+    time-to-first-token ratios (> 1: ``mine`` faster), their spread, and the identity of the
+    sequential answers' tokens."""
+    rps = [round(a["requests_per_s"] / b["requests_per_s"], 3) for a, b in zip(mine, ref, strict=True)]
+    seq = [round(statistics.median(b["sequential_ms"]) / statistics.median(a["sequential_ms"]), 3)
+           for a, b in zip(mine, ref, strict=True)]
+    ours = [t for r in mine for t in r["tokens"]]
+    theirs = [t for r in ref for t in r["tokens"]]
+    return dict(requests_per_s_per_rep=rps, sequential_speedup_per_rep=seq,
+                requests_per_s_spread=[min(rps), max(rps)], sequential_spread=[min(seq), max(seq)],
+                token_identical=sum(a == b for a, b in zip(ours, theirs, strict=True)), compared=len(theirs))
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -539,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name)
         p.add_argument("--model", required=True, help="checkpoint directory (bench/lib/models.py)")
         p.add_argument("--n", type=int, default=16, help="new images one at a time, per repetition")
-        p.add_argument("--batch", type=int, default=32, help="new images at once, per repetition")
+        p.add_argument("--batch", type=int, default=64, help="new images at once, per repetition")
         p.add_argument("--reps", type=int, default=3)
         p.add_argument("--json", help="write the report here too")
         if name == "stages":
@@ -562,8 +653,17 @@ def main(argv: list[str] | None = None) -> int:
                            help="time every request's stages in each server's process "
                                 "(bench/serve_stages.py); the report gets each phase's medians")
             p.add_argument("--engine-process", choices=("mp", "in"), default=None,
-                           help="featcache serve's (PyTorch); default its own: mp, lmdeploy's "
-                                "engine process, as plain lmdeploy serve runs it")
+                           help="server featcache's (PyTorch); default featcache serve's own: mp, "
+                                "lmdeploy's engine process, as plain lmdeploy serve runs it")
+            p.add_argument("--servers", default="plain,featcache,featcache_in",
+                           help="plain first; featcache (its --engine-process), featcache_in "
+                                "(--engine-process in): all up at once, run in a rotating order")
+            p.add_argument("--answer-tokens", type=int, default=16,
+                           help="tokens of each sequential answer, compared with plain's (the "
+                                "time to first token is measured as it streams)")
+            p.add_argument("--bound", action="store_true",
+                           help="each server's requests/s as a fraction of the GPU's compute bound "
+                                "(bench/lib/bound.py; a matrix rate measured before the servers start)")
         if name == "pipeline":
             p.add_argument("--paths", default="plain,fc",
                            help="plain first; pytorch: fc, fc_nodisk; turbomind: native, features, "

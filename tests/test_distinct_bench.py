@@ -58,3 +58,92 @@ def test_serve_stages_records_are_taken_per_phase_and_summed_up_as_medians(tmp_p
     got = dict((label, ms) for label, _, ms in stages.medians([stages.summarize(r) for r in rows]))
     assert got["submit -> first output (engine process)"] == 189.0  # (89 and 289)
     assert got["featcache image preprocessing (fastprep; lmdeploy's where it falls back)"] == 6.0
+
+
+# -- issue 53: the serve bench that decides -----------------------------------------------------------
+def test_serve_runs_every_server_at_once_in_a_rotating_order_and_reports_each_reps_ratios(
+        tmp_path, monkeypatch, capsys):
+    """Three servers up at once; rep 0 runs plain, featcache, featcache_in; rep 1 featcache,
+    featcache_in, plain; rep 2 featcache_in, plain, featcache. Each repetition's ratios against
+    plain's same repetition are printed and kept, with their spread and the answers' identity;
+    ``--bound`` reports each server's rate as a fraction of the compute bound."""
+    import contextlib
+
+    from bench import distinct
+    from bench.lib import bound, client, servers
+
+    started, ran = [], []
+    rates = {"plain": [10.0, 12.0, 11.0], "featcache": [20.0, 18.0, 33.0],
+             "featcache_in": [22.0, 24.0, 22.0]}
+
+    @contextlib.contextmanager
+    def running(name, cmd, port, log, timeout, res):
+        started.append((name, cmd))
+        yield f"http://server/{name}"
+
+    def side(name, base, model, args, rep):
+        ran.append((rep, name))
+        tokens = [[1, 2, 3]] * args.n if name != "featcache_in" or rep else [[9]] * args.n
+        return dict(sequential_ms=[100.0 if name == "plain" else 50.0] * args.n, tokens=tokens,
+                    prompt_tokens=[1900] * args.n, requests_per_s=rates[name][rep], ttft_p50_ms=1.0,
+                    ttft_max_ms=2.0)
+
+    monkeypatch.setattr(servers, "running", running)
+    monkeypatch.setattr(client, "connect", lambda base: base)
+    monkeypatch.setattr(client, "served_model", lambda c: "m")
+    monkeypatch.setattr(client, "counters", lambda base: {})
+    monkeypatch.setattr(distinct, "_ask", lambda c, model, url, max_tokens=1: dict(prompt_tokens=100))
+    monkeypatch.setattr(distinct, "_side", side)
+    monkeypatch.setattr(bound, "matrix_rate", lambda: 1e15)
+    monkeypatch.setattr(bound, "param_split",
+                        lambda model: dict(vision=300_000_000, llm=1_300_000_000, other=0))
+    monkeypatch.setattr(bound, "merge_factor", lambda model: 4)
+    import argparse
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["InternVLChatModel"]}))
+    args = argparse.Namespace(model=str(tmp_path), engine="pytorch", eager=False, logs=str(tmp_path),
+                              n=2, batch=4, clients=2, reps=3, stages=False, ready_timeout=1,
+                              engine_process=None, servers="plain,featcache,featcache_in",
+                              answer_tokens=4, bound=True)
+    report = distinct.serve(args)
+    assert [n for n, _ in started] == ["plain", "featcache", "featcache_in"]
+    assert "--engine-process" not in started[1][1]  # (featcache serve's own default: mp)
+    assert started[2][1][started[2][1].index("--engine-process") + 1] == "in"
+    assert ran == [(0, "plain"), (0, "featcache"), (0, "featcache_in"), (1, "featcache"),
+                   (1, "featcache_in"), (1, "plain"), (2, "featcache_in"), (2, "plain"), (2, "featcache")]
+    vs = report["results"]["featcache"]["vs_plain"]
+    assert vs["requests_per_s_per_rep"] == [2.0, 1.5, 3.0] and vs["requests_per_s_spread"] == [1.5, 3.0]
+    assert vs["sequential_speedup_per_rep"] == [2.0, 2.0, 2.0]
+    assert vs["token_identical"] == vs["compared"] == 6
+    vin = report["results"]["featcache_in"]["vs_plain"]
+    assert vin["token_identical"] == 4 and vin["compared"] == 6  # (rep 0's answers differed)
+    assert report["results"]["featcache"]["vs_featcache_in"]["requests_per_s_per_rep"] == [0.909, 0.75, 1.5]
+    b = report["bound"]
+    assert b["image_tokens"] == 1800 and b["prompt_tokens"] == 1900
+    flops = 2 * 300e6 * 4 * 1800 + 2 * 1.3e9 * 1900
+    assert b["tflop_per_request"] == round(flops / 1e12, 3)
+    assert b["fraction_of_bound"]["plain"] == round(11.0 * flops / 1e15, 4)
+    out = capsys.readouterr().out
+    assert "serve rep 1 (order featcache featcache_in plain)" in out
+    assert "(1.50x req/s, 2.00x sequential)" in out
+
+
+def test_the_bound_counts_the_towers_and_the_llms_weights_from_the_checkpoint(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from bench.lib import bound
+
+    save_file({"vision_model.encoder.layers.0.w": torch.zeros(10, 20),
+               "mlp1.0.weight": torch.zeros(5, 5),
+               "language_model.model.layers.0.w": torch.zeros(30, 40),
+               "language_model.model.embed_tokens.weight": torch.zeros(100, 8),
+               "language_model.lm_head.weight": torch.zeros(100, 8)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"downsample_ratio": 0.5}))
+    assert bound.param_split(str(tmp_path)) == {"vision": 225, "llm": 1200, "other": 1600}
+    assert bound.merge_factor(str(tmp_path)) == 4
+    (tmp_path / "config.json").write_text(json.dumps({"vision_config": {"spatial_merge_size": 2}}))
+    assert bound.merge_factor(str(tmp_path)) == 4
+    assert bound.request_flops({"vision": 225, "llm": 1200}, 4, 10, 30) == 2 * 225 * 40 + 2 * 1200 * 30
+    if not torch.cuda.is_available():
+        assert bound.matrix_rate() is None
