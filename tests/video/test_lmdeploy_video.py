@@ -290,10 +290,12 @@ def test_a_step_serves_held_frames_and_computes_new_ones(rig, monkeypatch):
     assert len(visual.calls) == 1 and torch.equal(visual.calls[0], torch.cat(misses).to(visual.calls[0]))
 
 
-def test_several_processes_each_model_process_skips_the_tower_for_frames_it_holds(rig, monkeypatch):
-    """lmdeploy's mp engine (tp > 1 too): the API process's frontend reads, keys and preprocesses
-    every video (its output lmdeploy's own) and tags each frame item with its pixels; the model
-    process computes a video the first time and serves it from its own cache after."""
+def test_several_processes_a_resent_video_travels_as_its_bytes(rig, monkeypatch):
+    """lmdeploy's mp engine (tp > 1 too): the API process's frontend reads, keys and preprocesses a
+    new video (its output lmdeploy's own) and tags each frame item with its pixels; sent again, the
+    video is neither decoded nor preprocessed there: its items travel without pixels, their tags
+    carrying the video's bytes. The model process serves them from its own cache; one that lost
+    them rebuilds each item's pixels from the bytes (equal to lmdeploy's) and computes them."""
     import json
     import pickle
 
@@ -306,26 +308,52 @@ def test_several_processes_each_model_process_skips_the_tower_for_frames_it_hold
     api_cache = counters_cache()
     api = tiny.PromptPath(rig.path)
     install_frontend(api.model, api_cache, f"test:{rig.arch}", api.processor, tags=True)
-    ranks.configure(json.dumps({"feature_cache": {"device": "cpu", "device_bytes": 64 << 20,
-                                                   "host_bytes": 0}}))
+    ranks.configure(json.dumps({
+        "feature_cache": {"device": "cpu", "device_bytes": 64 << 20, "host_bytes": 0},
+        "rebuild": {"model_path": rig.path, "dtype": "float16", "device_type": "cpu",
+                    "trust_remote_code": False}}))
+    from featcache.lmdeploy.request.video import resolve as video_resolve
+
+    decodes = []
+    real_decode = video_resolve.decode
+    monkeypatch.setattr(video_resolve, "decode", lambda *a, **k: decodes.append(1) or real_decode(*a, **k))
     try:
         model = FAKES[rig.arch](rig.config)
+        model.get_input_processor = lambda: rig.processor.inner  # (the real model's method)
         visual = vision_of(model)
-        for turn in range(2):
-            sent = api.prompt(tiny.messages(video(), text=f"turn {turn}"))
-            plain = rig.prompt(video(), plain=True, text=f"turn {turn}")
-            assert_same(plain, {**sent, "multimodal": [{k: v for k, v in m.items() if k != REF_KEY}
-                                                        for m in sent["multimodal"]]})
+        plain = rig.prompt(video(), plain=True, text="what happens")
+        want = torch.cat([levels(p["pixel_values_videos"])[0] for p in plain["multimodal"]])
+        sizes: list[int] = []
+        keys: list[bytes] = []
+        for turn in range(3):
+            if turn == 2:  # the model process lost them (evicted)
+                for key in keys:
+                    ranks.local_cache().discard(key)
+            sent = api.prompt(tiny.messages(video(), text="what happens"))
+            assert sent["input_ids"] == plain["input_ids"]
             assert all(isinstance(m[REF_KEY], FeatTag) for m in sent["multimodal"])
-            sent = pickle.loads(pickle.dumps(sent))  # (lmdeploy's RPC to the engine process)
+            if turn == 0:
+                assert_same(plain, {**sent, "multimodal": [
+                    {k: v for k, v in m.items() if k != REF_KEY} for m in sent["multimodal"]]})
+                keys = [m[REF_KEY].key for m in sent["multimodal"]]
+            else:  # sent before: no pixels, the bytes in each tag
+                assert all(m["pixel_values_videos"].shape[0] == 0 and m[REF_KEY].source is not None
+                           for m in sent["multimodal"])
+                assert [m[REF_KEY].key for m in sent["multimodal"]] == keys
+            blob = pickle.dumps(sent)  # (lmdeploy's RPC to the engine process)
+            sizes.append(len(blob))
+            sent = pickle.loads(blob)
             result = rig.processor.preprocess_input(sent["input_ids"], sent["multimodal"])
             context = step_context(sent["input_ids"], [result.input_multimodals], rig.config)
-            got = model.run(cls.prepare_inputs_for_generation(model, [None] * context._full, None, context))
+            inputs = cls.prepare_inputs_for_generation(model, [None] * context._full, None, context)
             mask = torch.tensor(sent["input_ids"]) == sent["multimodal"][0]["video_token_id"]
-            want = torch.cat([levels(p["pixel_values_videos"])[0] for p in plain["multimodal"]])
-            assert torch.equal(got["inputs_embeds"][0][mask].float(), want)
-        assert len(visual.calls) == 1  # the second turn's frames came from the model process's cache
-        assert ranks.local_cache().stats()[SECTION]["vision_skipped"] == len(sent["multimodal"])
+            assert torch.equal(model.run(inputs)["inputs_embeds"][0][mask].float(), want)
+        assert decodes == [1]  # the API process decoded the video once
+        assert sizes[1] < sizes[0] and len(visual.calls) == 2  # turn 1 served; turn 2 rebuilt
+        rebuilt = torch.cat([p["pixel_values_videos"] for p in plain["multimodal"]])
+        assert torch.equal(visual.calls[1], rebuilt.to(visual.calls[1]))
+        stats = ranks.local_cache().stats()[SECTION]
+        assert stats["pixels_rebuilt"] == len(keys) and stats["vision_skipped"] == len(keys)
     finally:
         ranks.reset_for_tests()
         api.close()
@@ -353,3 +381,24 @@ def test_a_container_that_lies_about_its_frame_count(rig):
         rig.prompt(vt.video_item(vt.data_url(vt.lying_avi(1_000_000), "video/x-msvideo")))
     fewer = vt.video_item(vt.data_url(vt.lying_avi(2), "video/x-msvideo"))
     assert_same(rig.prompt(fewer, plain=True), rig.prompt(fewer))
+
+
+@pytest.mark.parametrize("how, raw, why", [
+    ({"io": {}, "item": 0, "size": None}, CLIP, None),
+    ({"io": {"num_frames": 4}, "item": 3, "size": {"shortest_edge": 1024, "longest_edge": 4096}}, CLIP, None),
+    ({"io": {}, "item": -1, "size": None}, CLIP, "item index"),
+    ({"io": {"num_frames": "x"}, "item": 0, "size": None}, CLIP, "cannot rebuild"),
+    ({"io": {}, "item": 0, "size": {"shortest_edge": True}}, CLIP, "video size"),
+    ({"io": {}, "item": 0}, CLIP, "not what the frontend sends"),
+    ({"io": {}, "item": 0, "size": None}, b"<html>", "cannot rebuild"),
+], ids=["plain", "options-and-size", "negative-item", "bad-options", "bad-size", "fields", "not-a-video"])
+def test_a_video_source_that_cannot_rebuild_is_found_without_decoding(how, raw, why):
+    """What the engine asks of every item sent without pixels before scheduling its request
+    (``engine.unservable``): a damaged video source fails its own request, never a step."""
+    import json
+
+    from featcache.lmdeploy.pytorch.rebuild import problem
+    from featcache.lmdeploy.request.tags import Source
+
+    got = problem(Source(raw, json.dumps({"video": how}), "{}"))
+    assert (got is None) if why is None else (why in got), got

@@ -87,7 +87,7 @@ def unservable(input_multimodals: Any) -> str | None:
         why = meta_problem(tag.meta) if tag.valid else None
         if why is not None:
             return f"featcache: an image came with a damaged tag: {why}"
-        pixels = item.get("pixel_values")
+        pixels = item.get("pixel_values", item.get("pixel_values_videos"))  # (an image's; a video item's)
         if isinstance(pixels, torch.Tensor) and pixels.numel() > 0:
             continue  # computed from its pixels if need be
         if not tag.valid:

@@ -35,6 +35,7 @@ import torch
 
 from ...core.cache import FeatureCache
 from ..request.tags import FeatTag, Source
+from ..request.video.rebuild import video_pixels, video_problem
 
 _lock = threading.Lock()
 _models: dict[str, Any] = {}  # settings JSON -> lmdeploy VisionModel (its preprocessor)
@@ -111,6 +112,8 @@ def problem(source: Source) -> str | None:
         return "its decode options or parameters are not what the frontend sends"
     if not source.raw:
         return "it has no bytes"
+    if "video" in how:
+        return video_problem(source.raw, how["video"])
     if "pil" in how:
         layout = how["pil"]
         mode, size = (layout.get("mode"), layout.get("size")) if isinstance(layout, dict) else (None, None)
@@ -141,6 +144,9 @@ def pixels(tag: FeatTag, model: Any, settings: dict[str, Any], device: torch.dev
     if tag.source is None:
         raise RuntimeError(f"featcache: image {tag.key.hex()} reached the model without pixels "
                            "or the bytes to rebuild them")
+    how = json.loads(tag.source.decode)
+    if "video" in how:  # a video's item: its frame group rebuilt from the video's bytes
+        return video_pixels(tag.source.raw, how["video"], model, vision_model(settings)).to(device)
     params = json.loads(tag.source.params)
     messages = [{"role": "user", "content": [{"type": "image", "data": image(tag.source), **params}]}]
     (item,) = preprocessed(preprocessor(settings, cache)(messages))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from typing import Any
 
 import torch
@@ -19,8 +18,8 @@ from .media import image_size
 from .messages import decoded, image_items, media_items
 from .refs import REF_KEY
 from .resolve import SECTION
-from .video.entries import INFO, VIDEO_FIELD, KeyedVideo, VideoHit, entry_meta, item_key, lookup
-from .video.expand import plan_videos, video_replacements
+from .video.entries import INFO, VIDEO_FIELD, KeyedVideo, VideoHit, entry_meta, item_key, lookup, sent_hit
+from .video.expand import kwargs_class, plan_videos, video_replacements
 
 log = logging.getLogger("featcache")
 
@@ -207,9 +206,10 @@ class ProcessorLevel:
                 video.hit.release()
             sized = KeyedVideo(self.hasher.image_key(bytes(video.key), namespace=self.namespace,
                                                      params={"video_size": size}),
-                               video.raw, video.options, frames=video.frames, metadata=video.metadata)
-            if not self.tags:
-                sized.hit = lookup(self.cache, self.hasher, self.namespace, sized.key)
+                               video.raw, video.options, frames=video.frames, metadata=video.metadata,
+                               params=video.params)
+            sized.hit = (sent_hit(self, sized.key, video.raw, video.options, video.params, size)
+                         if self.tags else lookup(self.cache, self.hasher, self.namespace, sized.key))
             out.append(sized)
         return out
 
@@ -245,7 +245,7 @@ class ProcessorLevel:
             call["images_kwargs"] = {"size": size}
         if video_size is not None:
             call["videos_kwargs"] = {"size": video_size}
-        merged = processor._merge_kwargs(_kwargs_class(processor),
+        merged = processor._merge_kwargs(kwargs_class(processor),
                                          tokenizer_init_kwargs=processor.tokenizer.init_kwargs, **call)
         missed = [i for i in range(len(items)) if i not in hits]
         grid_of = {i: hit["image_grid_thw"] for i, hit in hits.items()}
@@ -359,19 +359,6 @@ def _difference(want: dict[str, Any], got: dict[str, Any], pixels: bool) -> str 
                 same = a == b or list(a) == list(b)
             if not same:
                 return f"image {i}'s {name}{held}"
-    return None
-
-
-def _kwargs_class(processor: Any) -> Any:
-    """The kwargs class (its defaults) the processor's call hands ``_merge_kwargs``: 5.24's
-    ``valid_processor_kwargs``, else its module's ``<Name>Kwargs`` (5.17 requires it)."""
-    found = getattr(processor, "valid_processor_kwargs", None)
-    if found is not None:
-        return found
-    for k in type(processor).__mro__:
-        named = getattr(sys.modules.get(k.__module__), f"{k.__name__}Kwargs", None)
-        if named is not None:
-            return named
     return None
 
 

@@ -53,7 +53,7 @@ class VideoHit:
 
     def release(self) -> None:
         for ref in self.refs:
-            if ref.lease is not None:
+            if getattr(ref, "lease", None) is not None:  # (a FeatTag holds none)
                 ref.lease.release()
 
 
@@ -68,6 +68,7 @@ class KeyedVideo:
     hit: VideoHit | None = None
     frames: Any = None
     metadata: dict[str, Any] | None = field(default=None)
+    params: dict[str, Any] = field(default_factory=dict)  # the item's own (beside its source)
 
     def decoded(self) -> tuple[Any, dict[str, Any]]:
         """(frames, metadata) as lmdeploy's parser would have made them (decoded now for a hit:
@@ -175,3 +176,43 @@ def video_source(item: Any) -> tuple[str, dict[str, Any]] | None:
 def has_videos(messages: list[Any]) -> bool:
     return any(isinstance(m, dict) and isinstance(m.get("content"), list)
                and any(video_source(x) is not None for x in m["content"]) for m in messages)
+
+
+def source_decode(options: dict[str, Any], index: int, size: dict[str, int] | None) -> str:
+    """A video item's ``tags.Source.decode`` (JSON): how a model process rebuilds item ``index``
+    of the video from its bytes (``rebuild``): the request's decode options and video size."""
+    return json.dumps({"video": {"io": options, "item": index, "size": size}}, sort_keys=True)
+
+
+def sent_hit(keyer: Any, key: bytes, raw: bytes, options: dict[str, Any], params: dict[str, Any],
+             size: dict[str, int] | None = None) -> VideoHit | None:
+    """Several processes: the video's items as a ``VideoHit`` of tags carrying its bytes, where
+    this frontend sent every one of them to the model processes before (``keyer.sent``: their
+    metadata), so it is neither decoded nor preprocessed again (a model process that no longer
+    holds an item rebuilds it from the bytes: ``rebuild``); else None."""
+    from ..tags import FeatTag, Source
+
+    sent = keyer.sent
+    tags: list[Any] = []
+    items: list[dict[str, Any]] = []
+    info: dict[str, Any] | None = None
+    count = 1
+    try:
+        values = json.dumps(params, sort_keys=True)
+        while len(tags) < count:
+            k = item_key(keyer.hasher, keyer.namespace, key, len(tags))
+            meta = sent.get(k) if sent is not None else None
+            if meta is None:
+                return None
+            item = decode_item(meta)
+            record = json.loads(item.pop(INFO))
+            if info is None:
+                info, count = record, int(record["items"])
+            elif record != info:
+                return None
+            tags.append(FeatTag(k, meta, Source(raw, source_decode(options, len(tags), size), values)))
+            items.append(item)
+    except Exception:  # metadata this version cannot read: sent again with its pixels
+        return None
+    assert info is not None
+    return VideoHit(tags, items, info)

@@ -18,6 +18,7 @@ lmdeploy's ``VisionModel.preprocess`` and ``get_expanded_mm_items`` make them.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +103,30 @@ def plan_videos(model: Any, videos: list[KeyedVideo], videos_kwargs: dict[str, A
         if start != bundle.shape[0]:
             raise RuntimeError(f"the video processor made {bundle.shape[0]} rows for {start}")
     return [plans[i] for i in range(len(videos))]
+
+
+def kwargs_class(processor: Any) -> Any:
+    """The kwargs class (its defaults) the processor's call hands ``_merge_kwargs``: 5.24's
+    ``valid_processor_kwargs``, else its module's ``<Name>Kwargs`` (5.17 requires it)."""
+    found = getattr(processor, "valid_processor_kwargs", None)
+    if found is not None:
+        return found
+    for k in type(processor).__mro__:
+        named = getattr(sys.modules.get(k.__module__), f"{k.__name__}Kwargs", None)
+        if named is not None:
+            return named
+    return None
+
+
+def videos_kwargs(processor: Any, size: dict[str, int] | None) -> dict[str, Any]:
+    """The video processor's arguments of a processor-level call (its defaults, with the video
+    size a request asks), as lmdeploy's ``preprocess`` has the processor merge them."""
+    call: dict[str, Any] = {"padding": True, "return_tensors": "pt"}
+    if size is not None:
+        call["videos_kwargs"] = {"size": size}
+    merged = processor._merge_kwargs(kwargs_class(processor),
+                                     tokenizer_init_kwargs=processor.tokenizer.init_kwargs, **call)
+    return dict(merged["videos_kwargs"])
 
 
 def video_replacements(processor: Any, plans: list[VideoPlan]) -> list[str]:

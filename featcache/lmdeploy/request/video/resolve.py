@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..media import MediaPolicy
-from .entries import KeyedVideo, lookup, marker, video_key, video_source
+from .entries import KeyedVideo, lookup, marker, sent_hit, video_key, video_source
 from .read import VideoLimits, decode, decoder_identity, probe, read_video, video_io_options
 
 SECTION = "lmdeploy"
@@ -48,7 +48,7 @@ def _resolve(item: Any, options: dict[str, Any], identity: dict[str, Any], domai
     if raw is None:
         return item
     probe(raw, options, limits)
-    video = KeyedVideo(b"", raw, options)
+    video = KeyedVideo(b"", raw, options, params=params)
     if keyer is not None:
         try:
             video.key = video_key(keyer.hasher, keyer.namespace, raw,
@@ -57,8 +57,9 @@ def _resolve(item: Any, options: dict[str, Any], identity: dict[str, Any], domai
             keyer.cache.count(SECTION, "uncacheable")
         count = keyer.cache.count
         count(SECTION, "videos")
-        if video.key and not keyer.tags:
-            video.hit = lookup(keyer.cache, keyer.hasher, keyer.namespace, video.key)
+        if video.key:  # (several processes: what this frontend sent the model processes before)
+            video.hit = (sent_hit(keyer, video.key, raw, options, params) if keyer.tags
+                         else lookup(keyer.cache, keyer.hasher, keyer.namespace, video.key))
             count(SECTION, "video_hits" if video.hit is not None else "video_misses")
     if video.hit is None:
         video.frames, video.metadata = decode(raw, options)

@@ -1,0 +1,67 @@
+"""A video's engine item rebuilt in a model process from the video's bytes (several processes:
+``entries.sent_hit`` sends a video the model processes were sent before as its bytes, without
+pixels; ``featcache.lmdeploy.pytorch.rebuild`` calls here for a video item's tag).
+
+The item's pixels are made as the frontend's process made them: the video decoded with the
+request's options (``read.decode``, lmdeploy's loader), the checkpoint's video processor with
+lmdeploy's arguments and the request's video size (``expand.plan_videos``), the item's frame group
+taken, then the model's own input processor (the tensor lmdeploy's engine would have put in the
+item's ``MultiModalData``). Decoding and preprocessing are deterministic, so the features computed
+from them equal the ones first computed; every rank makes the same."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .entries import KeyedVideo
+from .expand import plan_videos, videos_kwargs
+from .read import BadVideoError, probe, video_io_options
+
+
+def video_problem(raw: bytes, how: Any) -> str | None:
+    """Why a video item's source could not rebuild it, found without decoding a frame (its
+    options, its item index, its size, the container's header), or None."""
+    from ..media import MediaError, VideoLimits
+
+    if not isinstance(how, dict) or set(how) != {"io", "item", "size"}:
+        return "its decode options are not what the frontend sends"
+    item, size = how["item"], how["size"]
+    if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+        return "its item index is not one"
+    if size is not None and not (isinstance(size, dict) and all(
+            isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in size.values())):
+        return "its video size is not one"
+    try:
+        options = video_io_options({"video": how["io"]})
+        unbounded = VideoLimits(max_video_bytes=max(1, len(raw)), max_video_seconds=float("inf"),
+                                max_video_frames=1 << 62, max_sampled_frames=1 << 62,
+                                max_frame_pixels=1 << 62)
+        probe(raw, options, unbounded)  # (the frontend checked its limits when it read it)
+    except (BadVideoError, MediaError, ValueError) as e:
+        return f"its bytes or options cannot rebuild the video ({str(e)[:120]})"
+    return None
+
+
+def video_pixels(raw: bytes, how: dict[str, Any], model: Any, vision_model: Any) -> torch.Tensor:
+    """Item ``how["item"]``'s ``MultiModalData.data``, from the video's bytes (module docstring).
+    ``model``: the language model (its input processor); ``vision_model``: lmdeploy's
+    ``VisionModel`` of the checkpoint (its processor; ``rebuild.vision_model``)."""
+    from lmdeploy.vl.constants import Modality
+
+    options = video_io_options({"video": how["io"]})
+    processor = vision_model.processor
+    kwargs = videos_kwargs(processor, how["size"])
+    (plan,) = plan_videos(vision_model, [KeyedVideo(b"", raw, options)], kwargs)
+    index = how["item"]
+    if index >= len(plan.items):
+        raise RuntimeError(f"featcache: the video holds {len(plan.items)} items, not item {index}")
+    fields = plan.items[index]
+    merge = processor.video_processor.merge_size ** 2
+    tokens = int(torch.as_tensor(fields["video_grid_thw"]).prod()) // merge
+    item = dict(modality=Modality.VIDEO, offset=(0, tokens), **fields)
+    result = model.get_input_processor().preprocess_input([0] * tokens, [item])
+    (data,) = [d for datas in result.input_multimodals.values() for d in datas]
+    out: torch.Tensor = data.data
+    return out
