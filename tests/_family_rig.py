@@ -176,7 +176,10 @@ def tag_mode(rig: Any) -> Iterator[Callable[..., dict[str, Any]]]:
     api = rig.path_of()
     install_frontend(api.model, api_cache, f"test:{rig.arch}", tags=True)
     ranks.configure(json.dumps({"feature_cache": {"device": "cpu", "device_bytes": 64 << 20,
-                                                   "host_bytes": 0}}))
+                                                   "host_bytes": 0},
+                                # what the engine tells the model processes (processes.rank_settings)
+                                "rebuild": {"model_path": api.model.model_path, "dtype": "float16",
+                                            "device_type": "cpu", "trust_remote_code": False}}))
 
     def send(*images: Any) -> dict[str, Any]:
         sent = rig.prompt(*images, path=api)

@@ -638,30 +638,48 @@ def test_qwen3_omni_audio_in_a_step_is_left_to_lmdeploy(tmp_path_factory, monkey
 
 
 def test_tag_mode_each_model_process_skips_the_tower_for_the_images_it_holds(patched, monkeypatch):
-    """Several processes (lmdeploy's mp engine, tp > 1): the API process's frontend runs lmdeploy's
-    preprocessing for every request (its output lmdeploy's own) and tags every image; the model
-    process (its own cache, ``ranks``) computes an image the first time and serves it after,
-    through the same prepare and forward."""
+    """Several processes (lmdeploy's mp engine, tp > 1): the API process's frontend makes every
+    request's output (lmdeploy's own) and tags every image; an image it sent before travels
+    without pixels, its tag carrying what rebuilds them (here a pipeline's in-memory image: its
+    pixel bytes). The model process (its own cache, ``ranks``) computes an image the first time
+    and serves it after; one that lost it rebuilds its pixels (equal to lmdeploy's) and computes
+    it again, through the same prepare and forward."""
+    from featcache.lmdeploy.pytorch import ranks
+
     rig = patched
     with tag_mode(rig) as send:
         model = rig.fake_model()
+        model.get_input_processor = lambda: rig.processor.inner  # (the real model's method)
         visual = vision_of(model)
-        rows = []
-        for images in [(A, B), (B, C)]:
+        rows: list[torch.Tensor] = []
+        b_key = None
+        for turn, images in enumerate([(A, B), (B, C), (B,)]):
+            if turn == 2:  # the model process lost B (evicted)
+                ranks.local_cache().discard(b_key)
             sent = send(*images)
+            b_key = sent["multimodal"][images.index(B)][REF_KEY].key
             plain = rig.prompt(*images, plain=True)
             for m, p in zip(sent["multimodal"], plain["multimodal"], strict=True):
-                assert torch.equal(m["pixel_values"], p["pixel_values"])
+                if m[REF_KEY].source is not None:  # sent before: no pixels, its source instead
+                    assert m["pixel_values"].shape == (0, *p["pixel_values"].shape[1:])
+                else:
+                    assert torch.equal(m["pixel_values"], p["pixel_values"])
+            assert [m[REF_KEY].source is not None for m in sent["multimodal"]] == [
+                turn > 0 and im is B for im in images]
             got = rig.step(model, sent)
             mask = torch.tensor(sent["input_ids"]) == sent["multimodal"][0]["image_token_id"]
             rows.append(got["inputs_embeds"][0][mask].float())
             want = torch.cat([levels(p["pixel_values"])[0] for p in plain["multimodal"]])
-            assert torch.equal(rows[-1], want)  # every image's rows, computed or served
-        # the tower ran for A and B, then for C only (B served from the model process's cache)
-        assert len(visual.calls) == 2
+            assert torch.equal(rows[-1], want)  # every image's rows, computed, served or rebuilt
+        # the tower ran for A and B, then for C only (B served from the model process's cache),
+        # then for B rebuilt from its source, with lmdeploy's own pixels
+        assert len(visual.calls) == 3
         c_rows = rig.prompt(C, plain=True)["multimodal"][0]["pixel_values"].shape[0]
         assert visual.calls[1].shape[0] == c_rows
+        b_pixels = rig.prompt(B, plain=True)["multimodal"][0]["pixel_values"]
+        assert torch.equal(visual.calls[2], b_pixels.to(visual.calls[2]))
         assert model_cache_stats()["vision_skipped"] == 1
+        assert model_cache_stats()["pixels_rebuilt"] == 1
 
 
 def test_the_startup_probe_finds_featcaches_output_equal_to_lmdeploys_here(rig):

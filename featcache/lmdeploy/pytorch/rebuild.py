@@ -26,6 +26,7 @@ its own request, not a model process's step.
 
 from __future__ import annotations
 
+import inspect
 import json
 import threading
 import types
@@ -35,7 +36,7 @@ import torch
 
 from ...core.cache import FeatureCache
 from ..request.tags import FeatTag, Source
-from ..request.video.rebuild import video_pixels, video_problem
+from ..request.video.rebuild import processor_image_pixels, video_pixels, video_problem
 
 _lock = threading.Lock()
 _models: dict[str, Any] = {}  # settings JSON -> lmdeploy VisionModel (its preprocessor)
@@ -147,6 +148,9 @@ def pixels(tag: FeatTag, model: Any, settings: dict[str, Any], device: torch.dev
     how = json.loads(tag.source.decode)
     if "video" in how:  # a video's item: its frame group rebuilt from the video's bytes
         return video_pixels(tag.source.raw, how["video"], model, vision_model(settings)).to(device)
+    vm = vision_model(settings)
+    if "mm_processor_kwargs" in inspect.signature(type(vm).preprocess).parameters:
+        return processor_image_pixels(image(tag.source), model, vm).to(device)
     params = json.loads(tag.source.params)
     messages = [{"role": "user", "content": [{"type": "image", "data": image(tag.source), **params}]}]
     (item,) = preprocessed(preprocessor(settings, cache)(messages))

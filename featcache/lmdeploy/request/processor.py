@@ -54,12 +54,17 @@ class ProcessorLevel:
     Invariant: the output equals lmdeploy's own for the same request (input ids, offsets, every
     per-image field; tests/test_lmdeploy_newapi.py checks it against lmdeploy's real preprocessing
     for requests mixing hits and misses). Where this is not shown (a processor outside
-    ``families.EXPANDING``, a request with videos, audio or time series) lmdeploy's own preprocessing runs for
-    the whole request and featcache only tags its images: hits then skip the vision model but not
-    preprocessing (counted, ``preprocess_not_skipped``). Any failure falls back to lmdeploy's own
-    preprocessing (``Frontend.__call__``: counted, never a failed request). With ``tags`` (several
-    processes) every request takes that path: each image travels with its pixels and a ``FeatTag``,
-    and the model processes skip the vision model for the images they hold (``ranks``).
+    ``families.EXPANDING``, a request with audio or time series, videos where ``probe_video``
+    failed) lmdeploy's own preprocessing runs for the whole request and featcache only tags its
+    images: hits then skip the vision model but not preprocessing (counted,
+    ``preprocess_not_skipped``). Any failure falls back to lmdeploy's own preprocessing
+    (``Frontend.__call__``: counted, never a failed request). With ``tags`` (several processes)
+    every image and video item gets a ``FeatTag``; one this frontend sent the model processes
+    before travels without pixels, its tag carrying its source (encoded bytes, or a pipeline
+    image's pixel bytes; a video's bytes), so it is neither decoded nor preprocessed again here,
+    and a model process that no longer holds it rebuilds its pixels (``video.rebuild``); the model
+    processes skip the vision model for what they hold (``ranks``). With a size override, images
+    travel with their pixels (a source rebuilds an image at the processor's own size).
     """
 
     # ``Frontend``'s, which this class is used over
@@ -75,7 +80,7 @@ class ProcessorLevel:
         self.expands = reproduces_expansion(processor, vision_model)
         # featcache's exact preprocessing of misses (``fastprep.processor_patch_maker``), or None
         self.maker: PatchMaker | None = None
-        if self.expands and not self.tags:
+        if self.expands:
             self.maker, why = processor_patch_maker(processor.image_processor)
             log.info("featcache: preprocessing of new images: %s",
                      f"featcache's, {why}" if self.maker is not None else f"lmdeploy's ({why})")
@@ -169,14 +174,14 @@ class ProcessorLevel:
             self.cache.count(SECTION, "videos_uncached", len(video_items))
             return self._plain(messages, input_prompt, mm_processor_kwargs, *self._lookup(items))
         keys, hits = self._lookup(items, None if size is None else {"processor_size": size})
-        if videos and isinstance(input_prompt, str) and self.expands:
-            if self.tags:  # several processes: every image and video with its pixels and a tag
-                hits = {}
-            return self._expand(items, keys, hits, input_prompt, size, videos,
-                                _video_size(processor, mm_processor_kwargs))
-        if self.tags or not self.expands or (not hits and self.maker is None) or videos:
-            return self._plain(messages, input_prompt, mm_processor_kwargs, keys, hits)
-        return self._expand(items, keys, hits, input_prompt, size)
+        if self.tags and size is not None:  # (a sent image's source rebuilds it at the processor's
+            hits = {}  # own size only: with another, it travels with its pixels)
+        if (isinstance(input_prompt, str) and self.expands
+                and (videos or self.tags or hits or self.maker is not None)):
+            # several processes: an image or video sent before travels as its tag and source
+            return self._expand(items, keys, hits, input_prompt, size, videos or None,
+                                _video_size(processor, mm_processor_kwargs) if videos else None)
+        return self._plain(messages, input_prompt, mm_processor_kwargs, keys, hits)
 
     def _plain(self, messages: list[dict[str, Any]], input_prompt: Any, mm_processor_kwargs: Any,
                keys: list[bytes | None], hits: dict[int, dict[str, Any]]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""A video's engine item rebuilt in a model process from the video's bytes (several processes:
+"""A video's engine item rebuilt in a model process from the video's bytes (and, for the same
+processor-level models, an image's: ``processor_image_pixels``) (several processes:
 ``entries.sent_hit`` sends a video the model processes were sent before as its bytes, without
 pixels; ``featcache.lmdeploy.pytorch.rebuild`` calls here for a video item's tag).
 
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from .entries import KeyedVideo
-from .expand import plan_videos, videos_kwargs
+from .expand import kwargs_class, plan_videos, videos_kwargs
 from .read import BadVideoError, probe, video_io_options
 
 
@@ -65,3 +66,25 @@ def video_pixels(raw: bytes, how: dict[str, Any], model: Any, vision_model: Any)
     (data,) = [d for datas in result.input_multimodals.values() for d in datas]
     out: torch.Tensor = data.data
     return out
+
+
+def processor_image_pixels(image: Any, model: Any, vision_model: Any) -> torch.Tensor:
+    """An image's ``MultiModalData.data`` for a processor-level model (its new-API ``preprocess``):
+    the checkpoint's image processor with the processor's own arguments (the size a request asks is
+    in its key, and such an image travels with its pixels: ``ProcessorLevel._preprocess``), cast
+    as lmdeploy casts it, then the model's input processor."""
+    from lmdeploy.vl.constants import Modality
+
+    processor = vision_model.processor
+    merged = processor._merge_kwargs(kwargs_class(processor),
+                                     tokenizer_init_kwargs=processor.tokenizer.init_kwargs,
+                                     padding=True, return_tensors="pt")
+    out = processor.image_processor([image], **merged["images_kwargs"])
+    values = vision_model._postprocess_mm_output(out["pixel_values"], vision_model.mm_feature_dtype)
+    grid = out["image_grid_thw"][0]
+    tokens = int(torch.as_tensor(grid).prod()) // processor.image_processor.merge_size ** 2
+    item = dict(modality=Modality.IMAGE, pixel_values=values, image_grid_thw=grid, offset=(0, tokens),
+                image_token_id=vision_model.mm_tokens.image_token_id)
+    result = model.get_input_processor().preprocess_input([0] * tokens, [item])
+    (data,) = [d for datas in result.input_multimodals.values() for d in datas]
+    return data.data
