@@ -116,3 +116,16 @@ def test_the_lmdeploy_integration_is_split_by_purpose():
     # families.py: the model-family declarations both engines' paths read
     assert {p.name for p in lmdeploy.glob("*.py")} == {"__init__.py", "fastprep.py", "media.py",
                                                        "families.py"}
+
+
+def test_the_license_ships_with_the_package():
+    """The repository holds the license's text, and the installed package declares it as an SPDX
+    expression with that file (PEP 639; the table form ``{text = ...}`` is deprecated)."""
+    import importlib.metadata
+
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
+    meta = importlib.metadata.metadata("featcache")
+    assert meta["License-Expression"] == "Apache-2.0"
+    assert "LICENSE" in (meta.get_all("License-File") or [])
