@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import featcache.core.cache as cache_module
 from featcache.cli import main
 
@@ -76,3 +78,49 @@ def test_a_broken_core_exits_1_and_says_why(tmp_path, monkeypatch, capsys):
     assert out.splitlines()[-1].startswith("featcache's core does not work here")
     assert main(["doctor", "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["ok"] is False
+
+
+def _store_line(done: subprocess.CompletedProcess[str]) -> str:
+    return next(line for line in done.stdout.splitlines() if line.split()[1:2] == ["store"])
+
+
+@pytest.mark.parametrize("damage", ["random", "empty", "truncated"])
+def test_doctor_reports_a_broken_store_as_stats_does(tmp_path, damage):
+    """A default store whose data file is random bytes, empty or cut short: FAIL, with what
+    ``featcache stats`` says of it (its core still works: exit 0)."""
+    store = tmp_path / "store"
+    if damage == "truncated":
+        import torch
+
+        from featcache import FeatureCache
+
+        with FeatureCache(device="cpu", device_bytes="1MiB", host_bytes=0, disk_path=store,
+                          disk_bytes="64MiB") as cache:
+            for i in range(40):
+                cache.put(bytes([i]) * 16, torch.randn(256, 256), block=True)
+        data = store / "data.mdb"
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 3])
+    else:
+        store.mkdir()
+        (store / "data.mdb").write_bytes(os.urandom(100_000) if damage == "random" else b"")
+    done = doctor(env=environment(tmp_path))
+    line = _store_line(done)
+    assert line.startswith("FAIL") and "BROKEN" in line and "; fix: move it aside" in line, line
+    stats = subprocess.run([sys.executable, "-m", "featcache", "stats", str(store)], capture_output=True,
+                           text=True, timeout=120, cwd=ROOT, env=environment(tmp_path))
+    assert stats.returncode == 1 and stats.stderr.split("error: ", 1)[1].strip() in line
+    if damage == "empty":
+        assert "its data.mdb is empty (0 bytes)" in line
+    assert done.returncode == 0 and "Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="no /proc here")
+def test_doctor_says_a_store_cannot_be_created_where_no_directory_can_be(tmp_path):
+    """Under /proc (root may write there by its permissions, yet no directory can be made) and
+    under a file."""
+    env = environment(tmp_path)
+    line = _store_line(doctor(env={**env, "FEATCACHE_DIR": "/proc/featcache-store"}))
+    assert line.startswith("--") and "CANNOT be created (/proc:" in line, line
+    (tmp_path / "file").write_text("x")
+    line = _store_line(doctor(env={**env, "FEATCACHE_DIR": str(tmp_path / "file" / "store")}))
+    assert line.startswith("--") and "is a file, not a directory" in line, line

@@ -193,17 +193,52 @@ def _store() -> Check:
         writable = os.access(path, os.W_OK | os.X_OK)
         has_store = os.path.exists(os.path.join(path, DATA_FILE))
         holder = store_in_use(path) if has_store else 0
+        broken = _broken(path, writable) if has_store and not holder else None
+        if broken is not None:  # what stats and verify would say of it
+            return Check("store", FAIL, f"{path}{source}: BROKEN: {broken}",
+                         f"move it aside (a new store is made there), or set {ENV_DIR} / pass "
+                         "--cache-dir to another directory")
         use = ("no store yet" if not has_store else
                f"in use by process {holder}" if holder else
                "not in use" if holder == 0 else "in use: unknown")
         detail = f"{path}: {'writable' if writable else 'NOT writable'}, {use}"
     else:
         parent = next(p for p in _parents(path) if os.path.exists(p))
-        writable = os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)
-        detail = f"{path}: does not exist yet, {'can' if writable else 'CANNOT'} be created"
+        why = _cannot_create_under(parent)
+        writable = why is None
+        detail = f"{path}: does not exist yet, " + ("can be created" if writable else
+                                                     f"CANNOT be created ({why})")
     return Check("store", OK if writable else MISSING, detail,
                  "" if writable else "set FEATCACHE_DIR to a directory you can write, or pass "
                  "--cache-dir / DIR")
+
+
+def _broken(path: str, writable: bool) -> str | None:
+    """Why the store at ``path`` cannot be read, as ``featcache stats`` would say it (a data file
+    that is empty, not LMDB, truncated, of another format), or None."""
+    from ..errors import FeatCacheError
+    from ..storetools.view import StoreView
+
+    try:
+        with StoreView(path, lock=writable) as view:
+            view.summary()
+    except (FeatCacheError, OSError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def _cannot_create_under(parent: str) -> str | None:
+    """Why no directory can be made under ``parent`` (tried: a temporary one, removed at once; a
+    permission check alone passes root under /proc), or None."""
+    import tempfile
+
+    if not os.path.isdir(parent):
+        return f"{parent} is not a directory"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".featcache-doctor-", dir=parent))
+    except OSError as e:
+        return f"{parent}: {e.strerror or e}"
+    return None
 
 
 def budgets() -> Budgets | None:

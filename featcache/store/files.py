@@ -129,6 +129,8 @@ def check_store_dir(path: str, *, lock: bool) -> None:
     if not os.path.exists(data):
         raise StoreFormatError(f"{path!r} is not a featcache store (no {DATA_FILE} in it)")
     check_store_files(path)
+    if os.path.isfile(data) and os.path.getsize(data) == 0:  # (LMDB says "Bad file descriptor")
+        raise StoreFormatError(f"{path!r} is not a featcache store: its {DATA_FILE} is empty (0 bytes)")
     if not os.access(data, os.R_OK):
         raise StorePermissionError(f"permission denied: cannot read {data!r}; run as its owner")
     lock_file = os.path.join(path, LOCK_FILE)
