@@ -135,6 +135,9 @@ def collect(images: Iterable[str], from_dir: str | None) -> list[str]:
         raise ValueError(f"no such file: {missing[0]}" + (f" (and {len(missing) - 1} more)"
                                                           if len(missing) > 1 else ""))
     if from_dir is not None:
+        if os.path.exists(from_dir) and not os.path.isdir(from_dir):
+            raise ValueError(f"--from-dir {from_dir} is a file, not a directory (give image files "
+                             "as IMAGE arguments)")
         if not os.path.isdir(from_dir):
             raise ValueError(f"no such directory: {from_dir}")
         for root, dirs, files in os.walk(from_dir):

@@ -171,3 +171,57 @@ def test_serve_refuses_a_video_limit_that_is_none_as_bad_usage(tmp_path, flag, v
     out = featcache(tmp_path, "serve", "some/model", flag, value)
     assert out.returncode == 2 and out.stdout == ""
     assert f"argument {flag}" in out.stderr and "Traceback" not in out.stderr
+
+
+# -- the small ones: an LMDB of another program's, empty names, a file for a directory ----------------
+def _foreign(path: Path) -> None:
+    import lmdb
+
+    env = lmdb.open(str(path), map_size=1 << 20)
+    with env.begin(write=True) as txn:
+        txn.put(b"their-key", b"their value")
+    env.close()
+
+
+def test_a_cache_and_the_demo_refuse_another_programs_lmdb_and_write_nothing_there(tmp_path, capsys):
+    from featcache.errors import StoreFormatError
+
+    foreign = tmp_path / "theirs"
+    _foreign(foreign)
+    before = sorted(p.name for p in foreign.iterdir())
+    with pytest.raises(StoreFormatError, match="not a featcache store .*their-key"):
+        FeatureCache(device="cpu", device_bytes="1MiB", host_bytes=0, disk_path=foreign,
+                     disk_bytes="16MiB")
+    out = featcache(tmp_path, "demo", "--cache-dir", str(foreign), "--turns", "2")
+    assert out.returncode == 1 and "not a featcache store" in out.stderr and "Traceback" not in out.stderr
+    assert sorted(p.name for p in foreign.iterdir()) == before  # no key secret, no table added
+    rc, _, err = run(capsys, "stats", str(foreign))
+    assert rc == 1 and "not a featcache store" in err
+
+
+def test_an_empty_data_file_says_what_it_is(tmp_path, capsys):
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "data.mdb").write_bytes(b"")
+    rc, _, err = run(capsys, "stats", str(tmp_path / "s"))
+    assert rc == 1 and "its data.mdb is empty (0 bytes)" in err and "Bad file descriptor" not in err
+
+
+def test_demo_refuses_an_empty_cache_dir(tmp_path, capsys):
+    rc, _, err = run(capsys, "demo", "--cache-dir", "", "--turns", "2")
+    assert rc == 2 and "--cache-dir '' names no directory" in err
+
+
+def test_warm_from_dir_that_is_a_file_says_so(tmp_path, capsys):
+    (tmp_path / "a.png").write_bytes(b"x")
+    rc, _, err = run(capsys, "warm", "some/model", "--from-dir", str(tmp_path / "a.png"))
+    assert rc == 2 and "is a file, not a directory" in err
+
+
+@pytest.mark.parametrize("inside", ["copy", "."])
+def test_compact_refuses_a_destination_inside_its_source(tmp_path, capsys, inside):
+    store = tmp_path / "s"
+    build(store, 3)
+    before = sorted(p.name for p in store.iterdir())
+    rc, _, err = run(capsys, "compact", str(store), str(store / inside))
+    assert rc == 1 and "is inside the store" in err
+    assert sorted(p.name for p in store.iterdir()) == before

@@ -23,6 +23,9 @@ def _demo(args: argparse.Namespace) -> int:
     if args.turns > DEMO_MAX_TURNS:  # before torch is imported: refused at once
         raise UsageError(f"--turns {args.turns}: the demo runs at most {DEMO_MAX_TURNS} turns "
                          f"(each encodes a new image and resends up to {DEMO_WINDOW - 1})")
+    if args.cache_dir is not None and not args.cache_dir.strip():  # ('': not "no directory")
+        raise UsageError("--cache-dir '' names no directory: give one, or leave the option out "
+                         "for a temporary store")
     if args.cache_dir and os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
         raise UsageError(f"--cache-dir {args.cache_dir!r} is a file, not a directory")
     if args.cache_dir:

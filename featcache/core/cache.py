@@ -57,6 +57,7 @@ from ..codec import check_storable
 from ..config import CacheConfig
 from ..keys import ImageKey, KeyHasher
 from ..keysecret import hasher_for, remote_secret_name
+from ..store.env import check_not_foreign
 from ..store.report import VerifyReport
 from ..tiers.base import Entry
 from . import forks
@@ -105,6 +106,8 @@ class FeatureCache(forks.Adoptable):
         self._closed = False
         self._blocking = 0  # open blocking_puts() contexts: puts that do not say block= wait
         self._blocking_lock = threading.Lock()
+        if self.config.disk_path is not None:  # (another program's LMDB: refused before its
+            check_not_foreign(os.fspath(self.config.disk_path))  # directory gets a key secret)
         # how keys are made, under the store's secret: kept across fork (the store's file, read once)
         self.hasher: KeyHasher = hasher_for(self.config)
         self._build()

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import lmdb
 
-from ..errors import StoreOpenError
+from ..errors import StoreFormatError, StoreOpenError
 from ..sizes import format_bytes
 from .files import DATA_FILE, data_file_bytes, prepare_store_dir
 from .layout import FORMAT_RECORD, TABLES, Tables, check_format, new_store_records, open_tables
@@ -64,6 +64,8 @@ def open_store(
     try:
         check_data_file(env, os.path.join(path, DATA_FILE))
         reader_check(env)
+        if not readonly:
+            refuse_foreign(env, path)
         tables = open_tables(env, path, create=not readonly)
         try:
             with env.begin(db=tables.info, write=not readonly) as txn:
@@ -120,6 +122,45 @@ def open_env(path: str, capacity_bytes: int, *, readonly: bool, sync: bool) -> l
             path, format_bytes(map_size), format_bytes(wanted),
         )
     return env
+
+
+def check_not_foreign(path: str) -> None:
+    """``refuse_foreign`` before anything is written at ``path`` (a cache writes its key secret
+    there first): an existing, non-empty data file is opened read-only, without the lock, and its
+    table names read; nothing else. Absent or empty: nothing to check (the open checks it)."""
+    if data_file_bytes(path) == 0:
+        return
+    try:
+        env = lmdb.open(path, readonly=True, lock=False, max_dbs=len(TABLES), create=False,
+                        subdir=True, readahead=False)
+    except lmdb.Error:
+        return  # not readable as LMDB: the store's open says what it is
+    try:
+        try:  # (a damaged file is read no further: a page past its end would kill the process)
+            check_data_file(env, os.path.join(path, DATA_FILE))
+        except StoreOpenError:
+            return  # the store's open refuses it, saying why
+        refuse_foreign(env, path)
+    finally:
+        env.close()
+
+
+def refuse_foreign(env: lmdb.Environment, path: str) -> None:
+    """Raise ``StoreFormatError`` where ``env`` is an LMDB environment of someone else's (its main
+    table holds anything but featcache's table names): featcache creates its tables only in a new
+    environment or its own, never in another program's data (``featcache stats`` refuses to read
+    one alike)."""
+    try:
+        with env.begin() as txn:
+            names = [bytes(k) for k, _ in txn.cursor()]
+    except lmdb.Error as e:
+        raise StoreOpenError(f"cannot read the LMDB environment at {path!r}: {e}") from e
+    foreign = [n for n in names if n not in TABLES]
+    if foreign:
+        shown = ", ".join(repr(n[:24]) for n in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise StoreFormatError(f"{path!r} is not a featcache store (an LMDB environment holding "
+                               f"{shown}): featcache does not write into another program's data; "
+                               "choose another directory")
 
 
 class Shut(Exception):

@@ -128,6 +128,11 @@ def compact(view: StoreView, dest: str | os.PathLike[str]) -> list[EntryInfo]:
     what writers add meanwhile is not in it. Entries of the copy that fail ``verify`` (a checksum
     that does not hold, broken books) are left out of it: returned, as ``verify`` reports them."""
     target = os.fspath(dest)
+    source, real = os.path.realpath(view.path), os.path.realpath(target)
+    if real == source or real.startswith(source.rstrip(os.sep) + os.sep):
+        raise StoreOpenError(f"{target!r} is inside the store {view.path!r}: compact writes the copy "
+                             "to a directory outside it (a store directory holds the store's files "
+                             "only)")
     if os.path.exists(target):
         if not os.path.isdir(target):
             raise StoreOpenError(f"{target!r} exists and is not a directory")
