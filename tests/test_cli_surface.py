@@ -225,3 +225,30 @@ def test_compact_refuses_a_destination_inside_its_source(tmp_path, capsys, insid
     rc, _, err = run(capsys, "compact", str(store), str(store / inside))
     assert rc == 1 and "is inside the store" in err
     assert sorted(p.name for p in store.iterdir()) == before
+
+
+def test_the_docs_name_every_eviction_policy_and_the_default():
+    """Every ``--eviction A|B|C`` the docs show lists the policies the server takes, and the CLI
+    page names the default as the code has it (a stale ``value|lru`` was shown after ``admit``
+    became the default)."""
+    import re
+
+    from featcache.config import DEFAULTS, EVICTIONS
+
+    root = Path(__file__).resolve().parent.parent
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for shown in re.findall(r"--eviction ([a-z|]+)", page.read_text()):
+            if "|" in shown:
+                assert set(shown.split("|")) == set(EVICTIONS), f"{page.name}: --eviction {shown}"
+    assert f"`{DEFAULTS['eviction']}`, the default" in (root / "docs" / "cli.md").read_text()
+
+
+def test_serve_help_works_without_lmdeploy_and_says_what_to_install(tmp_path):
+    out = featcache(tmp_path, "serve", "--help", prelude="sys.modules['lmdeploy'] = None")
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert "--max-video-bytes" in out.stdout and "--cache-dir" in out.stdout  # featcache's own
+    assert "lmdeploy is not installed" in out.stdout
+    assert "pip install 'torch<=2.12.1' 'featcache[lmdeploy]'" in out.stdout
+    root = Path(__file__).resolve().parent.parent
+    for page in ("README.md", "docs/serving.md"):
+        assert "pip install 'torch<=2.12.1'" in (root / page).read_text().replace("\n", " "), page

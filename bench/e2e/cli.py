@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                              "tokens per turn, no image) through the same engine")
     parser.add_argument("--video-seconds", type=float, default=0,
                         help="bench (b): each chat is about a clip of this many seconds (an MP4 of --size "
-                             "at 4 frames a second) instead of an image (issue 52)")
+                             "at 4 frames a second) instead of an image")
     parser.add_argument("--answer-tokens", type=int, default=1,
                         help="tokens per chat answer in (b) (bench; >1: first token streamed)")
     args = parser.parse_args(argv)

@@ -209,6 +209,10 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    "answer; only for a single trusted tenant)")
 
 
+# what a GPU machine installs to serve (lmdeploy 0.18 takes torch <= 2.12.1)
+INSTALL_TO_SERVE = "pip install 'torch<=2.12.1' 'featcache[lmdeploy]'"
+
+
 def featcache_parser() -> Parser:
     """The ``serve`` command's parser alone, built as the table builds it (for its help text)."""
     parser = Parser(prog="featcache serve", **SERVE.parser_options())
@@ -228,10 +232,18 @@ def _serve(args: argparse.Namespace) -> int:
         try:
             from ..server.serve import lmdeploy_parser
 
-            parser = lmdeploy_parser()  # (first: without lmdeploy, the error alone)
+            parser = lmdeploy_parser()
+        except ModuleNotFoundError as e:  # featcache's own options all the same, and what to install
+            if (e.name or "").partition(".")[0] not in ("lmdeploy", "huggingface_hub", "transformers"):
+                raise
+            parser = None
         finally:
             logging.disable(logging.NOTSET)
         featcache_parser().print_help()
+        if parser is None:
+            print(f"\nlmdeploy serve api_server options: not shown, lmdeploy is not installed. To serve, "
+                  f"on a GPU machine: {INSTALL_TO_SERVE} (docs/serving.md)")
+            return EXIT_OK
         print("\nlmdeploy serve api_server options:\n")
         parser.print_help()
         return EXIT_OK
