@@ -252,3 +252,14 @@ def test_serve_help_works_without_lmdeploy_and_says_what_to_install(tmp_path):
     root = Path(__file__).resolve().parent.parent
     for page in ("README.md", "docs/serving.md"):
         assert "pip install 'torch<=2.12.1'" in (root / page).read_text().replace("\n", " "), page
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "proc"])
+def test_warm_says_first_that_its_store_cannot_be_made(tmp_path, capsys, where):
+    """Before the GPU check and before anything is said of the store's key secret."""
+    if where == "proc" and not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc here")
+    (tmp_path / "a.png").write_bytes(b"x")
+    store = str(tmp_path / "a.png" / "store") if where == "under-a-file" else "/proc/featcache-store"
+    rc, _, err = run(capsys, "warm", "some/model", str(tmp_path / "a.png"), "--cache-dir", store)
+    assert rc == 1 and err.count("\n") == 1 and f"the store directory {store} cannot be created" in err

@@ -177,16 +177,13 @@ def _lmdeploy() -> list[Check]:
 
 def _store() -> Check:
     from ..config import ENV_DIR, default_store_dir
-    from ..store.files import DATA_FILE, store_in_use
+    from ..store.files import DATA_FILE, cannot_create, store_in_use
 
     path = default_store_dir()
     source = f" (from {ENV_DIR})" if os.environ.get(ENV_DIR) else ""
-    blocker = next((p for p in _parents(path)
-                    if os.path.exists(p) and not os.path.isdir(p)), None)
-    if blocker is not None:  # a file where the store, or a directory above it, would be
-        what = ("is a file, not a directory (a store is a directory)" if blocker == path else
-                f"cannot be created: {blocker} is a file, not a directory")
-        return Check("store", MISSING, f"{path}{source}: {what}",
+    why = cannot_create(path)
+    if why is not None and "is a file" in why:  # a file where the store, or a directory above it, would be
+        return Check("store", MISSING, f"{path}{source}: {why}",
                      f"set {ENV_DIR} to a directory (a store, or where one may be created), or "
                      "pass --cache-dir / DIR")
     if os.path.isdir(path):
@@ -203,11 +200,9 @@ def _store() -> Check:
                "not in use" if holder == 0 else "in use: unknown")
         detail = f"{path}: {'writable' if writable else 'NOT writable'}, {use}"
     else:
-        parent = next(p for p in _parents(path) if os.path.exists(p))
-        why = _cannot_create_under(parent)
         writable = why is None
         detail = f"{path}: does not exist yet, " + ("can be created" if writable else
-                                                     f"CANNOT be created ({why})")
+                                                     why.replace("cannot", "CANNOT", 1))
     return Check("store", OK if writable else MISSING, detail,
                  "" if writable else "set FEATCACHE_DIR to a directory you can write, or pass "
                  "--cache-dir / DIR")
@@ -224,20 +219,6 @@ def _broken(path: str, writable: bool) -> str | None:
             view.summary()
     except (FeatCacheError, OSError, ValueError) as e:
         return str(e)
-    return None
-
-
-def _cannot_create_under(parent: str) -> str | None:
-    """Why no directory can be made under ``parent`` (tried: a temporary one, removed at once; a
-    permission check alone passes root under /proc), or None."""
-    import tempfile
-
-    if not os.path.isdir(parent):
-        return f"{parent} is not a directory"
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".featcache-doctor-", dir=parent))
-    except OSError as e:
-        return f"{parent}: {e.strerror or e}"
     return None
 
 
@@ -266,13 +247,6 @@ def _budget_checks(chosen: Budgets | None) -> list[Check]:
         return [Check("budgets", MISSING, "unknown (no torch)", "install torch first")]
     return [Check(f"budget.{c.tier}", OK, f"{c.size}: {c.reason}")
             for c in chosen.choices]
-
-
-def _parents(path: str) -> list[str]:
-    out = [path]
-    while os.path.dirname(out[-1]) != out[-1]:
-        out.append(os.path.dirname(out[-1]))
-    return out
 
 
 def checks(chosen: Budgets | None = None) -> list[Check]:

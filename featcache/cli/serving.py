@@ -377,6 +377,14 @@ def _warm(args: argparse.Namespace) -> int:
     if not paths:
         print("featcache warm: error: no images (give IMAGE files or --from-dir DIR)", file=sys.stderr)
         return EXIT_BAD
+    from ..config import default_store_dir
+    from ..store.files import cannot_create
+
+    store = args.cache_dir or default_store_dir()
+    why = cannot_create(store)  # (before anything else is said of the store, its secret included)
+    if why:
+        print(f"featcache warm: error: the store directory {store} {why}", file=sys.stderr)
+        return EXIT_ERROR
     # The GPU first, as serve does: without one, nothing else matters, and the model's probe
     # may spend half a minute retrying the hub (issue 29 item 3). TurboMind: no engine is built.
     turbomind = args.backend == "turbomind"

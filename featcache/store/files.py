@@ -206,3 +206,26 @@ def _read_only_fs(path: str) -> bool:
         return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
     except OSError:
         return False
+
+
+def cannot_create(path: str) -> str | None:
+    """Why no store directory can be at ``path``, or None (it is one, or can be made): a file
+    where it, or a directory above it, would be; or no directory can be made under its nearest
+    existing parent (tried with a temporary directory, removed at once: a permission check alone
+    passes root under /proc)."""
+    import tempfile
+
+    parents = [path]
+    while os.path.dirname(parents[-1]) != parents[-1]:
+        parents.append(os.path.dirname(parents[-1]))
+    nearest = next(p for p in parents if os.path.exists(p))
+    if not os.path.isdir(nearest):
+        return ("is a file, not a directory (a store is a directory)" if nearest == path else
+                f"cannot be created: {nearest} is a file, not a directory")
+    if nearest == path:
+        return None
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".featcache-probe-", dir=nearest))
+    except OSError as e:
+        return f"cannot be created ({nearest}: {e.strerror or e})"
+    return None
