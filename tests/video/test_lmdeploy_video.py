@@ -402,3 +402,20 @@ def test_a_video_source_that_cannot_rebuild_is_found_without_decoding(how, raw, 
 
     got = problem(Source(raw, json.dumps({"video": how}), "{}"))
     assert (got is None) if why is None else (why in got), got
+
+
+def test_an_image_beside_an_uncached_video_is_keyed_with_the_requests_size(rig):
+    """Where videos are not cached (``videos`` off), the request's images still are, under the
+    size the request asks: an image held at the processor's own size is not served for it."""
+    image = tiny.image_item(tiny.noise_image(300, 200))
+    rig.seed(rig.prompt(image))  # held at the processor's own size
+    rig.frontend.videos = False
+    small = {"image": {"min_pixels": tiny.QWEN3_MIN_PIXELS, "max_pixels": 32 * 32 * 8}}
+    ours = rig.prompt(image, video(), mm_processor_kwargs=small)
+    plain = rig.prompt(image, video(), plain=True, mm_processor_kwargs=small)
+    assert ours["input_ids"] == plain["input_ids"]
+    (mine,) = [m for m in ours["multimodal"] if not is_video(m)]
+    assert not mine[REF_KEY].hit  # (its key holds the size: another entry)
+    (theirs,) = [m for m in plain["multimodal"] if not is_video(m)]
+    assert torch.equal(mine["pixel_values"], theirs["pixel_values"])
+    assert rig.stats()["videos_uncached"] == 1

@@ -170,10 +170,10 @@ class ProcessorLevel:
         processor = self.model.processor
         size = image_size(processor.image_processor, mm_processor_kwargs) if items else None
         videos = self._videos(video_items, mm_processor_kwargs)
+        keys, hits = self._lookup(items, None if size is None else {"processor_size": size})
         if videos is None:  # videos this frontend does not cache: lmdeploy's, untouched
             self.cache.count(SECTION, "videos_uncached", len(video_items))
-            return self._plain(messages, input_prompt, mm_processor_kwargs, *self._lookup(items))
-        keys, hits = self._lookup(items, None if size is None else {"processor_size": size})
+            return self._plain(messages, input_prompt, mm_processor_kwargs, keys, hits)
         if self.tags and size is not None:  # (a sent image's source rebuilds it at the processor's
             hits = {}  # own size only: with another, it travels with its pixels)
         if (isinstance(input_prompt, str) and self.expands
