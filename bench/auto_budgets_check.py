@@ -1,4 +1,4 @@
-"""``budgets="auto"`` on a GPU (issue 30 item 3): the budgets featcache chose, beside what
+"""``budgets="auto"`` on a GPU: the budgets featcache chose, beside what
 ``torch.cuda.mem_get_info`` says once lmdeploy's engine has loaded, and whether the device tier
 then fits beside lmdeploy's own memory when it fills.
 

@@ -1,5 +1,5 @@
-"""How long the CLI takes to start, measured (issue 18: ``--version``, ``--help``, ``stats``, ``ls``
-under 0.3 s; issue 29 item 5: ``verify``, ``purge`` and ``compact`` too), against the interpreter
+"""How long the CLI takes to start, measured (``--version``, ``--help``, ``stats``, ``ls`` under
+0.3 s; ``verify``, ``purge`` and ``compact`` too), against the interpreter
 alone and an ``import torch`` in the same run.
 
     python bench/cli_start.py [--n 15] [--json OUT]

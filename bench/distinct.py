@@ -1,4 +1,4 @@
-"""A stream of new images (issue 38; lmdeploy #2604's workload: 100 different documents, one
+"""A stream of new images (lmdeploy #2604's workload: 100 different documents, one
 prompt each): plain lmdeploy against featcache in the same run, ratios per repetition.
 
     python3 -m bench distinct stages --model M [--size WxH] [--max-pixels N] [--min-pixels N]

@@ -1,4 +1,4 @@
-"""Hostile clients against `featcache serve` and plain `lmdeploy serve api_server` (issue 26), on a GPU.
+"""Hostile clients against `featcache serve` and plain `lmdeploy serve api_server`, on a GPU.
 
     python bench/hostile_serve.py --model DIR --out DIR [--servers plain,featcache_mp,featcache_in]
                                   [--budget S] [--dry-run]

@@ -1,4 +1,4 @@
-"""The per-request report on a GPU (issue 30 item 4): what `featcache serve` tells each response
+"""The per-request report on a GPU: what `featcache serve` tells each response
 (``X-Featcache``, ``usage.featcache``) against what its request sent, in both process models.
 
     python3 bench/request_report_check.py --model /tmp/models/internvl3_2b_shape --json $OUT/report.json

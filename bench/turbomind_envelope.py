@@ -1,4 +1,4 @@
-"""TurboMind's own envelope, and whether the features path stays inside it (issue 28 item 2).
+"""TurboMind's own envelope, and whether the features path stays inside it.
 
     python3 bench/turbomind_envelope.py run --model /tmp/models/internvl2_2b_shape --n 16 --out R.json
     python3 bench/turbomind_envelope.py dry-run        # CPU: stand-in pipelines, every comparison

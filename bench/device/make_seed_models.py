@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Build random-weight checkpoints of the seed models (issue 13), InternVL2-2B and InternVL2-26B, at
+"""Build random-weight checkpoints of the seed models, InternVL2-2B and InternVL2-26B, at
 their real shapes, and tiny variants of the same architecture that lmdeploy reads on a CPU.
 
     python3 bench/device/make_seed_models.py /tmp/models --which 2b     # -> /tmp/models/internvl2_2b_shape
