@@ -69,9 +69,10 @@ KEY_INFO = "featcache_key"  # image.info entry carrying the bytes' key of a deco
 ID_INFO = "featcache_id"
 ID_FIELD = "uuid"  # an image item's client-supplied id (vLLM's name for it)
 _IMAGE_TYPES = ("image_url", "image")
+_VIDEO_TYPES = ("video_url", "video")
 # the items lmdeploy 0.18's parser reads a source for (``_parse_multimodal_item``): images above,
 # and media featcache leaves to lmdeploy, whose local files it checks first
-_OTHER_MEDIA = ("video_url", "video", "audio_url", "audio", "time_series_url", "time_series")
+_OTHER_MEDIA = (*_VIDEO_TYPES, "audio_url", "audio", "time_series_url", "time_series")
 
 
 class ImageIdError(ValueError):
@@ -282,6 +283,12 @@ def image_parts(item: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
     """(source, per-image params) of an ``image_url``/``image`` item, as lmdeploy's parser reads
     them (the source None when the item carries none: an id alone), or None for other items."""
     return _parts(item, _IMAGE_TYPES)
+
+
+def video_parts(item: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
+    """(source, per-item params) of a ``video_url``/``video`` item, as ``image_parts`` reads an
+    image's; None for other items."""
+    return _parts(item, _VIDEO_TYPES)
 
 
 def _parts(item: dict[str, Any], kinds: tuple[str, ...]) -> tuple[Any, dict[str, Any]] | None:

@@ -35,6 +35,8 @@ from ....entrymeta import VIDEO_FIELD as VIDEO_RECORD
 from ....keys import KeyHasher
 from ..entry_meta import decode_item, encode_item
 from ..refs import FeatRef
+from ..sources import video_parts
+from ..tags import FeatTag, Source
 from .read import decode
 
 VIDEO_FIELD = "featcache_video"  # a restored video item's ``KeyedVideo``
@@ -101,26 +103,35 @@ def entry_meta(item: dict[str, Any], namespace: str, info: dict[str, Any]) -> by
 
 def lookup(cache: FeatureCache, hasher: KeyHasher, namespace: str, key: bytes) -> VideoHit | None:
     """The video's hit if every one of its items is held (each leased), else None (none leased)."""
-    refs: list[FeatRef] = []
+    def take(k: bytes, index: int) -> FeatRef | None:
+        lease = cache.acquire(k)
+        return None if lease is None else FeatRef(cache, k, lease.meta, lease)
+
+    return _gathered(hasher, namespace, key, take)
+
+
+def _gathered(hasher: KeyHasher, namespace: str, key: bytes,
+              take: Any) -> VideoHit | None:
+    """The video's items, each ``take(item_key, index)`` (a ref with its ``meta``, or None where
+    the item is not there), as a ``VideoHit`` when every item of the video is there and their
+    entries record the same video; else None, whatever was taken released."""
+    refs: list[Any] = []
     items: list[dict[str, Any]] = []
     info: dict[str, Any] | None = None
     count = 1
     try:
-        index = 0
-        while index < count:
-            k = item_key(hasher, namespace, key, index)
-            lease = cache.acquire(k)
-            if lease is None:
+        while len(refs) < count:
+            ref = take(item_key(hasher, namespace, key, len(refs)), len(refs))
+            if ref is None:
                 raise LookupError
-            refs.append(FeatRef(cache, k, lease.meta, lease))
-            item = decode_item(lease.meta)
+            refs.append(ref)
+            item = decode_item(ref.meta)
             record = json.loads(item.pop(INFO))
             if info is None:
                 info, count = record, int(record["items"])
             elif record != info:
                 raise LookupError  # (entries of two videos under one key: never served)
             items.append(item)
-            index += 1
     except Exception:  # a missing item, or metadata this version cannot read: a miss
         VideoHit(refs, items, {}).release()
         return None
@@ -155,22 +166,10 @@ def restore(messages: list[Any]) -> list[Any]:
     return out
 
 
-VIDEO_TYPES = ("video_url", "video")  # the parts lmdeploy 0.18's parser reads a video from
-
-
 def video_source(item: Any) -> tuple[str, dict[str, Any]] | None:
     """(source, params) of a video part with a string source, as lmdeploy's parser reads them."""
-    if not isinstance(item, dict) or item.get("type") not in VIDEO_TYPES:
-        return None
-    kind = item["type"]
-    value = item.get(kind, {})
-    if isinstance(value, dict):
-        params = dict(value)
-        source = params.pop("url", None) or params.pop("data", None)
-    else:
-        params = {k: v for k, v in item.items() if k not in ("type", kind)}
-        source = value
-    return (source, params) if isinstance(source, str) else None
+    parts = video_parts(item) if isinstance(item, dict) else None
+    return parts if parts is not None and isinstance(parts[0], str) else None
 
 
 def has_videos(messages: list[Any]) -> bool:
@@ -190,29 +189,15 @@ def sent_hit(keyer: Any, key: bytes, raw: bytes, options: dict[str, Any], params
     this frontend sent every one of them to the model processes before (``keyer.sent``: their
     metadata), so it is neither decoded nor preprocessed again (a model process that no longer
     holds an item rebuilds it from the bytes: ``rebuild``); else None."""
-    from ..tags import FeatTag, Source
-
     sent = keyer.sent
-    tags: list[Any] = []
-    items: list[dict[str, Any]] = []
-    info: dict[str, Any] | None = None
-    count = 1
     try:
         values = json.dumps(params, sort_keys=True)
-        while len(tags) < count:
-            k = item_key(keyer.hasher, keyer.namespace, key, len(tags))
-            meta = sent.get(k) if sent is not None else None
-            if meta is None:
-                return None
-            item = decode_item(meta)
-            record = json.loads(item.pop(INFO))
-            if info is None:
-                info, count = record, int(record["items"])
-            elif record != info:
-                return None
-            tags.append(FeatTag(k, meta, Source(raw, source_decode(options, len(tags), size), values)))
-            items.append(item)
-    except Exception:  # metadata this version cannot read: sent again with its pixels
+    except (TypeError, ValueError, RecursionError):  # (parameters it could not read back)
         return None
-    assert info is not None
-    return VideoHit(tags, items, info)
+
+    def take(k: bytes, index: int) -> FeatTag | None:
+        meta = sent.get(k) if sent is not None else None
+        return None if meta is None else FeatTag(k, meta, Source(raw, source_decode(options, index, size),
+                                                                 values))
+
+    return _gathered(keyer.hasher, keyer.namespace, key, take)
