@@ -19,7 +19,7 @@ from .messages import decoded, image_items, media_items
 from .refs import REF_KEY
 from .resolve import SECTION
 from .video.entries import INFO, VIDEO_FIELD, KeyedVideo, VideoHit, entry_meta, item_key, lookup, sent_hit
-from .video.expand import kwargs_class, plan_videos, video_replacements
+from .video.expand import merged_kwargs, plan_videos, video_replacements
 
 log = logging.getLogger("featcache")
 
@@ -245,13 +245,7 @@ class ProcessorLevel:
 
         model = self.model
         processor = model.processor
-        call: dict[str, Any] = {"padding": True, "return_tensors": "pt"}
-        if size is not None:
-            call["images_kwargs"] = {"size": size}
-        if video_size is not None:
-            call["videos_kwargs"] = {"size": video_size}
-        merged = processor._merge_kwargs(kwargs_class(processor),
-                                         tokenizer_init_kwargs=processor.tokenizer.init_kwargs, **call)
+        merged = merged_kwargs(processor, size, video_size)
         missed = [i for i in range(len(items)) if i not in hits]
         grid_of = {i: hit["image_grid_thw"] for i, hit in hits.items()}
         pixels: list[torch.Tensor] = []
@@ -273,7 +267,7 @@ class ProcessorLevel:
             grid_of.update(zip(missed, thw, strict=True))
         every = (torch.stack([torch.as_tensor(grid_of[i]) for i in range(len(items))]) if items
                  else torch.zeros((0, 3), dtype=torch.long))
-        plans = plan_videos(model, videos or [], merged["videos_kwargs"]) if videos else []
+        plans = plan_videos(model, videos, merged["videos_kwargs"]) if videos else []
         token_id = model.mm_tokens.image_token_id
         if isinstance(input_prompt, str):
             replacements = [processor.replace_image_token({"image_grid_thw": every}, image_idx=i)

@@ -118,15 +118,19 @@ def kwargs_class(processor: Any) -> Any:
     return None
 
 
-def videos_kwargs(processor: Any, size: dict[str, int] | None) -> dict[str, Any]:
-    """The video processor's arguments of a processor-level call (its defaults, with the video
-    size a request asks), as lmdeploy's ``preprocess`` has the processor merge them."""
+def merged_kwargs(processor: Any, image_size: dict[str, int] | None = None,
+                  video_size: dict[str, int] | None = None) -> dict[str, Any]:
+    """The processor's call arguments, merged as lmdeploy's processor-level ``preprocess`` has the
+    processor merge them (its defaults, with the image and video sizes a request asks): by part,
+    ``images_kwargs``, ``videos_kwargs``, ``text_kwargs``, ..."""
     call: dict[str, Any] = {"padding": True, "return_tensors": "pt"}
-    if size is not None:
-        call["videos_kwargs"] = {"size": size}
-    merged = processor._merge_kwargs(kwargs_class(processor),
-                                     tokenizer_init_kwargs=processor.tokenizer.init_kwargs, **call)
-    return dict(merged["videos_kwargs"])
+    if image_size is not None:
+        call["images_kwargs"] = {"size": image_size}
+    if video_size is not None:
+        call["videos_kwargs"] = {"size": video_size}
+    merged: dict[str, Any] = processor._merge_kwargs(
+        kwargs_class(processor), tokenizer_init_kwargs=processor.tokenizer.init_kwargs, **call)
+    return merged
 
 
 def video_replacements(processor: Any, plans: list[VideoPlan]) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .entries import KeyedVideo
-from .expand import kwargs_class, plan_videos, videos_kwargs
+from .expand import merged_kwargs, plan_videos
 from .read import BadVideoError, probe, video_io_options
 
 
@@ -53,7 +53,7 @@ def video_pixels(raw: bytes, how: dict[str, Any], model: Any, vision_model: Any)
 
     options = video_io_options({"video": how["io"]})
     processor = vision_model.processor
-    kwargs = videos_kwargs(processor, how["size"])
+    kwargs = merged_kwargs(processor, video_size=how["size"])["videos_kwargs"]
     (plan,) = plan_videos(vision_model, [KeyedVideo(b"", raw, options)], kwargs)
     index = how["item"]
     if index >= len(plan.items):
@@ -76,10 +76,7 @@ def processor_image_pixels(image: Any, model: Any, vision_model: Any) -> torch.T
     from lmdeploy.vl.constants import Modality
 
     processor = vision_model.processor
-    merged = processor._merge_kwargs(kwargs_class(processor),
-                                     tokenizer_init_kwargs=processor.tokenizer.init_kwargs,
-                                     padding=True, return_tensors="pt")
-    out = processor.image_processor([image], **merged["images_kwargs"])
+    out = processor.image_processor([image], **merged_kwargs(processor)["images_kwargs"])
     values = vision_model._postprocess_mm_output(out["pixel_values"], vision_model.mm_feature_dtype)
     grid = out["image_grid_thw"][0]
     tokens = int(torch.as_tensor(grid).prod()) // processor.image_processor.merge_size ** 2
