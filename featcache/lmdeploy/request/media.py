@@ -32,7 +32,7 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
-from ...config import MEDIA_DEFAULTS, VIDEO_DEFAULTS, VIDEO_OPTIONS
+from ...config import MEDIA_DEFAULTS, VIDEO_DEFAULTS
 from ...keys import KeyHasher, KeyPrefix
 from ...sizes import format_bytes, parse_bytes
 
@@ -53,7 +53,7 @@ class MediaError(ValueError):
 class VideoLimits:
     """What one video of a request may cost the server (``video.read``'s docstring names each;
     defaults ``featcache.config.VIDEO_DEFAULTS``, each a ``featcache serve`` option,
-    ``VIDEO_OPTIONS_NAMED``)."""
+    ``featcache.config.VIDEO_OPTIONS``)."""
 
     max_video_bytes: int = int(VIDEO_DEFAULTS["max_video_bytes"])
     max_video_seconds: float = VIDEO_DEFAULTS["max_video_seconds"]
@@ -66,9 +66,6 @@ class VideoLimits:
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{f.name} must be a positive number, not {value!r}")
-
-
-VIDEO_OPTIONS_NAMED = VIDEO_OPTIONS
 
 
 @dataclass(frozen=True)

@@ -32,10 +32,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ....config import VIDEO_OPTIONS as OPTION
 from ....sizes import format_bytes
 from ..httpfetch import fetch_http
 from ..media import CAP_OPTION, MediaError, MediaOptionError, MediaPolicy, VideoLimits, shown
-from ..media import VIDEO_OPTIONS_NAMED as OPTION
 from ..sources import encoded_bytes, is_data_url, is_http
 
 MAX_VIDEO_OPTIONS_BYTES = 4 << 10  # a request's video decode options, as canonical JSON
@@ -133,13 +133,12 @@ class VideoFacts:
         return self.frames / self.fps if self.fps > 0 else 0.0
 
 
-def probe(raw: bytes, options: dict[str, Any], limits: VideoLimits) -> VideoFacts:
+def stated(raw: bytes) -> VideoFacts:
     """The container's stated frames, rate and size, read by OpenCV as lmdeploy's loader reads them
-    (from the bytes, its stream-buffered backend), checked against ``limits`` and the request's
-    sampling (module docstring). ``BadVideoError`` for bytes it cannot open or that state no frame;
-    ``MediaError`` past a limit."""
+    (from the bytes, its stream-buffered backend), no frame decoded. ``BadVideoError`` for bytes it
+    cannot open or that state no frame."""
     import cv2
-    from lmdeploy.vl.media.video_loader import OpenCVVideoLoader, VideoLoader
+    from lmdeploy.vl.media.video_loader import OpenCVVideoLoader
 
     stream = io.BytesIO(raw)  # (shares the bytes; held here: OpenCV keeps no reference to it)
     cap = cv2.VideoCapture(stream, OpenCVVideoLoader().get_cv2_video_api(), [])
@@ -154,6 +153,15 @@ def probe(raw: bytes, options: dict[str, Any], limits: VideoLimits) -> VideoFact
     if facts.frames <= 0 or facts.width <= 0 or facts.height <= 0:
         raise BadVideoError(f"the video states {facts.frames} frames of {facts.width}x{facts.height}: "
                             "send a video with frames")
+    return facts
+
+
+def probe(raw: bytes, options: dict[str, Any], limits: VideoLimits) -> VideoFacts:
+    """What the container states (``stated``), checked against ``limits`` and the request's
+    sampling (module docstring): ``MediaError`` past a limit."""
+    from lmdeploy.vl.media.video_loader import VideoLoader
+
+    facts = stated(raw)
     if facts.width * facts.height > limits.max_frame_pixels:
         raise _over(limits, "max_frame_pixels", f"the video's frames are {facts.width}x{facts.height} "
                     f"({facts.width * facts.height} pixels)", "send a smaller video")
