@@ -89,6 +89,22 @@ def test_warm_model_problems_past_the_gpu_check_are_one_line(tmp_path, model, pr
     assert "\n" not in line and line.startswith(f"featcache warm: error: {says}"), out.stderr
 
 
+def test_warm_with_a_hub_out_of_reach_fails_in_one_line_within_seconds(tmp_path):
+    """A hub id, not cached, on a machine that cannot reach the hub (its endpoint a closed port
+    here): one line naming the failure, without huggingface_hub's five retries (23 s of them)."""
+    (tmp_path / "a.png").write_bytes(b"not really a png")
+    prelude = (f"import os\nos.environ['HF_ENDPOINT'] = 'http://127.0.0.1:9'\n"
+               f"os.environ['HF_HUB_CACHE'] = {str(tmp_path / 'hub')!r}\n{PAST_THE_GPU}")
+    started = time.monotonic()
+    out = featcache(tmp_path, "warm", "nobody-xyz/no-such-model", str(tmp_path / "a.png"), prelude=prelude)
+    took = time.monotonic() - started
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr
+    assert out.stderr.startswith("featcache warm: error: cannot get the model 'nobody-xyz/no-such-model' "
+                                 "from the Hugging Face hub (ConnectError"), out.stderr
+    assert took < 8, took
+
+
 # -- item 3: warm checks the GPU first ---------------------------------------------------------------
 @pytest.mark.skipif(CUDA, reason="the case is a machine without CUDA")
 def test_warm_without_a_gpu_fails_at_once_without_asking_the_hub(tmp_path):

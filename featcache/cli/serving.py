@@ -71,6 +71,9 @@ def cuda_problem() -> str | None:
             "`featcache demo` runs on the CPU")
 
 
+HUB_PROBE_TIMEOUT_S = 5.0  # the hub's answer to "is there such a model", before an engine is built
+
+
 def model_problem(model: str) -> str | None:
     """Why ``model`` (a directory, or a Hugging Face hub id as lmdeploy takes) cannot be loaded,
     or None: a missing directory, a directory with no readable ``config.json``, a name that is no
@@ -79,7 +82,7 @@ def model_problem(model: str) -> str | None:
         return config_problem(model)
     if os.path.exists(model):
         return f"{model!r} is not a model directory"
-    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
@@ -88,8 +91,8 @@ def model_problem(model: str) -> str | None:
         return f"no such model directory: {model!r}"
     if isinstance(try_to_load_from_cache(model, "config.json"), str):
         return None
-    try:
-        hf_hub_download(model, "config.json")
+    try:  # one request, no retries: offline is said in seconds (the download itself is lmdeploy's)
+        get_hf_file_metadata(hf_hub_url(model, "config.json"), timeout=HUB_PROBE_TIMEOUT_S)
     except Exception as e:  # noqa: BLE001 (a probe: offline, no such repo, gated, ...)
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return (f"cannot get the model {model!r} from the Hugging Face hub ({type(e).__name__}"
