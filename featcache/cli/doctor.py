@@ -177,12 +177,12 @@ def _lmdeploy() -> list[Check]:
 
 def _store() -> Check:
     from ..config import ENV_DIR, default_store_dir
-    from ..store.files import DATA_FILE, cannot_create, store_in_use
+    from ..store.files import DATA_FILE, cannot_create, file_in_the_way, store_in_use
 
     path = default_store_dir()
     source = f" (from {ENV_DIR})" if os.environ.get(ENV_DIR) else ""
     why = cannot_create(path)
-    if why is not None and "is a file" in why:  # a file where the store, or a directory above it, would be
+    if file_in_the_way(path) is not None:  # a file where the store, or a directory above it, would be
         return Check("store", MISSING, f"{path}{source}: {why}",
                      f"set {ENV_DIR} to a directory (a store, or where one may be created), or "
                      "pass --cache-dir / DIR")

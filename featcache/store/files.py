@@ -208,21 +208,30 @@ def _read_only_fs(path: str) -> bool:
         return False
 
 
+def file_in_the_way(path: str) -> str | None:
+    """The file (not a directory) at ``path`` or at the nearest existing path above it, where a
+    store directory would be or be made; None if that nearest existing path is a directory."""
+    nearest = os.path.abspath(path)
+    while not os.path.exists(nearest):  # (the root exists)
+        nearest = os.path.dirname(nearest)
+    return None if os.path.isdir(nearest) else (path if nearest == os.path.abspath(path) else nearest)
+
+
 def cannot_create(path: str) -> str | None:
     """Why no store directory can be at ``path``, or None (it is one, or can be made): a file
-    where it, or a directory above it, would be; or no directory can be made under its nearest
-    existing parent (tried with a temporary directory, removed at once: a permission check alone
-    passes root under /proc)."""
+    where it, or a directory above it, would be (``file_in_the_way``); or no directory can be made
+    under its nearest existing parent (tried with a temporary directory, removed at once: a
+    permission check alone passes root under /proc)."""
     import tempfile
 
-    parents = [path]
-    while os.path.dirname(parents[-1]) != parents[-1]:
-        parents.append(os.path.dirname(parents[-1]))
-    nearest = next(p for p in parents if os.path.exists(p))
-    if not os.path.isdir(nearest):
-        return ("is a file, not a directory (a store is a directory)" if nearest == path else
-                f"cannot be created: {nearest} is a file, not a directory")
-    if nearest == path:
+    blocking = file_in_the_way(path)
+    if blocking is not None:
+        return ("is a file, not a directory (a store is a directory)" if blocking == path else
+                f"cannot be created: {blocking} is a file, not a directory")
+    nearest = os.path.abspath(path)
+    while not os.path.exists(nearest):
+        nearest = os.path.dirname(nearest)
+    if nearest == os.path.abspath(path):
         return None
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".featcache-probe-", dir=nearest))

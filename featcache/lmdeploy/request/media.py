@@ -49,6 +49,10 @@ class MediaError(ValueError):
     names the option (lmdeploy answers a ``ValueError`` with HTTP 400 and its message)."""
 
 
+class MediaTooLarge(MediaError):
+    """A source over the reader's byte cap (``--max-image-bytes``, or a video reader's own)."""
+
+
 @dataclass(frozen=True)
 class VideoLimits:
     """What one video of a request may cost the server (``video.read``'s docstring names each;
@@ -120,8 +124,8 @@ def shown(source: str) -> str:
     return source if len(source) <= 96 else source[:80] + f"... ({len(source)} characters)"
 
 
-def _too_large(what: str, cap: int) -> MediaError:
-    return MediaError(f"{what} is larger than this server's {CAP_OPTION} ({cap} bytes, "
+def _too_large(what: str, cap: int) -> MediaTooLarge:
+    return MediaTooLarge(f"{what} is larger than this server's {CAP_OPTION} ({cap} bytes, "
                       f"{format_bytes(cap)}): send a smaller image (the server's operator may "
                       f"raise {CAP_OPTION})")
 

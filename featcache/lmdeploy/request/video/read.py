@@ -35,7 +35,7 @@ from typing import Any
 from ....config import VIDEO_OPTIONS as OPTION
 from ....sizes import format_bytes
 from ..httpfetch import fetch_http
-from ..media import CAP_OPTION, MediaError, MediaOptionError, MediaPolicy, VideoLimits, shown
+from ..media import MediaError, MediaOptionError, MediaPolicy, MediaTooLarge, VideoLimits, shown
 from ..sources import encoded_bytes, is_data_url, is_http
 
 MAX_VIDEO_OPTIONS_BYTES = 4 << 10  # a request's video decode options, as canonical JSON
@@ -108,11 +108,9 @@ def read_video(source: str, media: MediaPolicy, limits: VideoLimits,
         if is_http(source):
             return fetch_http(source, allowed_media_domains, policy, medium="video", cap=cap)
         raw = encoded_bytes(source, policy)
-    except MediaError as e:
-        if CAP_OPTION in str(e):  # (the readers' cap, here the video's own)
-            raise _over(limits, "max_video_bytes", f"the video {shown(source)!r} is larger",
-                        "send a shorter or smaller video") from None
-        raise
+    except MediaTooLarge:  # (the readers' cap, here the video's own): said in the video's terms
+        raise _over(limits, "max_video_bytes", f"the video {shown(source)!r} is larger",
+                    "send a shorter or smaller video") from None
     if raw is None and not is_data_url(source):
         raise ValueError(f"cannot read video file {shown(source)!r}: no such file, or not readable "
                          "by the server")
