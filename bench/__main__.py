@@ -19,7 +19,25 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-TOOLS = ("plot_bench", "runmeta")  # they read or name results; they measure nothing
+# What a user asks, and the files that answer it (every benchmark measures against plain lmdeploy
+# in the same run where plain lmdeploy does the same work). Every runnable file is in one group or
+# is a checkpoint builder: tests/test_bench_entry.py fails on a new file placed nowhere.
+QUESTIONS: dict[str, tuple[str, ...]] = {
+    "the store: a hit's latency and bandwidth per tier": ("tiers",),
+    "a pipeline (PyTorch engine): repeated and new images, chat turns, clients at once; token identity":
+        ("e2e_lmdeploy",),
+    "a stream of new images (preprocessing, a pipeline, a server)": ("distinct",),
+    "TurboMind: speed and fidelity": ("turbomind_bench", "turbomind_check"),
+    "a server: chats, latency under load, hostile clients, stopping": (
+        "serve_chat", "serve_latency", "hostile_serve", "shutdown_serve"),
+    "eviction policies against LRU": ("eviction",),
+    "a fleet's shared tier": ("fleet", "remote"),
+    "the command line's start-up": ("cli_start",),
+}
+# Checks of one mechanism on a GPU (each answered once; rerun when what it checks changes)
+CHECKS = ("mp_engine_check", "request_report_check", "auto_budgets_check", "turbomind_features",
+          "turbomind_features_diff", "turbomind_envelope", "hit_path_costs", "lmdbcheck")
+TOOLS = ("plot_bench", "runmeta", "serve_stages")  # they read, chart or time runs; they compare nothing
 
 
 def runnable() -> dict[str, str]:
@@ -59,16 +77,25 @@ def builders() -> set[str]:
     return named | {n[:-3] for n in os.listdir(os.path.join(HERE, "device")) if n.endswith(".py")}
 
 
-def listing() -> str:
+def groups() -> dict[str, list[str]]:
+    """The listing's groups: each question's benchmarks, then the checks, the tools, the builders."""
     files = runnable()
     made = builders()
-    groups = {"benchmarks": [n for n in files if n not in TOOLS and n not in made],
-              "tools": [n for n in files if n in TOOLS],
-              "checkpoint builders (bench/lib/models.py: which builds what)": [n for n in files if n in made]}
+    out = {f"{q}:": [n for n in names if n in files] for q, names in QUESTIONS.items()}
+    out["checks of one mechanism (on a GPU unless said):"] = [n for n in CHECKS if n in files]
+    out["tools:"] = [n for n in TOOLS if n in files]
+    out["checkpoint builders (bench/lib/models.py: which builds what):"] = [n for n in files if n in made]
+    placed = {n for names in out.values() for n in names}
+    out["not yet placed (bench/__main__.py's QUESTIONS):"] = [n for n in files if n not in placed]
+    return {title: names for title, names in out.items() if names}
+
+
+def listing() -> str:
+    files = runnable()
     width = max(len(n) for n in files)
     lines = ["usage: python -m bench NAME [ARGS...]   (python -m bench NAME --help: its own help)"]
-    for title, names in groups.items():
-        lines += ["", f"{title}:"] + [f"  {n:<{width}}  {summary(files[n])}" for n in names]
+    for title, names in groups().items():
+        lines += ["", title] + [f"  {n:<{width}}  {summary(files[n])}" for n in names]
     return "\n".join(lines)
 
 

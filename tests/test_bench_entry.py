@@ -37,10 +37,32 @@ def test_the_list_names_every_runnable_file_with_its_line():
     out = entry()
     assert out.returncode == 0, out.stderr
     for name, path in files.items():
-        line = next((x for x in out.stdout.splitlines() if x.split()[:1] == [name]), None)
+        line = next((x for x in out.stdout.splitlines()
+                     if x.startswith("  ") and x.split()[:1] == [name]), None)
         assert line is not None, name
         assert summary(path) in line and "(no docstring)" not in line and "unreadable" not in line
     assert "featcache on the real lmdeploy 0.18 PyTorch engine" in out.stdout
+
+
+def test_every_runnable_file_is_listed_under_the_question_it_answers():
+    """A new bench file goes under a user's question, the checks, the tools or the builders
+    (bench/__main__.py's QUESTIONS, CHECKS, TOOLS): none is left in "not yet placed"."""
+    from bench.__main__ import groups
+
+    placed = groups()
+    assert not [t for t in placed if t.startswith("not yet placed")], placed
+    assert sorted(n for names in placed.values() for n in names) == sorted(runnable())
+    assert placed["a pipeline (PyTorch engine): repeated and new images, chat turns, clients at once; "
+                  "token identity:"] == ["e2e_lmdeploy"]
+
+
+def test_every_checkpoint_a_run_names_has_its_builder():
+    """bench/lib/models.py's CHECKPOINTS: each names a builder file that exists."""
+    from bench.lib.models import CHECKPOINTS
+
+    for name, cmd in CHECKPOINTS.items():
+        assert os.path.isfile(os.path.join(ROOT, cmd.split()[0])), (name, cmd)
+    assert {"qwen3vl_tiny", "cogvlm_tiny", "qwen3vl_2b_shape", "internvl3_2b_shape"} <= set(CHECKPOINTS)
 
 
 @pytest.mark.timeout(600)  # every bench file's start-up, 4 at a time: 145 s on a shared 2-core machine

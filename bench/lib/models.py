@@ -17,7 +17,11 @@ CHECKPOINTS = {
     "qwen2vl_tiny": "bench/device/make_tiny_vlm.py /tmp/models --arch all",
     "internvl_chat_tiny": "bench/device/make_tiny_vlm.py /tmp/models --arch all",
     "qwen25vl_tiny": "bench/make_tiny_qwen25vl.py /tmp/models",
+    **{f"{arch}_tiny": f"bench/device/make_tiny_vlm.py /tmp/models --arch {arch}"
+       for arch in ("qwen3vl", "qwen3_5", "qwen3vl_moe", "qwen3_5_moe", "glm4v", "gemma3", "llava",
+                    "llama4", "glm4v_9b", "cogvlm")},
     "internvl3_2b_shape": "bench/device/make_real_shape.py /tmp/models",
+    "qwen3vl_2b_shape": "bench/device/make_real_shape.py /tmp/models --shape qwen3vl_2b",
     "internvl2_2b_shape": "bench/device/make_seed_models.py /tmp/models --which 2b",
     "internvl2_26b_shape": "bench/device/make_seed_models.py /tmp/models --which 26b",
     "internvl2_2b_tiny": "bench/device/make_seed_models.py /tmp/models --which tiny",
