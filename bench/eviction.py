@@ -4,8 +4,8 @@
                                              [--budgets 1GiB,4GiB,16GiB] [--policies lru,value,admit]
                                              [--ops-entries N] [--json OUT] [--dry-run]
 
-The traces (bench/eviction_traces.py): issue 30's (zipf, chat, chat-crowd, scan, uniform) and
-issue 44's (documents: 90% one-off images, 10% retry bursts; chat-server: Poisson sessions, 200
+The traces (bench/eviction_traces.py): the first set (zipf, chat, chat-crowd, scan, uniform) and
+the second (documents: 90% one-off images, 10% retry bursts; chat-server: Poisson sessions, 200
 live, 1-4 images resent for 2-20 turns, 2B/26B 70/30; catalog-scan: Zipf(0.8) over 100,000 images
 with a scan of 20,000 new ones; twice-far and twice-near: small cheap images used often and large
 26B images each used exactly twice, 15-25k or 500-3000 requests apart). ``--set dev`` replays
@@ -22,7 +22,7 @@ is ``put`` with its cost (``put(..., cost_s=)``, as the lmdeploy hook records it
 Sizes are divided by ``SCALE`` (4096: the features' bytes and the budgets alike, so that the CPU
 holds them; every policy's order depends on bytes only through ratios). Reported: the vision
 seconds the hits saved, each policy's against LRU's, the ceiling (what an unbounded cache saves)
-and the worst cell of each set. The target (issue 44): the new policy within 2% of LRU in every
+and the worst cell of each set. The target: the admission policy within 2% of LRU in every
 cell (``GAIN_FLOOR``).
 
 Then the books' cost per call holding ``--ops-entries`` entries (100,000): ``touch`` (a hit),

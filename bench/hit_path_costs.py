@@ -8,7 +8,7 @@ a fresh input (a new string object each time, so no per-object cache, ``urlsplit
 answers for it):
 
 - lmdeploy's server path: the body's ``json.loads``; ``ChatCompletionRequest`` validation;
-  ``urlparse`` of the data URL (what ``load_from_url`` and, before issue 16, featcache did);
+  ``urlparse`` of the data URL (``load_from_url``'s, and featcache's before it keyed the encoded bytes);
   base64 decoding (``pybase64``, as lmdeploy); PNG decoding; ``convert("RGB")`` (a copy when the
   image is RGB already: lmdeploy's ``ImageMediaIO.load_bytes`` always calls it); keying the decoded
   pixels (what a hit costs featcache when lmdeploy decoded the image: http URLs);

@@ -75,7 +75,7 @@ def prepare(media: str, outside: str) -> dict[str, str]:
     }
 
 
-PLAIN_SKIPS = {"dev_zero": "takes all of plain lmdeploy's memory (issue 26): not sent to it"}
+PLAIN_SKIPS = {"dev_zero": "takes all of plain lmdeploy's memory: not sent to it"}
 
 
 def commands(model: str, media: str, store: str, servers: list[str]) -> dict[str, list[str]]:

@@ -22,14 +22,14 @@ this script, as a file path; the ids server: by id):
    order; Q_r differs each round (no prefix-cache hit on the question itself), A0 is the image
    turn's answer in both, so both turns add the same new text to a context of the same length.
 
-Reported per row: median and p90 time to first token of both, their ratio (issue 16's target:
+Reported per row: median and p90 time to first token of both, their ratio (the target:
 <= 1.2), ``usage.prompt_tokens_details.cached_tokens`` and new tokens (prompt - cached), and the
 server-side stages of both (median per stage, owner featcache or lmdeploy). --load S: then
 --clients concurrent chat clients over --images images (data URLs, 4 turns per chat, images
 resent every turn; --text-clients more with text-only chats; --turn-interval S: each client at most
 one turn every S seconds, the same offered load for every server) for S seconds against plain, featcache
 and featcache_mp: requests/s, p50/p99 time to first token, per request class too (an image chat's
-first turn, its later turns, a text chat's turns: p99/p50, issue 27's stall measure), failed
+first turn, its later turns, a text chat's turns: p99/p50, the stall measure), failed
 requests. Writes OUT/latency.json and prints the tables.
 """
 
@@ -175,7 +175,7 @@ def print_tables(results: dict[str, dict[str, Any]], load: dict[str, Any]) -> No
         rows = [(server, kind, c) for server, r in load.items()
                 for kind, c in (r.get("classes") or {}).items()]
         if rows:
-            print("\n  per request class (issue 27: p99 at most 1.2x p50)")
+            print("\n  per request class (a stall: p99 over 1.2x p50)")
             print(f"  {'server':<10} {'class':<18} {'n':>5} {'p50':>9} {'p99':>9} {'p99/p50':>8}")
             for server, kind, c in rows:
                 print(f"  {server:<10} {kind:<18} {c['n']:>5} {c['ttft_p50']!s:>9} "
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="py-spy the server's processes during the load test (top frames per process "
                         "and thread in the load report's profile)")
     p.add_argument("--mixed", type=int, default=0, metavar="ROUNDS",
-                   help="issue 27's stall case, one request at a time: ROUNDS x (a 4-turn chat over "
+                   help="the stall case, one request at a time: ROUNDS x (a 4-turn chat over "
                         "a new image, a 4-turn text chat); per class p50/p99 (0: none)")
     p.add_argument("--budget", type=float, default=530,
                    help="seconds for the whole run: a server is skipped with < 90 s left, a load "

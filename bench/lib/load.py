@@ -2,7 +2,7 @@
 the first time), its later turns (the image resent with the history), a text chat's first and
 later turns. Per class the count, p50, p99 and p99/p50 of time to first token: a request that
 waits on another's work (a disk write, a demotion, a rebuild) shows as a p99 far above its
-class's p50 (issue 27's stall measure: p99 at most 1.2x p50).
+class's p50 (the stall measure: p99 at most 1.2x p50).
 
 ``load_test``: concurrent clients for a while, each sending its next turn as soon as the last one
 is answered (closed loop: a faster server is offered more, and its mix of classes shifts toward
@@ -166,7 +166,7 @@ def print_mixed(mixed_runs: dict[str, Any]) -> None:
     """The table of ``mixed`` runs per server: each class's p50, p99 and slowest turns."""
     if not mixed_runs:
         return
-    print("\nmixed chats, one request at a time (issue 27: p99 at most 1.2x p50)")
+    print("\nmixed chats, one request at a time (a stall: p99 over 1.2x p50)")
     print(f"  {'server':<14} {'class':<20} {'n':>4} {'p50':>9} {'p99':>9} {'p99/p50':>8}  "
           "slowest turns (round.turn ms)")
     for server, res in mixed_runs.items():

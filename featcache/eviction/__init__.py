@@ -11,7 +11,7 @@ and the device and host tiers keep their books with it.
 "admit" is the default because it is the one within 2% of LRU on every trace of bench/eviction.py
 (the worst cell -0.8%, development and held-out traces alike; "value" lost up to 36% where large
 images come back too late to be hit) while keeping most of value's gains where cost per byte
-varies (docs/benchmarks.md, "Eviction policies against LRU, issue 44").
+varies (docs/benchmarks.md, "Eviction policies against LRU").
 
 All keep the same books (``Books``): keys, sizes, leases (pins); the tiers hold the values and
 call the books under their own lock. ``evict_for`` is told the incoming entry's cost (admission
