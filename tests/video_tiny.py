@@ -103,6 +103,25 @@ def data_url(raw: bytes, mime: str = "video/mp4") -> str:
     return f"data:{mime};base64," + base64.b64encode(raw).decode()
 
 
+def jpeg_frames(frames: int = 6, width: int = 96, height: int = 64, seed: int = 0) -> str:
+    """A ``data:video/jpeg`` URL of ``frames`` random JPEG frames, base64, comma-separated (the form
+    lmdeploy reads for frames a client sampled itself)."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    parts = []
+    for _ in range(frames):
+        buf = io.BytesIO()
+        pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(buf, "JPEG", quality=90)
+        parts.append(base64.b64encode(buf.getvalue()).decode())
+    return "data:video/jpeg;base64," + ",".join(parts)
+
+
 def video_item(source: str) -> dict[str, Any]:
     return {"type": "video_url", "video_url": {"url": source}}
 

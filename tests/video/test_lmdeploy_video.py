@@ -49,6 +49,7 @@ from featcache.lmdeploy.request.video.read import BadVideoError  # noqa: E402
 ARCHS = [tiny.QWEN3VL, tiny.QWEN3_5]  # (Qwen3.5 on Qwen3-VL's processor, as its checkpoints)
 CLIP = vt.clip(12, 96, 64, 4.0, seed=0)
 OTHER = vt.clip(8, 64, 96, 2.0, seed=1)
+FRAMES = vt.jpeg_frames(6, 96, 64, seed=2)  # a data URL of frames a client sampled itself
 
 
 class VideoRig:
@@ -265,6 +266,59 @@ def test_local_video_files_follow_the_media_policy(rig, tmp_path):
     assert_same(rig.prompt(vt.video_item(str(path)), plain=True), ours)
 
 
+# -- a video as a data URL of frames (video/jpeg) -----------------------------------------------
+
+def test_a_video_of_frames_is_lmdeploys_own_output_and_its_repeat_is_not_decoded(rig, monkeypatch):
+    frames = vt.video_item(FRAMES)
+    first = rig.prompt(frames, text="turn one")
+    assert_same(rig.prompt(frames, plain=True, text="turn one"), first)
+    assert all(not m[REF_KEY].hit for m in first["multimodal"])
+    rig.seed(first)
+    rig.given.clear()
+
+    def no_decode(*args, **kwargs):
+        raise AssertionError("a held video was decoded")
+
+    monkeypatch.setattr("featcache.lmdeploy.request.video.resolve.decode", no_decode)
+    again = rig.prompt(frames, text="turn two")
+    monkeypatch.undo()
+    assert_same(rig.prompt(frames, plain=True, text="turn two"), again)
+    assert all(m[REF_KEY].hit for m in again["multimodal"]) and rig.given == []
+    assert rig.stats()["video_hits"] == 1 and rig.stats()["video_decode_skipped"] == 1
+    # the same frames at another rate: another video (lmdeploy's metadata, and the prompt, differ)
+    other = rig.prompt(frames, text="turn two", media_io_kwargs={"video": {"fps": 4}})
+    assert_same(rig.prompt(frames, plain=True, text="turn two", media_io_kwargs={"video": {"fps": 4}}),
+                other)
+    assert all(not m[REF_KEY].hit for m in other["multimodal"])
+
+
+@pytest.mark.parametrize("limits, match", [
+    (VideoLimits(max_video_bytes=len(FRAMES) // 2), "--max-video-bytes"),
+    (VideoLimits(max_frame_pixels=96 * 64 - 1), "--max-video-frame-pixels"),
+    (VideoLimits(max_sampled_frames=5), "--max-sampled-frames"),
+    (VideoLimits(max_video_frames=5), "--max-video-frames"),
+], ids=["bytes", "resolution", "sampled", "frames"])
+def test_a_video_of_frames_past_a_limit_is_refused_before_decoding(rig, limits, match, monkeypatch):
+    rig.frontend.media = dataclasses.replace(rig.frontend.media, video=limits)
+    decoded = []
+    monkeypatch.setattr("featcache.lmdeploy.request.video.resolve.decode", lambda *a, **k: decoded.append(1))
+    with pytest.raises(MediaError, match=match):
+        rig.prompt(vt.video_item(FRAMES))
+    assert decoded == [] and rig.stats()["media_refused"] == 1
+
+
+@pytest.mark.parametrize("url", [
+    "data:video/jpeg;base64,AAAA," + FRAMES.split(",", 2)[1],
+    "data:video/jpeg;base64,",
+    "data:video/jpeg;utf8,abc",
+    FRAMES.replace(",", ",\u00e9", 1),
+], ids=["a-frame-no-image", "no-frames", "not-base64", "not-ascii"])
+def test_a_video_of_frames_that_are_no_images_is_a_400(rig, url):
+    with pytest.raises(ValueError):
+        rig.prompt(vt.video_item(url))
+    assert_same(rig.prompt(vt.video_item(FRAMES), plain=True), rig.prompt(vt.video_item(FRAMES)))
+
+
 # -- the engine: the model is given a held video's features, computes a new one's ---------------
 
 def test_a_step_serves_held_frames_and_computes_new_ones(rig, monkeypatch):
@@ -290,7 +344,8 @@ def test_a_step_serves_held_frames_and_computes_new_ones(rig, monkeypatch):
     assert len(visual.calls) == 1 and torch.equal(visual.calls[0], torch.cat(misses).to(visual.calls[0]))
 
 
-def test_several_processes_a_resent_video_travels_as_its_bytes(rig, monkeypatch):
+@pytest.mark.parametrize("form", ["mp4", "jpeg-frames"])
+def test_several_processes_a_resent_video_travels_as_its_bytes(rig, monkeypatch, form):
     """lmdeploy's mp engine (tp > 1 too): the API process's frontend reads, keys and preprocesses a
     new video (its output lmdeploy's own) and tags each frame item with its pixels; sent again, the
     video is neither decoded nor preprocessed there: its items travel without pixels, their tags
@@ -302,6 +357,9 @@ def test_several_processes_a_resent_video_travels_as_its_bytes(rig, monkeypatch)
     from featcache.lmdeploy import counters_cache
     from featcache.lmdeploy.pytorch import ranks
     from featcache.lmdeploy.request.tags import FeatTag
+
+    def video() -> dict:  # (the form this run sends)
+        return vt.video_item(FRAMES) if form == "jpeg-frames" else vt.video_item(vt.data_url(CLIP))
 
     cls = CLASSES[rig.arch]
     tiny.featcache_prepare(monkeypatch, cls, families.SPECS[rig.arch])
@@ -391,7 +449,12 @@ def test_a_container_that_lies_about_its_frame_count(rig):
     ({"io": {}, "item": 0, "size": {"shortest_edge": True}}, CLIP, "video size"),
     ({"io": {}, "item": 0}, CLIP, "not what the frontend sends"),
     ({"io": {}, "item": 0, "size": None}, b"<html>", "cannot rebuild"),
-], ids=["plain", "options-and-size", "negative-item", "bad-options", "bad-size", "fields", "not-a-video"])
+    ({"io": {"fps": 4}, "item": 1, "size": None, "form": "jpeg"}, FRAMES.encode(), None),
+    ({"io": {}, "item": 0, "size": None, "form": "jpeg"}, b"data:video/jpeg;base64,AAAA", "cannot rebuild"),
+    ({"io": {}, "item": 0, "size": None, "form": "jpeg"}, CLIP, "cannot rebuild"),
+    ({"io": {}, "item": 0, "size": None, "form": "gif"}, CLIP, "not what the frontend sends"),
+], ids=["plain", "options-and-size", "negative-item", "bad-options", "bad-size", "fields", "not-a-video",
+        "frames", "frames-no-image", "frames-not-a-url", "unknown-form"])
 def test_a_video_source_that_cannot_rebuild_is_found_without_decoding(how, raw, why):
     """What the engine asks of every item sent without pixels before scheduling its request
     (``engine.unservable``): a damaged video source fails its own request, never a step."""

@@ -212,8 +212,8 @@ class ProcessorLevel:
             sized = KeyedVideo(self.hasher.image_key(bytes(video.key), namespace=self.namespace,
                                                      params={"video_size": size}),
                                video.raw, video.options, frames=video.frames, metadata=video.metadata,
-                               params=video.params)
-            sized.hit = (sent_hit(self, sized.key, video.raw, video.options, video.params, size)
+                               params=video.params, form=video.form)
+            sized.hit = (sent_hit(self, sized.key, video.raw, video.options, video.params, size, video.form)
                          if self.tags else lookup(self.cache, self.hasher, self.namespace, sized.key))
             out.append(sized)
         return out

@@ -37,7 +37,7 @@ from ..entry_meta import decode_item, encode_item
 from ..refs import FeatRef
 from ..sources import video_parts
 from ..tags import FeatTag, Source
-from .read import decode
+from .read import CONTAINER, decode
 
 VIDEO_FIELD = "featcache_video"  # a restored video item's ``KeyedVideo``
 MARK = "featcache_video_item"  # a text part standing for a video through lmdeploy's parser
@@ -71,12 +71,13 @@ class KeyedVideo:
     frames: Any = None
     metadata: dict[str, Any] | None = field(default=None)
     params: dict[str, Any] = field(default_factory=dict)  # the item's own (beside its source)
+    form: str = CONTAINER  # ``raw``'s form: a container's bytes, or a data URL of frames (``read``)
 
     def decoded(self) -> tuple[Any, dict[str, Any]]:
         """(frames, metadata) as lmdeploy's parser would have made them (decoded now for a hit:
         lmdeploy's own preprocessing has to run after all)."""
         if self.frames is None:
-            self.frames, self.metadata = decode(self.raw, self.options)
+            self.frames, self.metadata = decode(self.raw, self.options, self.form)
         assert self.metadata is not None
         return self.frames, self.metadata
 
@@ -177,14 +178,17 @@ def has_videos(messages: list[Any]) -> bool:
                and any(video_source(x) is not None for x in m["content"]) for m in messages)
 
 
-def source_decode(options: dict[str, Any], index: int, size: dict[str, int] | None) -> str:
+def source_decode(options: dict[str, Any], index: int, size: dict[str, int] | None,
+                  form: str = CONTAINER) -> str:
     """A video item's ``tags.Source.decode`` (JSON): how a model process rebuilds item ``index``
-    of the video from its bytes (``rebuild``): the request's decode options and video size."""
-    return json.dumps({"video": {"io": options, "item": index, "size": size}}, sort_keys=True)
+    of the video from its bytes (``rebuild``): the request's decode options and video size, and
+    the bytes' form where they are no container's."""
+    how = {"io": options, "item": index, "size": size}
+    return json.dumps({"video": how if form == CONTAINER else {**how, "form": form}}, sort_keys=True)
 
 
 def sent_hit(keyer: Any, key: bytes, raw: bytes, options: dict[str, Any], params: dict[str, Any],
-             size: dict[str, int] | None = None) -> VideoHit | None:
+             size: dict[str, int] | None = None, form: str = CONTAINER) -> VideoHit | None:
     """Several processes: the video's items as a ``VideoHit`` of tags carrying its bytes, where
     this frontend sent every one of them to the model processes before (``keyer.sent``: their
     metadata), so it is neither decoded nor preprocessed again (a model process that no longer
@@ -197,7 +201,7 @@ def sent_hit(keyer: Any, key: bytes, raw: bytes, options: dict[str, Any], params
 
     def take(k: bytes, index: int) -> FeatTag | None:
         meta = sent.get(k) if sent is not None else None
-        return None if meta is None else FeatTag(k, meta, Source(raw, source_decode(options, index, size),
-                                                                 values))
+        return None if meta is None else FeatTag(k, meta, Source(
+            raw, source_decode(options, index, size, form), values))
 
     return _gathered(keyer.hasher, keyer.namespace, key, take)

@@ -21,6 +21,13 @@ Memory is then bounded by ``max_video_bytes`` plus ``max_sampled_frames x max_fr
 The decode itself is lmdeploy's (``VideoMediaIO(...).load_bytes``, whichever backend it chooses), on
 the bytes read here: a hit is never decoded, a miss is decoded once. A container OpenCV cannot
 open, one that states no frame, or bytes its decoder fails on are a ``BadVideoError`` (400).
+
+A video may also come as a sequence of frames (``JPEG``: a ``data:video/jpeg;base64,`` URL of
+comma-separated base64 images, lmdeploy's form for frames a client sampled itself). lmdeploy
+decodes every frame of it, unsampled, at an ``fps`` of the request's options or 2; featcache reads
+the URL as lmdeploy's parser does (``urlparse``, then its split), checks the URL's length, the
+frame count and every frame's stated size (its header, nothing decoded) against the same limits,
+and decodes it with lmdeploy's own reader (``load_from_url``). Its "bytes" are the URL itself.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ MAX_VIDEO_OPTIONS_BYTES = 4 << 10  # a request's video decode options, as canoni
 # ``load_bytes(data, num_frames, fps, max_duration)``), each a number
 VIDEO_OPTIONS = ("num_frames", "fps", "max_duration")
 DEFAULT_NUM_FRAMES = 32  # lmdeploy's ``VideoMediaIO`` default
+CONTAINER, JPEG = "container", "jpeg"  # a video's forms: encoded bytes, or a data URL of frames
 
 
 class BadVideoError(ValueError):
@@ -89,21 +97,12 @@ def read_video(source: str, media: MediaPolicy, limits: VideoLimits,
                allowed_media_domains: list[str] | None = None) -> bytes | None:
     """The encoded video behind ``source`` (a base64 data URL, a local file under ``media``'s
     directory, an http(s) URL fetched with lmdeploy's checks and its video timeout), at most
-    ``limits.max_video_bytes`` of it; None for a data URL that is no base64 data URL and for a
-    sequence of JPEG frames (``video/jpeg``: lmdeploy's to read). ``MediaError`` for a source the
-    policy or the limits refuse, ``FetchError`` for a URL that cannot be fetched, ``ValueError``
-    for a file that cannot be read."""
+    ``limits.max_video_bytes`` of it; None for a data URL that is no base64 data URL (lmdeploy's to
+    refuse). A sequence of frames is ``read_frames``'s (``is_frames``). ``MediaError`` for a source
+    the policy or the limits refuse, ``FetchError`` for a URL that cannot be fetched,
+    ``ValueError`` for a file that cannot be read."""
     cap = limits.max_video_bytes
     policy = dataclasses.replace(media, max_image_bytes=cap)
-    if is_data_url(source) and source[5:].lstrip("/").lower().startswith("video/jpeg"):
-        # lmdeploy's to read (a comma-separated list of JPEG frames, every one decoded): bounded
-        if len(source) > 4 * -(-cap // 3) + 64:
-            raise _over(limits, "max_video_bytes", f"the video of this data URL ({len(source)} characters) "
-                        "is larger", "send a shorter or smaller video")
-        if source.count(",") > limits.max_sampled_frames:
-            raise _over(limits, "max_sampled_frames", f"this data URL holds {source.count(',')} frames",
-                        "send fewer frames")
-        return None
     try:
         if is_http(source):
             return fetch_http(source, allowed_media_domains, policy, medium="video", cap=cap)
@@ -115,6 +114,75 @@ def read_video(source: str, media: MediaPolicy, limits: VideoLimits,
         raise ValueError(f"cannot read video file {shown(source)!r}: no such file, or not readable "
                          "by the server")
     return raw
+
+
+def is_frames(source: str) -> bool:
+    """Whether ``source`` is a sequence of frames (``JPEG``) as lmdeploy tells one: a data URL
+    whose media type, after its parse, is ``video/jpeg`` in any case."""
+    return is_data_url(source) and _frames_parts(source)[0].lower() == "video/jpeg"
+
+
+def _frames_parts(url: str) -> tuple[str, str, str]:
+    """(media type, data type, data) of a data URL, split as lmdeploy's ``_load_data_url`` splits
+    ``urlparse(url).path`` (which drops what follows a ``?`` or ``#``, and tabs and newlines);
+    ("", "", "") where it would refuse the URL."""
+    from urllib.parse import urlparse
+
+    parts = (urlparse(url).path or "").split(",", 1)
+    if len(parts) != 2 or not parts[1]:
+        return "", "", ""
+    media = parts[0].split(";", 1)
+    return (media[0].lstrip("/"), media[1], parts[1]) if len(media) == 2 else ("", "", "")
+
+
+def read_frames(source: str, limits: VideoLimits) -> bytes:
+    """A ``JPEG`` video's data URL as its bytes, checked (module docstring) without decoding a
+    frame: ``MediaError`` past a limit, ``BadVideoError`` for a frame that is no image."""
+    if len(source) > 4 * -(-limits.max_video_bytes // 3) + 64:
+        raise _over(limits, "max_video_bytes", f"the video of this data URL ({len(source)} characters) "
+                    "is larger", "send a shorter or smaller video")
+    if not source.isascii():
+        raise BadVideoError("a video/jpeg data URL is base64 text: send its frames base64-encoded")
+    frames = read_frames_url(source.encode("ascii"))
+    most = min(limits.max_sampled_frames, limits.max_video_frames)
+    if len(frames) > most:
+        name = "max_sampled_frames" if most == limits.max_sampled_frames else "max_video_frames"
+        raise _over(limits, name, f"this data URL holds {len(frames)} frames", "send fewer frames")
+    frames_problem(frames, limits.max_frame_pixels, limits)
+    return source.encode("ascii")
+
+
+def read_frames_url(raw: bytes) -> list[str]:
+    """The base64 frames of a ``JPEG`` video's URL (its bytes), as lmdeploy splits them;
+    ``BadVideoError`` for a URL lmdeploy would not read as base64 frames."""
+    try:
+        media, kind, data = _frames_parts(raw.decode("ascii"))
+    except UnicodeDecodeError:
+        media, kind, data = "", "", ""
+    if media.lower() != "video/jpeg" or kind != "base64":
+        raise BadVideoError("a video/jpeg data URL is ';base64,' then its frames, comma-separated")
+    return data.split(",")
+
+
+def frames_problem(frames: list[str], max_pixels: int, limits: VideoLimits | None = None) -> None:
+    """Each frame's stated size, read from its header as lmdeploy's image reader would open it
+    (``pybase64``, then Pillow), at most ``max_pixels``: ``MediaError`` (``limits`` given) or
+    ``BadVideoError`` past it; ``BadVideoError`` for a frame that is no image."""
+    import pybase64
+    from PIL import Image, UnidentifiedImageError
+
+    for i, frame in enumerate(frames):
+        try:
+            with Image.open(io.BytesIO(pybase64.b64decode(frame))) as image:
+                width, height = image.size
+        except (OSError, ValueError, UnidentifiedImageError, Image.DecompressionBombError) as e:
+            raise BadVideoError(f"frame {i} of the video is no image ({type(e).__name__}): send "
+                                "base64-encoded JPEG frames") from None
+        if width * height > max_pixels:
+            if limits is None:
+                raise BadVideoError(f"frame {i} is {width}x{height}, more than {max_pixels} pixels")
+            raise _over(limits, "max_frame_pixels", f"frame {i} of the video is {width}x{height} "
+                        f"({width * height} pixels)", "send smaller frames")
 
 
 @dataclass(frozen=True)
@@ -177,17 +245,21 @@ def probe(raw: bytes, options: dict[str, Any], limits: VideoLimits) -> VideoFact
     return facts
 
 
-def decode(raw: bytes, options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+def decode(raw: bytes, options: dict[str, Any], form: str = CONTAINER) -> tuple[Any, dict[str, Any]]:
     """(frames, metadata) as lmdeploy's parser makes them of ``raw`` with the request's options
-    (``VideoMediaIO(ImageMediaIO(), **options).load_bytes``); ``BadVideoError`` for bytes its
-    decoder fails on, or that give no frame."""
+    (``VideoMediaIO(ImageMediaIO(), **options).load_bytes``; a ``JPEG`` video's URL through
+    lmdeploy's ``load_from_url``); ``BadVideoError`` for bytes its decoder fails on, or that give
+    no frame."""
+    from lmdeploy.vl.media.connection import load_from_url
     from lmdeploy.vl.media.image import ImageMediaIO
     from lmdeploy.vl.media.video import VideoMediaIO
     from lmdeploy.vl.media.video_loader import OpenCVVideoLoader
 
     reader = VideoMediaIO(image_io=ImageMediaIO(), **options)
     try:
-        if type(reader.video_loader) is OpenCVVideoLoader:
+        if form == JPEG:
+            frames, metadata = load_from_url(raw.decode("ascii"), reader)
+        elif type(reader.video_loader) is OpenCVVideoLoader:
             frames, metadata = _opencv_load(raw, reader.num_frames, **reader.kwargs)
         else:
             frames, metadata = reader.load_bytes(raw)

@@ -18,7 +18,7 @@ import torch
 
 from .entries import KeyedVideo
 from .expand import merged_kwargs, plan_videos
-from .read import BadVideoError, stated, video_io_options
+from .read import CONTAINER, JPEG, BadVideoError, frames_problem, read_frames_url, stated, video_io_options
 
 
 def video_problem(raw: bytes, how: Any) -> str | None:
@@ -26,7 +26,8 @@ def video_problem(raw: bytes, how: Any) -> str | None:
     options, its item index, its size, the container's header), or None."""
     from ..media import MediaOptionError
 
-    if not isinstance(how, dict) or set(how) != {"io", "item", "size"}:
+    if not isinstance(how, dict) or set(how) - {"form"} != {"io", "item", "size"} or how.get(
+            "form", CONTAINER) not in (CONTAINER, JPEG):
         return "its decode options are not what the frontend sends"
     item, size = how["item"], how["size"]
     if isinstance(item, bool) or not isinstance(item, int) or item < 0:
@@ -36,7 +37,10 @@ def video_problem(raw: bytes, how: Any) -> str | None:
         return "its video size is not one"
     try:  # (its limits were checked when the frontend read it)
         video_io_options({"video": how["io"]})
-        stated(raw)
+        if how.get("form", CONTAINER) == JPEG:
+            frames_problem(read_frames_url(raw), 1 << 62)
+        else:
+            stated(raw)
     except (BadVideoError, MediaOptionError) as e:
         return f"its bytes or options cannot rebuild the video ({str(e)[:120]})"
     return None
@@ -51,7 +55,8 @@ def video_pixels(raw: bytes, how: dict[str, Any], model: Any, vision_model: Any)
     options = video_io_options({"video": how["io"]})
     processor = vision_model.processor
     kwargs = merged_kwargs(processor, video_size=how["size"])["videos_kwargs"]
-    (plan,) = plan_videos(vision_model, [KeyedVideo(b"", raw, options)], kwargs)
+    (plan,) = plan_videos(vision_model, [KeyedVideo(b"", raw, options, form=how.get("form", CONTAINER))],
+                          kwargs)
     index = how["item"]
     if index >= len(plan.items):
         raise RuntimeError(f"featcache: the video holds {len(plan.items)} items, not item {index}")

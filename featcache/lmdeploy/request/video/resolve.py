@@ -4,8 +4,8 @@ not decoded (``read`` for the reading and the limits, ``entries`` for the keys a
 ``resolve_videos`` runs in the frontend's ``resolve_sources`` (``SourceResolver``), and, for a model
 featcache does not cache, in the ``SourceGuard`` (``cache`` None: every video read and decoded here
 under the limits, nothing keyed). A video part lmdeploy would read from a string source becomes a
-``marker`` holding its ``KeyedVideo``; ``entries.restore`` puts it back after the parser. A JPEG-frame
-data URL (``video/jpeg``) is left to lmdeploy, bounded (``read.read_video``).
+``marker`` holding its ``KeyedVideo``; ``entries.restore`` puts it back after the parser. A data URL
+of frames (``video/jpeg``) is read, keyed and decoded as lmdeploy reads it (``read.read_frames``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,18 @@ from typing import Any
 
 from ..media import MediaPolicy
 from .entries import KeyedVideo, lookup, marker, sent_hit, video_key, video_source
-from .read import VideoLimits, decode, decoder_identity, probe, read_video, video_io_options
+from .read import (
+    CONTAINER,
+    JPEG,
+    VideoLimits,
+    decode,
+    decoder_identity,
+    is_frames,
+    probe,
+    read_frames,
+    read_video,
+    video_io_options,
+)
 
 SECTION = "lmdeploy"
 
@@ -44,25 +55,31 @@ def _resolve(item: Any, options: dict[str, Any], identity: dict[str, Any], domai
     if parts is None:
         return item
     source, params = parts
-    raw = read_video(source, media, limits, domains)
-    if raw is None:
-        return item
-    probe(raw, options, limits)
-    video = KeyedVideo(b"", raw, options, params=params)
+    form = JPEG if is_frames(source) else CONTAINER
+    if form == JPEG:
+        raw: bytes | None = read_frames(source, limits)
+    else:
+        raw = read_video(source, media, limits, domains)
+        if raw is None:
+            return item
+        probe(raw, options, limits)
+    assert raw is not None
+    video = KeyedVideo(b"", raw, options, params=params, form=form)
     if keyer is not None:
+        keyed = {"io": options, "item": params, "decoder": identity}
         try:
             video.key = video_key(keyer.hasher, keyer.namespace, raw,
-                                  {"io": options, "item": params, "decoder": identity})
+                                  keyed if form == CONTAINER else {**keyed, "form": form})
         except (TypeError, ValueError):  # parameters that cannot be keyed: read, not cached
             keyer.cache.count(SECTION, "uncacheable")
         count = keyer.cache.count
         count(SECTION, "videos")
         if video.key:  # (several processes: what this frontend sent the model processes before)
-            video.hit = (sent_hit(keyer, video.key, raw, options, params) if keyer.tags
+            video.hit = (sent_hit(keyer, video.key, raw, options, params, form=form) if keyer.tags
                          else lookup(keyer.cache, keyer.hasher, keyer.namespace, video.key))
             count(SECTION, "video_hits" if video.hit is not None else "video_misses")
     if video.hit is None:
-        video.frames, video.metadata = decode(raw, options)
+        video.frames, video.metadata = decode(raw, options, form)
     else:
         keyer.cache.count(SECTION, "video_decode_skipped")
     return marker(params, video)
