@@ -11,7 +11,7 @@ Every image has a size (its features' bytes) and a cost (its vision model's time
     InternVL2-26B, 13 tiles: 3328 tokens x 6144 x bf16 = 40.9 MB, vision 271.4 ms
     the same models at 1 tile (256 tokens): 1.0 MB / 1.9 ms and 3.1 MB / 20.9 ms
 
-(the 13-tile times: docs/benchmarks.md, "InternVL2-26B and InternVL2-2B, the seed models", the
+(the 13-tile times: bench/results/HISTORY.md, "InternVL2-26B and InternVL2-2B, the seed models", the
 H200's vision GPU time; 1 tile: those / 13, not measured). A hit saves 1.8 ms per MB of 2B
 features and 6.6 ms per MB of 26B features.
 
@@ -37,8 +37,8 @@ class ImageClass:
     cost_s: float  # the vision model's time on a miss
 
 
-VISION_2B_13_S = 24.6e-3  # docs/benchmarks.md: InternVL2-2B breakdown, vision (13 tiles)
-VISION_26B_13_S = 271.4e-3  # docs/benchmarks.md: InternVL2-26B breakdown, vision (13 tiles)
+VISION_2B_13_S = 24.6e-3  # bench/results/HISTORY.md: InternVL2-2B breakdown, vision (13 tiles)
+VISION_26B_13_S = 271.4e-3  # bench/results/HISTORY.md: InternVL2-26B breakdown, vision (13 tiles)
 CLASSES = (
     ImageClass("2B 1 tile", 256 * 2048 * 2, VISION_2B_13_S / 13),
     ImageClass("2B 13 tiles", 3328 * 2048 * 2, VISION_2B_13_S),

@@ -88,7 +88,7 @@ def breakdown_engine(pipe: Any, args: argparse.Namespace, size: tuple[int, int],
             SPANS.take()
             d2h[name] = counter.take()
     res["d2h"] = d2h
-    res["chat"] = chat_stages(pipe, gen, size, args.chats)
+    res["chat"] = chat_stages(pipe, gen, size, args.chats, args.video_seconds)
     res["medians"] = {series: {k: round(statistics.median(r[k] for r in res[series]), 3) for k in STAGES}
                       for series in ("miss", "repeat")}
     res["spread"] = {series: {k: [round(percentile([r[k] for r in res[series]], q), 3) for q in (0.1, 0.9)]
@@ -100,9 +100,11 @@ def breakdown_engine(pipe: Any, args: argparse.Namespace, size: tuple[int, int],
 CHAT_COLUMNS = (*STAGES, "input_tokens", "cached_tokens")  # per chat turn: its stages and tokens
 
 
-def chat_stages(pipe: Any, gen: Any, size: tuple[int, int], count: int) -> dict[str, Any]:
-    """The stages of each turn of ``count`` 4-turn chats resending their image, and of each chat's
-    text-only twin (same cached and new tokens): where a chat turn spends what its twin does not.
+def chat_stages(pipe: Any, gen: Any, size: tuple[int, int], count: int,
+                video_s: float = 0) -> dict[str, Any]:
+    """The stages of each turn of ``count`` 4-turn chats resending their image (``video_s``: a clip
+    of that many seconds instead), and of each chat's text-only twin (same cached and new tokens):
+    where a chat turn spends what its twin does not.
     Per kind ("chat", "twin") and turn: the rows, and each stage's median."""
     rows: dict[str, list[list[dict[str, Any]]]] = {k: [[] for _ in range(4)] for k in ("chat", "twin")}
 
@@ -113,7 +115,7 @@ def chat_stages(pipe: Any, gen: Any, size: tuple[int, int], count: int) -> dict[
         rows[kind][turn].append(row)
 
     SPANS.take()
-    chats(pipe, gen, size, count, seed=300, twins=True, observe=observe)
+    chats(pipe, gen, size, count, seed=300, twins=True, observe=observe, video_s=video_s)
     medians = {kind: [{k: round(statistics.median(r[k] for r in turn), 3) for k in CHAT_COLUMNS}
                       for turn in by_turn]
                for kind, by_turn in rows.items()}

@@ -1,6 +1,6 @@
 """floor (lmdeploy's own per-request floor, and why a chat's turn 2 missed the prefix cache) and
 profile (where a request's time goes per configuration, eager mode): two diagnoses of 2026-11-29
-(docs/benchmarks.md, "Where the floor is")."""
+(bench/results/HISTORY.md, "Where the floor is")."""
 
 from __future__ import annotations
 

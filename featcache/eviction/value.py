@@ -38,7 +38,7 @@ from .lru import Pins
 
 # What a byte saves when a key's cost is unknown (put without one) and no key with a known cost
 # was added yet: InternVL2-2B's vision model on a 13-tile image, 24.6 ms for 13.6 MB of features
-# (docs/benchmarks.md, "InternVL2-26B and InternVL2-2B": the cheaper of the two models measured).
+# (bench/results/HISTORY.md, "InternVL2-26B and InternVL2-2B": the cheaper of the two models measured).
 # Once costs are known, an unknown one counts as their mean per byte.
 DEFAULT_S_PER_BYTE = 24.6e-3 / (3328 * 2048 * 2)
 

@@ -17,8 +17,8 @@ lmdeploy's preprocessing for hits), each keyed image's per-image dict gets:
 - on a miss, lmdeploy's pixels themselves, stored in the cache (no copy; demotion to disk is
   asynchronous). They stay in pageable memory: page-locking 15 MB of pixels took 8.7 ms on a
   fresh allocation on an H200 host (14.6 ms per miss with the copy, 2026-11-30,
-  docs/benchmarks.md), while TurboMind's upload of pageable pixels costs about 0.7 ms more than
-  of pinned ones, once per request that uses them;
+  bench/results/HISTORY.md, "TurboMind speed at InternVL3-2B shape"), while TurboMind's upload
+  of pageable pixels costs about 0.7 ms more than of pinned ones, once per request that uses them;
 - in both cases ``fingerprint = fingerprint(key)``: a function of the featcache key alone, so the
   same image carries the same fingerprint in every process and after restarts, and lmdeploy's
   sha256 over the pixels never runs for keyed images.
