@@ -2,8 +2,9 @@
 
     python -m bench                  # the benchmarks, tools and checkpoint builders, one line each
     python -m bench NAME --help      # NAME's own help
-    python -m bench NAME ARGS...     # runs python3 bench/NAME.py ARGS... (bench/device/NAME.py for
-                                     # a builder there): the same process, the same exit code
+    python -m bench NAME ARGS...     # runs python3 bench/NAME.py ARGS... (bench/checks/NAME.py for
+                                     # a check, bench/device/NAME.py for a builder): the same
+                                     # process, the same exit code
 
 A file is runnable when it has a ``__main__`` block; its line in the list is its docstring's first
 line. Running one replaces this process by ``python3 bench/NAME.py ARGS...`` with the checkout's
@@ -34,16 +35,16 @@ QUESTIONS: dict[str, tuple[str, ...]] = {
     "a fleet's shared tier": ("fleet", "remote"),
     "the command line's start-up": ("cli_start",),
 }
-# Checks of one mechanism on a GPU (each answered once; rerun when what it checks changes)
+# Checks of one mechanism (bench/checks/: each answered once; rerun when what it checks changes)
 CHECKS = ("mp_engine_check", "request_report_check", "auto_budgets_check", "turbomind_features",
           "turbomind_features_diff", "turbomind_envelope", "hit_path_costs", "lmdbcheck")
 TOOLS = ("plot_bench", "runmeta", "serve_stages")  # they read, chart or time runs; they compare nothing
 
 
 def runnable() -> dict[str, str]:
-    """Name -> path of every file with a ``__main__`` block in bench/ and bench/device/."""
+    """Name -> path of every file with a ``__main__`` block in bench/, bench/checks/ and bench/device/."""
     found: dict[str, str] = {}
-    for folder in (HERE, os.path.join(HERE, "device")):
+    for folder in (HERE, os.path.join(HERE, "checks"), os.path.join(HERE, "device")):
         for name in sorted(os.listdir(folder)):
             path = os.path.join(folder, name)
             if name.endswith(".py") and not name.startswith("_") and _has_main(path):

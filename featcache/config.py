@@ -157,7 +157,7 @@ SERVING_BUDGETS: dict[str, MachineBudget] = {
 # the device tier from what lmdeploy's KV cache left (AUTO_BUDGETS, featcache.autosize).
 # FeatureCache(budgets="auto") does the same; without it, FeatureCache takes DEFAULTS' sizes.
 BUDGETS = ("share", "auto")
-# The serving default stays "share" until bench/auto_budgets_check.py has run on a GPU (the
+# The serving default stays "share" until bench/checks/auto_budgets_check.py has run on a GPU (the
 # device rule rests on lmdeploy's memory accounting, so far checked on the CPU with faked
 # figures only): docs/tuning.md, "Budgets that size themselves".
 SERVING_BUDGETS_DEFAULT = "share"

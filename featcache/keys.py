@@ -8,7 +8,7 @@ produce the same stream. Unknown parameter types raise ``TypeError``; nothing is
 image that fails to decode (a lazily opened, truncated or broken file) raises ``ValueError``.
 
 Digests: ``blake3`` (the default: 32 bytes, cryptographic; 0.8 ms for 5 MB on one core,
-``bench/hit_path_costs.py``),
+``bench/checks/hit_path_costs.py``),
 keyed with ``secret`` (a ``FeatureCache`` keys with its store's random secret,
 ``featcache.keysecret``): a client that does not know the secret can neither predict keys nor
 craft collisions. ``blake2b`` (the same, slower) and ``xxh3_128`` (16 bytes, fast, unkeyed and not

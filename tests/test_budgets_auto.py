@@ -427,11 +427,11 @@ def test_serve_with_lmdeploys_engine_process_leaves_budgets_to_it(serve, machine
 # -- the GPU check's dry run -------------------------------------------------------------------------
 def test_the_gpu_check_dry_runs_on_the_cpu(machine, tmp_path, capsys):
     machine.cuda = False
-    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(ROOT / "bench" / "checks"))
     try:
         import auto_budgets_check
     finally:
-        sys.path.remove(str(ROOT / "bench"))
+        sys.path.remove(str(ROOT / "bench" / "checks"))
     out = tmp_path / "auto.json"
     assert auto_budgets_check.main(["--model", "m", "--dry-run", "--cache-dir", str(tmp_path),
                                     "--json", str(out)]) == 0

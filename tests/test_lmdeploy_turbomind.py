@@ -371,7 +371,8 @@ def test_tower_matches_lmdeploys_reference(tmp_path_factory):
     """featcache's InternVLTower against lmdeploy's PyTorch-engine InternVL-HF code, float32 CPU."""
     import importlib.util
 
-    bench = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench", "turbomind_features.py")
+    bench = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench", "checks",
+                         "turbomind_features.py")
     spec = importlib.util.spec_from_file_location("turbomind_features", bench)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -463,9 +464,9 @@ def test_pixel_shuffle_order_matches_turbomind_kernel():
 
 
 def test_features_diff_bench_dry_run():
-    """bench/turbomind_features_diff.py's CPU dry-run: the pass-through checkpoint (checked with
+    """bench/checks/turbomind_features_diff.py's CPU dry-run: the pass-through checkpoint (checked with
     transformers), the request loops and the comparisons on stand-in pipelines."""
-    bench = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench")
+    bench = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench", "checks")
     out = subprocess.run([sys.executable, os.path.join(bench, "turbomind_features_diff.py"),
                           "dry-run"], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTHONPATH": os.path.dirname(bench)})
@@ -473,9 +474,9 @@ def test_features_diff_bench_dry_run():
 
 
 def test_envelope_bench_dry_run():
-    """bench/turbomind_envelope.py's CPU dry-run: the request loops (one at a time, batched,
+    """bench/checks/turbomind_envelope.py's CPU dry-run: the request loops (one at a time, batched,
     prefix cache filled then read) on stand-in pipelines, and the envelope verdict."""
-    bench = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench")
+    bench = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench", "checks")
     out = subprocess.run([sys.executable, os.path.join(bench, "turbomind_envelope.py"), "dry-run"],
                          capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTHONPATH": os.path.dirname(bench)})

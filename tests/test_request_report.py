@@ -371,7 +371,7 @@ def gpu_check():
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                    "bench"))
+                                    "bench", "checks"))
     import request_report_check
 
     return request_report_check
@@ -379,7 +379,7 @@ def gpu_check():
 
 @pytest.mark.parametrize("mode", ["in", "mp"])
 def test_the_gpu_checks_requests_and_verdict_hold_on_the_cpu_server(serve, gpu_check, mode):
-    """bench/request_report_check.py's requests (13-tile PNGs as data URLs, a stream, two at
+    """bench/checks/request_report_check.py's requests (13-tile PNGs as data URLs, a stream, two at
     once) and expectations, against `featcache serve` here; only its server start is the GPU's."""
     seen = {}
 

@@ -32,7 +32,7 @@ contents of the free list (trusted when LMDB frees or reuses pages); the per-tab
 counts (only reported by ``stat``).
 
 Cost: proportional to the branch and leaf pages (about 5 us each, plus 1 to 3 us per node), not
-to the values. Measured with ``bench/lmdbcheck.py`` on a shared 2-core AMD EPYC VM (Python 3.11;
+to the values. Measured with ``bench/checks/lmdbcheck.py`` on a shared 2-core AMD EPYC VM (Python 3.11;
 ranges over runs on a busy machine): 10,000 entries of 1.5 KiB, stored inside their leaf pages
 (6,950 tree pages): 55 to 90 ms warm (35 to 60 ms of CPU), 0.3 s with the file out of the page
 cache; 3,000 values of 1 MiB (3 GiB; 771,000 overflow pages counted, not read; 110 tree pages):

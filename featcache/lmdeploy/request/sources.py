@@ -120,7 +120,7 @@ def encoded_bytes(source: str, media: MediaPolicy | None = None) -> bytes | None
     A data URL is read as lmdeploy reads it (``_data_url_bytes``), split by hand where that
     gives what ``urlparse`` gives: on a ~5 MB URL ``urlparse`` costs ~2 ms (it scans and copies
     the whole string, and its LRU cache keeps the last 128 URLs alive), and this runs on every
-    hit (issue 16, ``bench/hit_path_costs.py``)."""
+    hit (issue 16, ``bench/checks/hit_path_costs.py``)."""
     media = LOCAL_FILES if media is None else media
     if is_data_url(source):
         return _data_url_bytes(source, media)

@@ -1,6 +1,6 @@
 """What each step of a hit request's image handling costs on the CPU (no GPU, no server).
 
-    PYTHONPATH=$PWD python bench/hit_path_costs.py [--repeats N] [--json FILE]
+    PYTHONPATH=$PWD python bench/checks/hit_path_costs.py [--repeats N] [--json FILE]
 
 One 1344x1008 noise PNG (bench/lib/images.py's: examples/chat.py's bytes; ~4 MB encoded, ~5.4 MB as
 a data URL), sent as a data URL inside an OpenAI chat body. Per step, the median over --repeats of
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # featcache, bench.lib
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # the checkout
 
 from bench.lib.images import chat_url  # noqa: E402
 from bench.lib.results import write_report  # noqa: E402

@@ -1,10 +1,10 @@
 """The features path against plain TurboMind, on TurboMind itself: how far featcache's Python tower
 is from TurboMind's C++ ViT, how often greedy outputs differ, and hit == miss within featcache.
 
-    python3 bench/turbomind_features_diff.py run --model /tmp/models/internvl_hf_tiny --out R.json
-    python3 bench/turbomind_features_diff.py run --model /tmp/models/internvl3_2b_shape \\
+    python3 bench/checks/turbomind_features_diff.py run --model /tmp/models/internvl_hf_tiny --out R.json
+    python3 bench/checks/turbomind_features_diff.py run --model /tmp/models/internvl3_2b_shape \\
         --n 24 --vit-n 4 --size 896x448 --out R2B.json
-    python3 bench/turbomind_features_diff.py dry-run          # CPU: no engine, stand-in pipelines
+    python3 bench/checks/turbomind_features_diff.py dry-run          # CPU: no engine, stand-in pipelines
 
 (a) ``vit``: TurboMind does not expose its ViT's features, so they are read through a
 *pass-through* copy of the checkpoint (``make_passthrough``: every LLM layer's ``o_proj`` and
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.lib
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # the checkout
 
 from bench.lib import models  # noqa: E402
 from bench.lib.engines import ask, build_turbomind, free_gpu, greedy, host_cache, turbomind_config  # noqa: E402
@@ -103,7 +103,7 @@ def rms_eps(model: str) -> float:
 def build(model: str, path: str, prefix: bool = False) -> tuple[Any, Any]:
     """(pipeline, featcache cache or None): plain TurboMind or the features path, prefix caching
     off unless ``prefix`` (lmdeploy refuses every position's logits and hidden states, which this
-    script reads, with it on; bench/turbomind_envelope.py reads the generated steps' only)."""
+    script reads, with it on; bench/checks/turbomind_envelope.py reads the generated steps' only)."""
     cache = None if path == "plain" else host_cache(2 << 30, tempfile.mkdtemp(prefix="fc-tmdiff-"), 4 << 30)
     return build_turbomind(path, model, turbomind_config(prefix, session_len=16384), cache), cache
 
@@ -378,7 +378,7 @@ def dry_run() -> int:
     request loops and every comparison on stand-in pipelines."""
     from transformers import InternVLForConditionalGeneration
 
-    from bench.turbomind_features import build_checkpoint  # random InternVL-HF (no torchvision needed)
+    from bench.checks.turbomind_features import build_checkpoint  # random InternVL-HF (no torchvision needed)
 
     with tempfile.TemporaryDirectory() as d:
         src = build_checkpoint(os.path.join(d, "internvl_hf_tiny"), "tiny")

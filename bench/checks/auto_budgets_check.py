@@ -2,8 +2,8 @@
 ``torch.cuda.mem_get_info`` says once lmdeploy's engine has loaded, and whether the device tier
 then fits beside lmdeploy's own memory when it fills.
 
-    python3 bench/auto_budgets_check.py --model /tmp/models/internvl3_2b_shape --json $OUT/auto.json
-    python3 bench/auto_budgets_check.py --model DIR --dry-run    # CPU: the plan and this machine's rules
+    python3 bench/checks/auto_budgets_check.py --model /tmp/models/internvl3_2b_shape --json $OUT/auto.json
+    python3 bench/checks/auto_budgets_check.py --model DIR --dry-run  # CPU: the plan, this machine's rules
 
 The run (tp=1, the engine in this process, as ``featcache serve --engine-process in``):
 
@@ -35,7 +35,7 @@ import tempfile
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # featcache, bench.lib
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # the checkout
 
 from bench.lib.images import image  # noqa: E402
 from bench.lib.results import write_report  # noqa: E402

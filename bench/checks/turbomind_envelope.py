@@ -1,7 +1,7 @@
 """TurboMind's own envelope, and whether the features path stays inside it.
 
-    python3 bench/turbomind_envelope.py run --model /tmp/models/internvl2_2b_shape --n 16 --out R.json
-    python3 bench/turbomind_envelope.py dry-run        # CPU: stand-in pipelines, every comparison
+    python3 bench/checks/turbomind_envelope.py run --model /tmp/models/internvl2_2b_shape --n 16 --out R.json
+    python3 bench/checks/turbomind_envelope.py dry-run        # CPU: stand-in pipelines, every comparison
 
 Two implementations of one ViT cannot round alike (TurboMind's C++ InternViT and featcache's Python
 tower), so the features path's answers cannot be bit-identical to plain TurboMind's. The standard
@@ -25,7 +25,7 @@ verdict ``features_within_envelope``: the features path's step-0 difference and 
 differing requests are each at most the largest of ``repeat``'s, ``batch``'s and ``prefix``'s. A
 model gets the features path by default only where it holds (docs/turbomind.md). Device use: after
 the ferry,
-``bash bench/device/run_turbomind.sh exec python3 bench/turbomind_envelope.py run ...``.
+``bash bench/device/run_turbomind.sh exec python3 bench/checks/turbomind_envelope.py run ...``.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ import time
 import types
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.lib
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # the checkout
 
+from bench.checks.turbomind_features_diff import PROMPT, FakePipe, ask_each, build, close, greedy_diff  # noqa: E402
 from bench.lib.engines import ask, greedy  # noqa: E402
 from bench.lib.images import image  # noqa: E402
 from bench.lib.results import emit  # noqa: E402
-from bench.turbomind_features_diff import PROMPT, FakePipe, ask_each, build, close, greedy_diff  # noqa: E402
 
 MODE = "generation"  # the generated steps' logits (a real vocabulary's prompt logits are GBs)
 

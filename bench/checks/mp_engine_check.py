@@ -1,8 +1,8 @@
 """featcache's multi-process mode on a GPU: lmdeploy's mp engine (tp=1) or tp=2, against plain
 lmdeploy with the same process model (docs/multi-gpu.md, docs/benchmarks.md).
 
-    python3 bench/mp_engine_check.py --model /tmp/models/internvl_hf_tiny --json $OUT/mp1.json
-    LMDEPLOY_EXECUTOR_BACKEND=mp python3 bench/mp_engine_check.py --model ... --tp 2 --json ...
+    python3 bench/checks/mp_engine_check.py --model /tmp/models/internvl_hf_tiny --json $OUT/mp1.json
+    LMDEPLOY_EXECUTOR_BACKEND=mp python3 bench/checks/mp_engine_check.py --model ... --tp 2 --json ...
 
 (tp=2: lmdeploy's default executor on CUDA is ray, which the GPU machine does not have; the mp
 executor is asked for by that variable.) Three pipelines in turn, each with the same engine config
@@ -32,7 +32,7 @@ import tempfile
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.lib
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # the checkout
 
 from bench.e2e.check import check_requests  # noqa: E402
 from bench.lib.engines import ask, build, close_pipeline, exit_after_close  # noqa: E402

@@ -1,8 +1,9 @@
 """The per-request report on a GPU: what `featcache serve` tells each response
 (``X-Featcache``, ``usage.featcache``) against what its request sent, in both process models.
 
-    python3 bench/request_report_check.py --model /tmp/models/internvl3_2b_shape --json $OUT/report.json
-    python3 bench/request_report_check.py --model DIR --dry-run    # the plan and the command lines
+    python3 bench/checks/request_report_check.py --model /tmp/models/internvl3_2b_shape \\
+        --json $OUT/report.json
+    python3 bench/checks/request_report_check.py --model DIR --dry-run    # the plan and the command lines
 
 For each server (``--servers in,mp``: ``featcache serve --engine-process in``, then ``mp``, each
 over a new store, ``--featcache-report usage``, prefix caching on), one request at a time unless
@@ -36,7 +37,7 @@ import threading
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # featcache, bench.lib
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # the checkout
 
 from bench.lib.client import counters, delta  # noqa: E402
 from bench.lib.images import chat_url  # noqa: E402

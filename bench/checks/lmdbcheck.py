@@ -1,6 +1,6 @@
 """The cost of the structural check of ``data.mdb`` at open (``featcache.store.lmdbcheck``).
 
-    python bench/lmdbcheck.py [--entries 10000] [--big 3000] [--dir /tmp]
+    python bench/checks/lmdbcheck.py [--entries 10000] [--big 3000] [--dir /tmp]
 
 Builds three stores with the disk tier (10,000 entries of 1.5 KiB, stored inside their leaf
 pages; ``--big`` values of 1 MiB, stored on overflow pages; an empty one) and times the check on
@@ -23,7 +23,7 @@ import time
 import lmdb
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's featcache
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # the checkout
 
 from featcache import codec  # noqa: E402
 from featcache.store.lmdbcheck import check_data_file  # noqa: E402

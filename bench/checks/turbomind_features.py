@@ -1,8 +1,8 @@
 """The TurboMind features path, checked: featcache's Python InternVL tower against lmdeploy's own
 reference computation, and what a miss and a hit cost.
 
-    python3 bench/turbomind_features.py                      # tiny random InternVL-HF, auto device
-    python3 bench/turbomind_features.py --shape 2b --device cuda --dtype bfloat16 --out r.json
+    python3 bench/checks/turbomind_features.py                      # tiny random InternVL-HF, auto device
+    python3 bench/checks/turbomind_features.py --shape 2b --device cuda --dtype bfloat16 --out r.json
 
 Builds a random-weight InternVL-HF checkpoint (``--shape tiny``: 2 x 128 ViT at 56 px; ``2b``: the
 InternVL2-2B / InternVL3-2B vision tower, InternViT-300M, 24 x 1024 at 448 px, projecting to an
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.lib
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # the checkout
 
 from bench.lib.engines import host_cache  # noqa: E402
 from bench.lib.results import write_report  # noqa: E402
