@@ -312,7 +312,8 @@ def test_a_video_of_frames_past_a_limit_is_refused_before_decoding(rig, limits, 
     "data:video/jpeg;base64,",
     "data:video/jpeg;utf8,abc",
     FRAMES.replace(",", ",\u00e9", 1),
-], ids=["a-frame-no-image", "no-frames", "not-base64", "not-ascii"])
+    FRAMES + "," + vt.jpeg_frames(1, 64, 96).split(",", 1)[1],
+], ids=["a-frame-no-image", "no-frames", "not-base64", "not-ascii", "frames-of-two-sizes"])
 def test_a_video_of_frames_that_are_no_images_is_a_400(rig, url):
     with pytest.raises(ValueError):
         rig.prompt(vt.video_item(url))
