@@ -475,20 +475,35 @@ def _server_command(name: str, args: argparse.Namespace, flags: list[str], store
                                      None if args.engine == "turbomind" else mode)
 
 
-def _side(name: str, base: str, model: str, args: argparse.Namespace, rep: int) -> dict[str, Any]:
+def _side(name: str, base: str, model: str, args: argparse.Namespace, rep: int,
+          profile: tuple[int, str] | None = None) -> dict[str, Any]:
     """One server's share of a repetition: ``--n`` new images one at a time (time to first token;
     the answers' tokens, ``--answer-tokens`` of them, kept for the identity check), then
-    ``--batch`` new images from ``--clients`` clients at once (one token each)."""
+    ``--batch`` new images from ``--clients`` clients at once (one token each). ``profile``
+    (the server's pid, a path prefix): each phase under py-spy (bench/pyspy.py), its summary
+    under ``profile`` in the result, its samples in PREFIX-sequential.txt / -concurrent.txt."""
+    from bench import pyspy
     from bench.lib import client
+
+    def recording(phase: str) -> Any:
+        return None if profile is None else pyspy.Profile(profile[0], 3600, f"{profile[1]}-{phase}.txt")
 
     c = client.connect(base)
     base_seed = 1_000 * (rep + 1)
+    profiles: dict[str, Any] = {}
+    profiler = recording("sequential")
     turns = [_ask(c, model, _url(base_seed + i), args.answer_tokens) for i in range(args.n)]
+    if profiler is not None:
+        profiles["sequential"] = profiler.stop()
     many = [_url(base_seed + 500 + i) for i in range(args.batch)]
+    profiler = recording("concurrent")
     rps, ttfts = _concurrent(base, model, many, args.clients)
-    return dict(sequential_ms=[t["ttft_ms"] for t in turns], tokens=[t["output_ids"] for t in turns],
-                prompt_tokens=[t["prompt_tokens"] for t in turns], requests_per_s=round(rps, 2),
-                ttft_p50_ms=round(statistics.median(ttfts), 1), ttft_max_ms=round(max(ttfts), 1))
+    if profiler is not None:
+        profiles["concurrent"] = profiler.stop()
+    out = dict(sequential_ms=[t["ttft_ms"] for t in turns], tokens=[t["output_ids"] for t in turns],
+               prompt_tokens=[t["prompt_tokens"] for t in turns], requests_per_s=round(rps, 2),
+               ttft_p50_ms=round(statistics.median(ttfts), 1), ttft_max_ms=round(max(ttfts), 1))
+    return {**out, "profile": profiles} if profile is not None else out
 
 
 def serve(args: argparse.Namespace) -> dict[str, Any]:
@@ -504,6 +519,8 @@ def serve(args: argparse.Namespace) -> dict[str, Any]:
     from bench.lib.stages import medians, summarize
 
     names = args.servers.split(",")
+    if args.profile and not set(args.profile.split(",")) <= set(names):
+        raise SystemExit(f"--profile: servers of --servers ({args.servers}), not {args.profile}")
     unknown = [n for n in names if n not in SERVE_PORTS]
     if unknown or names[0] != "plain" or len(set(names)) != len(names):
         raise SystemExit(f"--servers: plain first, then any of featcache, featcache_in; not {args.servers}")
@@ -538,9 +555,15 @@ def serve(args: argparse.Namespace) -> dict[str, Any]:
                 c = client.connect(bases[name])
                 for w in range(3):
                     _ask(c, model, _url(800 + w))
+            profiled = set(args.profile.split(",")) if args.profile else set()
             for rep in range(args.reps):
                 order = names[rep % len(names):] + names[:rep % len(names)]
-                row = {name: _side(name, bases[name], model, args, rep) for name in order}
+                row = {name: _side(name, bases[name], model, args, rep, profile=(
+                    results[name]["pid"], os.path.join(args.logs, f"pyspy-{name}"))
+                    if rep == 0 and name in profiled else None) for name in order}
+                for name in order:
+                    if "profile" in row[name]:
+                        results[name]["profile"] = row[name].pop("profile")
                 reps.append(row)
                 print(f"[distinct] serve rep {rep} (order {' '.join(order)}): "
                       + "; ".join(_rep_line(name, row) for name in names), flush=True)
@@ -661,6 +684,10 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--answer-tokens", type=int, default=16,
                            help="tokens of each sequential answer, compared with plain's (the "
                                 "time to first token is measured as it streams)")
+            p.add_argument("--profile", default="", metavar="SERVERS",
+                           help="these servers (e.g. plain,featcache) under py-spy in repetition 0, "
+                                "each phase apart: where their processes' time goes (the report's "
+                                "profile; the samples in --logs)")
             p.add_argument("--bound", action="store_true",
                            help="each server's requests/s as a fraction of the GPU's compute bound "
                                 "(bench/lib/bound.py; a matrix rate measured before the servers start)")

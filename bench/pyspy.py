@@ -3,6 +3,7 @@
     profiler = Profile(pid, seconds, out_path)   # starts ``py-spy record`` on pid and its children
     ...                                          # the load
     summary = profiler.summary()                 # waits; top frames per process and thread
+    summary = profiler.stop()                    # or: ends the recording now (a phase of unknown length)
 
 ``py-spy`` ships as a wheel with its binary (bench/device/make_server_wheels.sh carries it to the
 GPU machine). It needs ptrace rights over the server; where it has none (or is missing) the
@@ -17,6 +18,7 @@ import collections
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from typing import Any
@@ -49,6 +51,12 @@ class Profile:
                "--rate", str(rate), "--duration", str(max(1, int(seconds))), "--format", "raw",
                "--output", out_path]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def stop(self) -> dict[str, Any]:
+        """End the recording now (py-spy writes what it sampled on SIGINT), then ``summary``."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        return self.summary()
 
     def summary(self, timeout: float = 60) -> dict[str, Any]:
         if self.proc is not None:

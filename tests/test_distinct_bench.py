@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import _lmdeploy_stack
+import pytest
 
 _lmdeploy_stack.require()
 
@@ -81,7 +82,7 @@ def test_serve_runs_every_server_at_once_in_a_rotating_order_and_reports_each_re
         started.append((name, cmd))
         yield f"http://server/{name}"
 
-    def side(name, base, model, args, rep):
+    def side(name, base, model, args, rep, profile=None):
         ran.append((rep, name))
         tokens = [[1, 2, 3]] * args.n if name != "featcache_in" or rep else [[9]] * args.n
         return dict(sequential_ms=[100.0 if name == "plain" else 50.0] * args.n, tokens=tokens,
@@ -104,7 +105,7 @@ def test_serve_runs_every_server_at_once_in_a_rotating_order_and_reports_each_re
     args = argparse.Namespace(model=str(tmp_path), engine="pytorch", eager=False, logs=str(tmp_path),
                               n=2, batch=4, clients=2, reps=3, stages=False, ready_timeout=1,
                               engine_process=None, servers="plain,featcache,featcache_in",
-                              answer_tokens=4, bound=True)
+                              answer_tokens=4, bound=True, profile="")
     report = distinct.serve(args)
     assert [n for n, _ in started] == ["plain", "featcache", "featcache_in"]
     assert "--engine-process" not in started[1][1]  # (featcache serve's own default: mp)
@@ -147,3 +148,64 @@ def test_the_bound_counts_the_towers_and_the_llms_weights_from_the_checkpoint(tm
     assert bound.request_flops({"vision": 225, "llm": 1200}, 4, 10, 30) == 2 * 225 * 40 + 2 * 1200 * 30
     if not torch.cuda.is_available():
         assert bound.matrix_rate() is None
+
+
+def test_serve_profile_records_each_phase_of_the_named_servers_in_the_first_repetition(
+        tmp_path, monkeypatch):
+    """``--profile featcache``: repetition 0's sequential phase and concurrent phase of that server
+    each run under py-spy (started before the phase's first request, stopped after its last), the
+    two summaries in its result; the other servers and repetitions run without it; a server not
+    in --servers is refused."""
+    import argparse
+    import contextlib
+
+    from bench import distinct, pyspy
+    from bench.lib import client, servers
+
+    events = []
+
+    class Recording:
+        def __init__(self, pid, seconds, out_path):
+            events.append(("start", pid, os.path.basename(out_path)))
+
+        def stop(self):
+            events.append(("stop",))
+            return {"samples": len(events)}
+
+    @contextlib.contextmanager
+    def running(name, cmd, port, log, timeout, res):
+        res["pid"] = {"plain": 11, "featcache": 22}[name]
+        yield f"http://server/{name}"
+
+    def ask(c, model, url, max_tokens=1):
+        events.append(("ask", c))
+        return dict(prompt_tokens=100, ttft_ms=5.0, output_ids=[1])
+
+    def concurrent(base, model, urls, clients):
+        events.append(("batch", base))
+        return 2.0, [1.0, 2.0]
+
+    monkeypatch.setattr(pyspy, "Profile", Recording)
+    monkeypatch.setattr(servers, "running", running)
+    monkeypatch.setattr(client, "connect", lambda base: base)
+    monkeypatch.setattr(client, "served_model", lambda c: "m")
+    monkeypatch.setattr(client, "counters", lambda base: {})
+    monkeypatch.setattr(distinct, "_ask", ask)
+    monkeypatch.setattr(distinct, "_concurrent", concurrent)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["InternVLChatModel"]}))
+    args = argparse.Namespace(model=str(tmp_path), engine="pytorch", eager=False, logs=str(tmp_path),
+                              n=2, batch=3, clients=2, reps=2, stages=False, ready_timeout=1,
+                              engine_process=None, servers="plain,featcache", answer_tokens=1,
+                              bound=False, profile="featcache")
+    report = distinct.serve(args)
+    assert "profile" in report["results"]["featcache"] and "profile" not in report["results"]["plain"]
+    assert set(report["results"]["featcache"]["profile"]) == {"sequential", "concurrent"}
+    assert [e for e in events if e[0] == "start"] == [("start", 22, "pyspy-featcache-sequential.txt"),
+                                                    ("start", 22, "pyspy-featcache-concurrent.txt")]
+    first = events.index(("start", 22, "pyspy-featcache-sequential.txt"))
+    mine = events[first:first + 7]  # its two sequential asks and its batch, each phase inside a recording
+    assert [e[0] for e in mine] == ["start", "ask", "ask", "stop", "start", "batch", "stop"]
+    assert all(e[1] == "http://server/featcache" for e in mine if e[0] in ("ask", "batch"))
+    args.profile = "featcache_in"
+    with pytest.raises(SystemExit, match="--profile"):
+        distinct.serve(args)

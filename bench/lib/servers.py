@@ -147,7 +147,7 @@ def running(name: str, cmd: list[str], port: int, log: str, ready_timeout: float
     seconds to ready, then its exit code and seconds to stop (``server_rc``, ``stop_s``). An error
     in the block is recorded (``error``, the log's tail printed), not raised: what ran is kept."""
     proc, took = start(cmd, port, log, ready_timeout)
-    res.update(command=shlex.join(cmd), ready_s=round(took, 1))
+    res.update(command=shlex.join(cmd), ready_s=round(took, 1), pid=proc.pid)
     try:
         yield f"http://127.0.0.1:{port}"
     except Exception as e:  # noqa: BLE001 - keep what ran; the log tail says why
