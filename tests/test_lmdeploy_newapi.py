@@ -733,3 +733,41 @@ def _short_by_one(expand):
         out = expand(self, *args, **kwargs)
         return {**out, "input_ids": out["input_ids"][:-1]}
     return short
+
+
+def test_placeholder_runs_are_tokenized_once_and_give_the_tokenizers_own_ids(rig):
+    """``processor.tokenized``: a prompt's runs of the image (and video) token, tokenized once each
+    and repeated, give the ids the family's tokenizer gives the whole text: runs of every length,
+    two kinds side by side, a run a client typed into its text, text around them; the tokenizer is
+    never handed a run of two placeholders. A text argument that depends on the length
+    (truncation) takes the whole text."""
+    from featcache.lmdeploy.request.processor import tokenized
+
+    model = rig.frontend.model.preprocess.frontend.model
+    processor, tokens = model.processor, model.mm_tokens
+    image = processor.image_token
+    video = getattr(processor, "video_token", None) or image
+    text = (f"say <{image}> then {image * 300}x{video * 7}{image}\n {image * 2} "
+            f"and a typed {image}{image} end {video}")
+    kwargs = {"padding": True, "return_tensors": "pt"}
+    want = processor.tokenizer([text], **kwargs)["input_ids"].flatten()
+    seen = []
+    call = type(processor.tokenizer).__call__
+
+    class Watched(type(processor.tokenizer)):
+        def __call__(self, text, *args, **kw):
+            seen.append(text)
+            return call(self, text, *args, **kw)
+
+    cls = type(processor.tokenizer)
+    processor.tokenizer.__class__ = Watched
+    try:
+        got = tokenized(processor, tokens, [text], dict(kwargs))
+        assert torch.equal(got, want)
+        held = [image] + ([video] if getattr(tokens, "video_token_id", None) is not None else [])
+        assert seen and all(t * 2 not in sent[0] for sent in seen for t in held)
+        seen.clear()
+        whole = tokenized(processor, tokens, [text], dict(kwargs, truncation=True, max_length=10 ** 6))
+        assert torch.equal(whole, want) and seen == [[text]]
+    finally:
+        processor.tokenizer.__class__ = cls

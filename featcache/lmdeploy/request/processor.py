@@ -277,7 +277,7 @@ class ProcessorLevel:
             text_kwargs = dict(merged["text_kwargs"])
             for name in ("return_mm_token_type_ids", "return_text_replacement_offsets"):
                 text_kwargs.pop(name, None)
-            input_ids = processor.tokenizer(text, **text_kwargs)["input_ids"].flatten()
+            input_ids = tokenized(processor, model.mm_tokens, text, text_kwargs)
         else:  # token ids (lmdeploy's /generate): each placeholder id expanded (images only)
             collected = {Modality.IMAGE: {"image_grid_thw": every}}
             input_ids = get_expanded_input_ids(input_prompt, collected, processor, model.mm_tokens)
@@ -330,6 +330,41 @@ class ProcessorLevel:
         if next(offsets, None) is not None:
             raise RuntimeError(f"the prompt holds more video spans than the {total} video items")
         return out
+
+
+def tokenized(processor: Any, tokens: Any, text: Any, text_kwargs: dict[str, Any]) -> torch.Tensor:
+    """``processor.tokenizer(text, **text_kwargs)``'s ids, made without tokenizing thousands of
+    placeholders one by one: each run of the image or video token (an added token, which the
+    tokenizer splits the text at: every occurrence is one id, whatever stands beside it) is
+    tokenized once and its id repeated as many times as the run held. The ids are the same
+    (``probe`` compares them with lmdeploy's at startup); where the text arguments could make
+    them depend on the length (truncation, a maximum length) or the tokenizer does not give one
+    id per run, the whole text is tokenized as it stands."""
+    import re
+
+    named = ((getattr(processor, "image_token", None), getattr(tokens, "image_token_id", None)),
+             (getattr(processor, "video_token", None), getattr(tokens, "video_token_id", None)))
+    pads = {t: i for t, i in named if isinstance(t, str) and t and isinstance(i, int)}
+    one_text = isinstance(text, list) and len(text) == 1 and isinstance(text[0], str)  # (the processor's)
+    if (not pads or not one_text
+            or any(text_kwargs.get(k) not in (None, False) for k in ("truncation", "max_length"))):
+        return processor.tokenizer(text, **text_kwargs)["input_ids"].flatten()
+    runs: list[tuple[int, int]] = []
+
+    def one(match: Any) -> str:
+        run = match.group(0)
+        token = next(t for t in pads if run.startswith(t))
+        runs.append((pads[token], len(run) // len(token)))
+        return token
+
+    short = [re.sub("|".join(f"(?:{re.escape(t)})+" for t in pads), one, text[0])]
+    ids = processor.tokenizer(short, **text_kwargs)["input_ids"].flatten()
+    at = torch.isin(ids, torch.tensor(list(pads.values()), dtype=ids.dtype)).nonzero().flatten()
+    if len(at) != len(runs) or any(int(ids[i]) != pad for i, (pad, _) in zip(at, runs, strict=True)):
+        return processor.tokenizer(text, **text_kwargs)["input_ids"].flatten()
+    counts = torch.ones(len(ids), dtype=torch.long)
+    counts[at] = torch.tensor([n for _, n in runs], dtype=torch.long)
+    return ids.repeat_interleave(counts)
 
 
 class _Uncounted:
