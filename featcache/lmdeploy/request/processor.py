@@ -48,8 +48,9 @@ class ProcessorLevel:
       arguments its own call would give it (``preprocess_fallback``), cast as lmdeploy casts them;
     - the placeholders are expanded with the processor's own ``replace_image_token`` over every
       image's grid, by its own ``get_text_with_replacements``, and tokenized by its tokenizer with
-      its text arguments; a prompt of token ids (lmdeploy's ``/generate``) is expanded by lmdeploy's
-      own ``get_expanded_input_ids``; offsets by lmdeploy's ``get_mm_items_offset``.
+      its text arguments, each run of placeholder tokens once (``tokenized``); a prompt of token
+      ids (lmdeploy's ``/generate``) is expanded by lmdeploy's own ``get_expanded_input_ids``;
+      offsets by lmdeploy's ``get_mm_items_offset``.
 
     Invariant: the output equals lmdeploy's own for the same request (input ids, offsets, every
     per-image field; tests/test_lmdeploy_newapi.py checks it against lmdeploy's real preprocessing
