@@ -208,12 +208,18 @@ def _read_only_fs(path: str) -> bool:
         return False
 
 
+def _nearest_existing(path: str) -> str:
+    """``path`` made absolute, or the nearest existing path above it (the root exists)."""
+    nearest = os.path.abspath(path)
+    while not os.path.exists(nearest):
+        nearest = os.path.dirname(nearest)
+    return nearest
+
+
 def file_in_the_way(path: str) -> str | None:
     """The file (not a directory) at ``path`` or at the nearest existing path above it, where a
     store directory would be or be made; None if that nearest existing path is a directory."""
-    nearest = os.path.abspath(path)
-    while not os.path.exists(nearest):  # (the root exists)
-        nearest = os.path.dirname(nearest)
+    nearest = _nearest_existing(path)
     return None if os.path.isdir(nearest) else (path if nearest == os.path.abspath(path) else nearest)
 
 
@@ -228,9 +234,7 @@ def cannot_create(path: str) -> str | None:
     if blocking is not None:
         return ("is a file, not a directory (a store is a directory)" if blocking == path else
                 f"cannot be created: {blocking} is a file, not a directory")
-    nearest = os.path.abspath(path)
-    while not os.path.exists(nearest):
-        nearest = os.path.dirname(nearest)
+    nearest = _nearest_existing(path)
     if nearest == os.path.abspath(path):
         return None
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 import torch
@@ -341,8 +342,6 @@ def tokenized(processor: Any, tokens: Any, text: Any, text_kwargs: dict[str, Any
     (``probe`` compares them with lmdeploy's at startup); where the text arguments could make
     them depend on the length (truncation, a maximum length) or the tokenizer does not give one
     id per run, the whole text is tokenized as it stands."""
-    import re
-
     named = ((getattr(processor, "image_token", None), getattr(tokens, "image_token_id", None)),
              (getattr(processor, "video_token", None), getattr(tokens, "video_token_id", None)))
     pads = {t: i for t, i in named if isinstance(t, str) and t and isinstance(i, int)}

@@ -143,13 +143,14 @@ def read_frames(source: str, limits: VideoLimits) -> bytes:
                     "is larger", "send a shorter or smaller video")
     if not source.isascii():
         raise BadVideoError("a video/jpeg data URL is base64 text: send its frames base64-encoded")
-    frames = read_frames_url(source.encode("ascii"))
+    raw = source.encode("ascii")
+    frames = read_frames_url(raw)
     most = min(limits.max_sampled_frames, limits.max_video_frames)
     if len(frames) > most:
         name = "max_sampled_frames" if most == limits.max_sampled_frames else "max_video_frames"
         raise _over(limits, name, f"this data URL holds {len(frames)} frames", "send fewer frames")
-    frames_problem(frames, limits.max_frame_pixels, limits)
-    return source.encode("ascii")
+    frames_problem(frames, limits)
+    return raw
 
 
 def read_frames_url(raw: bytes) -> list[str]:
@@ -164,10 +165,10 @@ def read_frames_url(raw: bytes) -> list[str]:
     return data.split(",")
 
 
-def frames_problem(frames: list[str], max_pixels: int, limits: VideoLimits | None = None) -> None:
-    """Each frame's stated size, read from its header as lmdeploy's image reader would open it
-    (``pybase64``, then Pillow), at most ``max_pixels``: ``MediaError`` (``limits`` given) or
-    ``BadVideoError`` past it; ``BadVideoError`` for a frame that is no image."""
+def frames_problem(frames: list[str], limits: VideoLimits | None = None) -> None:
+    """Each frame's header read as lmdeploy's image reader would open it (``pybase64``, then
+    Pillow): ``BadVideoError`` for a frame that is no image; with ``limits``, ``MediaError`` for
+    one over ``max_frame_pixels`` (without: the frontend checked them when it read the video)."""
     import pybase64
     from PIL import Image, UnidentifiedImageError
 
@@ -178,9 +179,7 @@ def frames_problem(frames: list[str], max_pixels: int, limits: VideoLimits | Non
         except (OSError, ValueError, UnidentifiedImageError, Image.DecompressionBombError) as e:
             raise BadVideoError(f"frame {i} of the video is no image ({type(e).__name__}): send "
                                 "base64-encoded JPEG frames") from None
-        if width * height > max_pixels:
-            if limits is None:
-                raise BadVideoError(f"frame {i} is {width}x{height}, more than {max_pixels} pixels")
+        if limits is not None and width * height > limits.max_frame_pixels:
             raise _over(limits, "max_frame_pixels", f"frame {i} of the video is {width}x{height} "
                         f"({width * height} pixels)", "send smaller frames")
 

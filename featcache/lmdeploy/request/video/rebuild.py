@@ -38,7 +38,7 @@ def video_problem(raw: bytes, how: Any) -> str | None:
     try:  # (its limits were checked when the frontend read it)
         video_io_options({"video": how["io"]})
         if how.get("form", CONTAINER) == JPEG:
-            frames_problem(read_frames_url(raw), 1 << 62)
+            frames_problem(read_frames_url(raw))
         else:
             stated(raw)
     except (BadVideoError, MediaOptionError) as e:

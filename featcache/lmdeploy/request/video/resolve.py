@@ -55,15 +55,14 @@ def _resolve(item: Any, options: dict[str, Any], identity: dict[str, Any], domai
     if parts is None:
         return item
     source, params = parts
-    form = JPEG if is_frames(source) else CONTAINER
-    if form == JPEG:
-        raw: bytes | None = read_frames(source, limits)
+    if is_frames(source):
+        form, raw = JPEG, read_frames(source, limits)
     else:
-        raw = read_video(source, media, limits, domains)
-        if raw is None:
+        form, read = CONTAINER, read_video(source, media, limits, domains)
+        if read is None:
             return item
+        raw = read
         probe(raw, options, limits)
-    assert raw is not None
     video = KeyedVideo(b"", raw, options, params=params, form=form)
     if keyer is not None:
         keyed = {"io": options, "item": params, "decoder": identity}
