@@ -174,7 +174,7 @@ def tag_mode(rig: Any) -> Iterator[Callable[..., dict[str, Any]]]:
 
     api_cache = counters_cache()
     api = rig.path_of()
-    install_frontend(api.model, api_cache, f"test:{rig.arch}", tags=True)
+    install_frontend(api.model, api_cache, f"test:{rig.arch}", tags=True, pack=True)
     ranks.configure(json.dumps({"feature_cache": {"device": "cpu", "device_bytes": 64 << 20,
                                                    "host_bytes": 0},
                                 # what the engine tells the model processes (processes.rank_settings)

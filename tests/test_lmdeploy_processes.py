@@ -42,7 +42,7 @@ from featcache.lmdeploy import counters_cache  # noqa: E402
 from featcache.lmdeploy.pytorch import models, prefix, ranks  # noqa: E402
 from featcache.lmdeploy.request.frontend import SECTION, install_frontend  # noqa: E402
 from featcache.lmdeploy.request.refs import REF_KEY, FeatRef  # noqa: E402
-from featcache.lmdeploy.request.tags import FeatTag, Source, _restore  # noqa: E402
+from featcache.lmdeploy.request.tags import FeatTag, Pixels, Source, _restore, restore_pixels  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,7 +57,7 @@ def frontend(path):
     """lmdeploy's prompt path with featcache's frontend in tag mode (the API process)."""
     cache = counters_cache()
     prompts = tiny.PromptPath(path)
-    install_frontend(prompts.model, cache, "test:processes", tags=True)
+    install_frontend(prompts.model, cache, "test:processes", tags=True, pack=True)
     prompts.record_featcache()  # calls: featcache's preprocessing too (InternVL-HF's)
     yield prompts, cache
     prompts.close()
@@ -113,6 +113,33 @@ def test_tag_pickles_and_a_corrupt_tag_unpickles_as_invalid():
         FeatTag("str key", b"")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_pixels_travel_as_their_bytes_and_arrive_as_the_same_tensor(dtype):
+    pixels = torch.randn(3, 3, 8, 8).to(dtype)[:, :, 1:7]  # (not contiguous: sent as if it were)
+    blob = pickle.dumps(Pixels(pixels))
+    assert len(blob) < pixels.numel() * pixels.element_size() + 200  # the bytes, once
+    back = pickle.loads(blob)
+    assert isinstance(back, torch.Tensor) and back.dtype == dtype and torch.equal(back, pixels)
+
+
+@pytest.mark.parametrize("fields", [(), (b"xx", "float16", (3,)), (b"xx", "load", (1,)),
+                                    ("xx", "float16", (1,)), (b"xx", "float16", [1]),
+                                    (b"xx", "float16", (-1,)), (b"", "float16", (0,)), (b"xx", None, (1,))])
+def test_pixel_fields_that_make_no_tensor_arrive_empty_never_raising(fields):
+    """(the engine then refuses the request, ``unservable``; an exception while unpickling would
+    stop lmdeploy's RPC server)."""
+    back = pickle.loads(pickle.dumps(_ForgedPixels(*fields)))
+    assert isinstance(back, torch.Tensor) and back.numel() == 0
+
+
+class _ForgedPixels:
+    def __init__(self, *fields):
+        self.fields = fields
+
+    def __reduce__(self):
+        return (restore_pixels, self.fields)
+
+
 def test_a_one_process_ref_refuses_to_cross_a_process_boundary():
     """A FeatRef holds this process's lease and tensors: pickled (a process boundary the mode
     choice missed), it fails with featcache's own message, not lmdeploy's "cannot pickle
@@ -139,8 +166,12 @@ def test_tag_mode_frontend_sends_pixels_once_then_the_images_bytes(frontend, pat
         want = plain.prompt(tiny.messages(tiny.image_item(a), tiny.image_item(b)))
         first = prompts.prompt(tiny.messages(tiny.image_item(a), tiny.image_item(b)))
         assert first["input_ids"] == want["input_ids"]
-        for got, ref in zip(first["multimodal"], want["multimodal"], strict=True):
+        # the pixels travel as their bytes (``Pixels``), and reach the engine as lmdeploy's tensors
+        assert all(isinstance(m["pixel_values"], Pixels) for m in first["multimodal"])
+        arrived = pickle.loads(pickle.dumps(first["multimodal"]))
+        for got, ref in zip(arrived, want["multimodal"], strict=True):
             assert isinstance(got[REF_KEY], FeatTag) and got[REF_KEY].source is None
+            assert got["pixel_values"].dtype == ref["pixel_values"].dtype
             assert torch.equal(got["pixel_values"], ref["pixel_values"])
         # sent before: not preprocessed again; the tags carry the images' pixel bytes instead
         again = prompts.prompt(tiny.messages(tiny.image_item(a), tiny.image_item(b)))
@@ -255,11 +286,17 @@ def sourced(path):
     """The tag-mode frontend with lmdeploy's source parsing hooked (data URLs keyed by bytes)."""
     cache = counters_cache()
     prompts = tiny.PromptPath(path)
-    install_frontend(prompts.model, cache, "test:processes", prompts.processor, tags=True)
+    install_frontend(prompts.model, cache, "test:processes", prompts.processor, tags=True,
+                     pack=True)
     prompts.record_featcache()  # calls: featcache's preprocessing too (InternVL-HF's)
     yield prompts, cache
     prompts.close()
     cache.close()
+
+
+def sent_pixels(item: dict) -> torch.Tensor:
+    """An image's pixels as the engine process gets them (sent as ``Pixels``: its bytes)."""
+    return pickle.loads(pickle.dumps(item["pixel_values"]))
 
 
 def data_url_request(prompts, raw: bytes, **kwargs) -> tuple[dict, bytes]:
@@ -273,7 +310,7 @@ def test_an_encoded_image_sent_again_travels_without_pixels_and_is_served(source
     raw = png(tiny.noise_image(120, 90, seed=4))
     first, blob1 = data_url_request(prompts, raw)
     assert len(prompts.calls) == 1 and first["multimodal"][0][REF_KEY].source is None
-    pixels = first["multimodal"][0]["pixel_values"]
+    pixels = sent_pixels(first["multimodal"][0])
     second, blob2 = data_url_request(prompts, raw)
     assert len(prompts.calls) == 1  # not decoded, not preprocessed: sent before
     tag = second["multimodal"][0][REF_KEY]
@@ -305,7 +342,7 @@ def test_a_model_process_that_lost_the_features_rebuilds_the_pixels(sourced, sid
     # rebuilt from the PNG exactly as the frontend's process made them: same vision input, same
     # features; stored again, so the next time is served
     assert len(calls2) == 1
-    assert torch.equal(calls2[0], first["multimodal"][0]["pixel_values"].to(calls2[0].dtype))
+    assert torch.equal(calls2[0], sent_pixels(first["multimodal"][0]).to(calls2[0].dtype))
     assert torch.equal(rows2, rows1)
     stats = cache.stats()[SECTION]
     assert stats["pixels_rebuilt"] == 1
@@ -338,7 +375,7 @@ def test_a_rebuild_decodes_with_the_requests_options(sourced, side, path):
     finally:
         plain.close()
     assert not torch.equal(want, as_rgb)  # the options change the pixels
-    assert torch.equal(first["multimodal"][0]["pixel_values"], want)
+    assert torch.equal(sent_pixels(first["multimodal"][0]), want)
     side.step([blob1])
     cache = ranks.local_cache()
     cache.discard(first["multimodal"][0][REF_KEY].key)  # evicted on purpose
@@ -418,7 +455,7 @@ def test_ranks_rebuild_the_pixels_of_an_image_one_rank_lost(sourced, path, tmp_p
     raw = png(tiny.noise_image(120, 90, seed=6))
     first, blob1 = data_url_request(prompts, raw)
     _, blob2 = data_url_request(prompts, raw)
-    pixels = first["multimodal"][0]["pixel_values"]
+    pixels = sent_pixels(first["multimodal"][0])
     results = two_ranks(path, tmp_path, [blob1], first["multimodal"][0][REF_KEY].key, [blob2])
     (_, first0, again0, calls1_0, calls2_0, stats0, _, _) = results[0]
     (_, first1, again1, calls1_1, calls2_1, stats1, _, _) = results[1]

@@ -238,7 +238,8 @@ def wrap(pipe: Any, cache: FeatureCache, *, namespace: str | None = None,
         from .pytorch.processes import settings_hasher
 
         install_frontend(encoder.model, cache, namespace, engine.prompt_processor, tags=True,
-                         hasher=settings_hasher(engine.backend_config.featcache_cache))
+                         hasher=settings_hasher(engine.backend_config.featcache_cache),
+                         pack=inner is None)  # (the engine's input processor in another process)
         trust_image_ids_on(engine.prompt_processor, trust_image_ids)
         read_sources_under(engine.prompt_processor, media)
         install_reports(engine, "mp")

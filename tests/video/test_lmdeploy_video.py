@@ -44,6 +44,7 @@ from featcache.lmdeploy.request.media import (  # noqa: E402
     VideoLimits,  # noqa: E402
 )
 from featcache.lmdeploy.request.refs import REF_KEY  # noqa: E402
+from featcache.lmdeploy.request.video import read as video_read  # noqa: E402
 from featcache.lmdeploy.request.video.read import BadVideoError  # noqa: E402
 
 ARCHS = [tiny.QWEN3VL, tiny.QWEN3_5]  # (Qwen3.5 on Qwen3-VL's processor, as its checkpoints)
@@ -238,6 +239,31 @@ def test_a_video_past_a_limit_is_refused_before_decoding(rig, limits, match, mon
     assert_same(rig.prompt(video(), plain=True), rig.prompt(video()))
 
 
+@pytest.mark.parametrize("limits, match", [
+    (VideoLimits(max_frame_pixels=96 * 64 - 1), "--max-video-frame-pixels"),
+    (VideoLimits(max_video_frames=11), "--max-video-frames"),
+    (VideoLimits(max_video_seconds=2.5), "--max-video-seconds"),
+    (VideoLimits(max_sampled_frames=6), "--max-sampled-frames"),
+], ids=["resolution", "frames", "duration", "sampled"])
+def test_a_held_video_is_checked_by_its_recorded_facts_not_probed_again(rig, limits, match, monkeypatch):
+    """A hit's container is not opened again: what it states was recorded with its entries, and
+    is checked against the limits of now (a held video past a lowered limit is refused alike)."""
+    rig.seed(rig.prompt(video()))
+    probed = []
+    real = video_read.stated
+    monkeypatch.setattr(video_read, "stated",
+                        lambda raw: probed.append(1) or real(raw))
+    assert all(m[REF_KEY].hit for m in rig.prompt(video())["multimodal"]) and probed == []
+    rig.frontend.media = dataclasses.replace(rig.frontend.media, video=limits)
+    with pytest.raises(MediaError, match=match):
+        rig.prompt(video())
+    assert probed == []
+    rig.frontend.media = dataclasses.replace(rig.frontend.media, video=VideoLimits())
+    assert all(m[REF_KEY].hit for m in rig.prompt(video())["multimodal"])  # (nothing left leased)
+    rig.prompt(video(OTHER))  # a new video is probed
+    assert probed == [1]
+
+
 @pytest.mark.parametrize("options", [
     {"video": {"num_frames": "32"}}, {"video": {"num_frames": 2.5}}, {"video": {"num_frames": 0}},
     {"video": {"fps": [1]}}, {"video": {"fps": float("nan")}}, {"video": {"decoder": "x"}},
@@ -366,7 +392,8 @@ def test_several_processes_a_resent_video_travels_as_its_bytes(rig, monkeypatch,
     tiny.featcache_prepare(monkeypatch, cls, families.SPECS[rig.arch])
     api_cache = counters_cache()
     api = tiny.PromptPath(rig.path)
-    install_frontend(api.model, api_cache, f"test:{rig.arch}", api.processor, tags=True)
+    install_frontend(api.model, api_cache, f"test:{rig.arch}", api.processor, tags=True,
+                     pack=True)
     ranks.configure(json.dumps({
         "feature_cache": {"device": "cpu", "device_bytes": 64 << 20, "host_bytes": 0},
         "rebuild": {"model_path": rig.path, "dtype": "float16", "device_type": "cpu",
@@ -391,6 +418,9 @@ def test_several_processes_a_resent_video_travels_as_its_bytes(rig, monkeypatch,
             sent = api.prompt(tiny.messages(video(), text="what happens"))
             assert sent["input_ids"] == plain["input_ids"]
             assert all(isinstance(m[REF_KEY], FeatTag) for m in sent["multimodal"])
+            blob = pickle.dumps(sent)  # (lmdeploy's RPC to the engine process)
+            sizes.append(len(blob))
+            sent = pickle.loads(blob)
             if turn == 0:
                 assert_same(plain, {**sent, "multimodal": [
                     {k: v for k, v in m.items() if k != REF_KEY} for m in sent["multimodal"]]})
@@ -399,9 +429,6 @@ def test_several_processes_a_resent_video_travels_as_its_bytes(rig, monkeypatch,
                 assert all(m["pixel_values_videos"].shape[0] == 0 and m[REF_KEY].source is not None
                            for m in sent["multimodal"])
                 assert [m[REF_KEY].key for m in sent["multimodal"]] == keys
-            blob = pickle.dumps(sent)  # (lmdeploy's RPC to the engine process)
-            sizes.append(len(blob))
-            sent = pickle.loads(blob)
             result = rig.processor.preprocess_input(sent["input_ids"], sent["multimodal"])
             context = step_context(sent["input_ids"], [result.input_multimodals], rig.config)
             inputs = cls.prepare_inputs_for_generation(model, [None] * context._full, None, context)

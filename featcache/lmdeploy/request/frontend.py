@@ -51,7 +51,7 @@ from .processor import ProcessorLevel
 from .refs import REF_KEY, FeatRef
 from .resolve import SECTION, DataUrlKeys, SourceResolver, bindings
 from .sources import KEY_INFO, CachedImage, install_sources
-from .tags import FeatTag, sourced
+from .tags import FeatTag, pack_pixels, sourced
 
 log = logging.getLogger("featcache")
 SENT_IMAGES = 65536  # the images a tag-mode frontend remembers sending (metadata: ~100 bytes each)
@@ -62,12 +62,13 @@ Preprocess = Callable[[list[dict[str, Any]]], list[dict[str, Any]]]
 
 def install_frontend(vision_model: Any, cache: FeatureCache, namespace: str,
                      prompt_processor: Any = None, *, tags: bool = False,
-                     hasher: KeyHasher | None = None) -> None:
+                     hasher: KeyHasher | None = None, pack: bool = False) -> None:
     """Replace ``vision_model.preprocess`` (an instance attribute shadowing the method) and, given
     lmdeploy's ``MultimodalProcessor``, resolve encoded image sources before it decodes them.
     ``tags``: tag every image for a model in another process, look nothing up (``FeatTag``).
     ``hasher``: how keys are made (default: ``cache.hasher``; with ``tags``, the model
-    processes' store's, ``processes.settings_hasher``)."""
+    processes' store's, ``processes.settings_hasher``). ``pack``: the engine is in another
+    process, its requests pickled to it: pixels travel as ``tags.Pixels``."""
     original: Preprocess = vision_model.preprocess
     if getattr(original, "_featcache", False):
         raise RuntimeError("featcache is already installed on this pipeline")
@@ -88,6 +89,7 @@ def install_frontend(vision_model: Any, cache: FeatureCache, namespace: str,
         @functools.wraps(original)
         def preprocess(messages: list[dict[str, Any]]) -> Any:  # type: ignore[misc]
             return frontend(messages)
+    frontend.pack = pack
     if prompt_processor is not None:
         install_sources(prompt_processor, frontend)
 
@@ -120,6 +122,9 @@ class Frontend(SourceResolver):
         # and --max-image-bytes; any local file for the Python API (``sources.set_media_policy``)
         self.media: MediaPolicy = LOCAL_FILES
         self.videos = False  # whether videos are cached (``ProcessorLevel``: where it is shown exact)
+        # the model's engine in another process, its requests pickled to it (lmdeploy's mp engine):
+        # pixels travel as ``tags.Pixels``
+        self.pack = False
         self._logged = False
         self._warned_at: float | None = None  # the last bad image's warning (``_bad_image``)
 
@@ -145,6 +150,8 @@ class Frontend(SourceResolver):
             self._failed("frontend failed; preprocessing without the cache", trace)
         for key, content in binds:  # the request is accepted: its verified ids name its images
             self.id_contents.setdefault(key, content)
+        if self.pack:
+            pack_pixels(_per_image(out))
         return out
 
     def _sent_image_tag(self, key: bytes, item: dict[str, Any]) -> FeatTag | None:
@@ -270,6 +277,15 @@ class Frontend(SourceResolver):
             return FeatRef(self.cache, key, meta, None)
         self.sent.put(key, meta)
         return FeatTag(key, meta)
+
+
+def _per_image(out: Any) -> list[Any]:
+    """The per-image dicts of a ``preprocess`` output: the legacy API's "preprocess" message, or
+    the processor-level API's ``multimodal`` list."""
+    if isinstance(out, dict):
+        return list(out.get("multimodal") or [])
+    return [x for m in out or () if isinstance(m, dict) and m.get("role") == "preprocess"
+            for x in (m.get("content") or [])]
 
 
 def _keyed_by_bytes(item: dict[str, Any]) -> bool:

@@ -18,10 +18,17 @@ pickled bytes, so every rank reads the same tag the same way.
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Any, NamedTuple
 
+import torch
+
 from ...core.chain import MAX_KEY_BYTES
-from .entry_meta import decode_item
+from .entry_meta import PIXEL_FIELDS, decode_item
+
+# ``restore_pixels`` views the unpickled bytes, which are read-only to torch: nothing writes them
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
+                        module=__name__.replace(".", r"\."))
 
 
 class Source(NamedTuple):
@@ -112,3 +119,53 @@ def _restore(key: Any = None, meta: Any = None, source: Any = None, *_: Any) -> 
         return FeatTag(key, meta, source)
     except Exception:
         return _invalid()
+
+
+class Pixels:
+    """A preprocessed image's pixels on their way to lmdeploy's mp-engine process (the frontend's
+    ``pack_pixels``): pickled as their raw bytes, unpickled as the tensor again (``restore_pixels``).
+    A tensor pickles through torch's legacy ``torch.save`` format, whose load, several copies and
+    a Python read loop, runs on the engine process's event loop, beside its scheduling and its
+    forwards; here it is one copy each way (the bytes are made on the frontend's thread)."""
+
+    __slots__ = ("raw", "dtype", "shape")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        flat = tensor.detach().contiguous().reshape(-1)
+        self.raw = flat.view(torch.uint8).numpy().tobytes()
+        self.dtype = str(tensor.dtype).removeprefix("torch.")
+        self.shape = tuple(int(n) for n in tensor.shape)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (restore_pixels, (self.raw, self.dtype, self.shape))
+
+
+def restore_pixels(raw: Any = None, dtype: Any = None, shape: Any = None, *_: Any) -> torch.Tensor:
+    """The unpickler's constructor of ``Pixels``: the tensor (a view of ``raw``), or, for fields
+    that do not make one, an empty tensor (the engine then refuses the request: ``unservable``);
+    never raises."""
+    try:
+        kind = getattr(torch, dtype)
+        if not (isinstance(kind, torch.dtype) and isinstance(raw, bytes) and isinstance(shape, tuple)
+                and all(type(n) is int and n >= 0 for n in shape)):
+            raise TypeError
+        numel = 1
+        for n in shape:
+            numel *= n
+        if numel * kind.itemsize != len(raw) or numel == 0:
+            raise ValueError
+        return torch.frombuffer(raw, dtype=torch.uint8).view(kind).view(shape)
+    except Exception:
+        return torch.empty(0)
+
+
+def pack_pixels(items: list[Any]) -> None:
+    """Each per-image dict's pixels (``PIXEL_FIELDS``: a CPU tensor, not empty) as ``Pixels``:
+    for a model process that receives them pickled, never for one that reads them in place."""
+    for item in items:
+        if not isinstance(item, dict):
+            continue
+        for name in PIXEL_FIELDS:
+            value = item.get(name)
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.numel() > 0:
+                item[name] = Pixels(value)

@@ -42,6 +42,7 @@ from .read import CONTAINER, decode
 VIDEO_FIELD = "featcache_video"  # a restored video item's ``KeyedVideo``
 MARK = "featcache_video_item"  # a text part standing for a video through lmdeploy's parser
 INFO = VIDEO_RECORD  # the field of an item entry's metadata holding the video's record
+STATED = "stated"  # the record's field of what the container states (``read.facts_record``)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class KeyedVideo:
     metadata: dict[str, Any] | None = field(default=None)
     params: dict[str, Any] = field(default_factory=dict)  # the item's own (beside its source)
     form: str = CONTAINER  # ``raw``'s form: a container's bytes, or a data URL of frames (``read``)
+    facts: Any = None  # a container's ``read.VideoFacts``, checked against the limits
 
     def decoded(self) -> tuple[Any, dict[str, Any]]:
         """(frames, metadata) as lmdeploy's parser would have made them (decoded now for a hit:

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from .entries import KeyedVideo
+from .entries import STATED, KeyedVideo
+from .read import facts_record
 
 VIDEO_ITEM_FIELDS = ("pixel_values_videos", "video_grid_thw", "second_per_grid", "video_token_id")
 
@@ -99,6 +100,8 @@ def plan_videos(model: Any, videos: list[KeyedVideo], videos_kwargs: dict[str, A
             meta = returned[n] if returned[n] is not None else _metadata(metas[n])
             info = {"items": t, "grid": [t, h, w], "metadata": metadata_record(meta),
                     "options": videos[i].options}
+            if videos[i].facts is not None:  # (a hit is checked against them, not probed again)
+                info[STATED] = facts_record(videos[i].facts)
             plans[i] = VideoPlan(grid, meta, items, info, videos[i])
         if start != bundle.shape[0]:
             raise RuntimeError(f"the video processor made {bundle.shape[0]} rows for {start}")

@@ -224,9 +224,30 @@ def stated(raw: bytes) -> VideoFacts:
 def probe(raw: bytes, options: dict[str, Any], limits: VideoLimits) -> VideoFacts:
     """What the container states (``stated``), checked against ``limits`` and the request's
     sampling (module docstring): ``MediaError`` past a limit."""
+    return checked(stated(raw), options, limits)
+
+
+def facts_record(facts: VideoFacts) -> dict[str, Any]:
+    """``facts`` as a video entry's record holds them (``expand``'s ``STATED``)."""
+    return {"frames": facts.frames, "fps": facts.fps, "width": facts.width, "height": facts.height}
+
+
+def recorded_facts(record: Any) -> VideoFacts | None:
+    """The facts a video entry's record holds (``facts_record``), or None (an entry of a version
+    that did not record them, or a record this one cannot read: the container is probed)."""
+    try:
+        facts = VideoFacts(int(record["frames"]), float(record["fps"]), int(record["width"]),
+                           int(record["height"]))
+    except Exception:
+        return None
+    return facts if facts.frames > 0 and facts.width > 0 and facts.height > 0 else None
+
+
+def checked(facts: VideoFacts, options: dict[str, Any], limits: VideoLimits) -> VideoFacts:
+    """``facts`` (what a container states, read now or recorded with its entries) checked against
+    ``limits`` and the request's sampling: ``MediaError`` past a limit."""
     from lmdeploy.vl.media.video_loader import VideoLoader
 
-    facts = stated(raw)
     if facts.width * facts.height > limits.max_frame_pixels:
         raise _over(limits, "max_frame_pixels", f"the video's frames are {facts.width}x{facts.height} "
                     f"({facts.width * facts.height} pixels)", "send a smaller video")

@@ -13,17 +13,19 @@ from __future__ import annotations
 from typing import Any
 
 from ..media import MediaPolicy
-from .entries import KeyedVideo, lookup, marker, sent_hit, video_key, video_source
+from .entries import STATED, KeyedVideo, lookup, marker, sent_hit, video_key, video_source
 from .read import (
     CONTAINER,
     JPEG,
     VideoLimits,
+    checked,
     decode,
     decoder_identity,
     is_frames,
     probe,
     read_frames,
     read_video,
+    recorded_facts,
     video_io_options,
 )
 
@@ -62,7 +64,6 @@ def _resolve(item: Any, options: dict[str, Any], identity: dict[str, Any], domai
         if read is None:
             return item
         raw = read
-        probe(raw, options, limits)
     video = KeyedVideo(b"", raw, options, params=params, form=form)
     if keyer is not None:
         keyed = {"io": options, "item": params, "decoder": identity}
@@ -71,14 +72,35 @@ def _resolve(item: Any, options: dict[str, Any], identity: dict[str, Any], domai
                                   keyed if form == CONTAINER else {**keyed, "form": form})
         except (TypeError, ValueError):  # parameters that cannot be keyed: read, not cached
             keyer.cache.count(SECTION, "uncacheable")
-        count = keyer.cache.count
-        count(SECTION, "videos")
         if video.key:  # (several processes: what this frontend sent the model processes before)
             video.hit = (sent_hit(keyer, video.key, raw, options, params, form=form) if keyer.tags
                          else lookup(keyer.cache, keyer.hasher, keyer.namespace, video.key))
-            count(SECTION, "video_hits" if video.hit is not None else "video_misses")
+    if form == CONTAINER:
+        _check(video, options, limits)
+    if keyer is not None:
+        keyer.cache.count(SECTION, "videos")
+        if video.key:
+            keyer.cache.count(SECTION, "video_hits" if video.hit is not None else "video_misses")
     if video.hit is None:
         video.frames, video.metadata = decode(raw, options, form)
     else:
         keyer.cache.count(SECTION, "video_decode_skipped")
     return marker(params, video)
+
+
+def _check(video: KeyedVideo, options: dict[str, Any], limits: VideoLimits) -> None:
+    """A container's stated facts checked against the limits: a hit's as its entries recorded
+    them (the same bytes: what OpenCV would read of them again), else read now (``probe``), kept
+    for the entries the model makes of it. Past a limit, a hit's leases are released and the
+    ``MediaError`` raised."""
+    held = recorded_facts(video.hit.info.get(STATED)) if video.hit is not None else None
+    try:
+        if held is not None:
+            video.facts = checked(held, options, limits)
+        else:
+            video.facts = probe(video.raw, options, limits)
+    except BaseException:
+        if video.hit is not None:
+            video.hit.release()
+            video.hit = None
+        raise
