@@ -33,7 +33,7 @@ import lmdeploy_tiny as tiny  # noqa: E402
 import test_lmdeploy_engine as eng  # noqa: E402
 from test_lmdeploy_engine import patched as patched  # noqa: E402,F401  (fixtures)
 from test_lmdeploy_engine import rig as rig  # noqa: E402,F401
-from test_lmdeploy_processes import data_url_request, png  # noqa: E402
+from test_lmdeploy_processes import data_url_request, png, sent_pixels  # noqa: E402
 from test_lmdeploy_processes import path as path  # noqa: E402,F401
 from test_lmdeploy_processes import side as side  # noqa: E402,F401
 from test_lmdeploy_processes import sourced as sourced  # noqa: E402,F401
@@ -326,7 +326,7 @@ def test_model_process_computes_one_image_repeated_in_a_step_once(sourced, side)
     raw = png(tiny.noise_image(120, 90, seed=7))
     first, blob1 = data_url_request(prompts, raw)
     blobs = [blob1] + [data_url_request(prompts, raw)[1] for _ in range(5)]
-    pixels = first["multimodal"][0]["pixel_values"]
+    pixels = sent_pixels(first["multimodal"][0])
     features = eng.per_image(tiny.INTERNVL, pixels)
 
     rows, calls = side.step(blobs)
