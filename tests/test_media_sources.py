@@ -611,3 +611,32 @@ def test_serve_refuses_bad_media_options(serve, capsys):
     assert serve(["--max-image-bytes", "0"], lambda post: None) == 2
     assert "at least 1 byte" in capsys.readouterr().err
     assert StandInEngine.built == []
+
+
+def test_a_long_data_url_is_told_frames_or_container_by_its_head_as_by_the_whole():
+    """``read.is_frames`` parses a long data URL's first ``HEAD_CHARS`` where they decide it: its
+    verdict equals the whole URL's parse (lmdeploy's) for URLs crafted around the head's end,
+    with tabs and newlines (which the parse drops), ``#`` and ``?`` (which end the path), ``//``
+    (a network location) and the media type in any case."""
+    import random
+
+    from featcache.lmdeploy.request.video.read import HEAD_CHARS, _frames_parts, is_frames
+
+    def whole(url: str) -> bool:
+        return url[:5].lower() == "data:" and _frames_parts(url)[0].lower() == "video/jpeg"
+
+    rng = random.Random(0)
+    pieces = ["a", "/", ",", ";", "#", "?", "\t", "\n", "\r", " ", "video/jpeg", "VIDEO/JPEG", "base64",
+              "//", ":", "x" * 50]
+    frames = 0
+    for _ in range(5000):
+        prefix = rng.choice(["data:", "DATA:", "data://", "data:video/jpeg;base64,",
+                             "data:Video/Jpeg;base64,", "data:video/mp4;base64,", " data:"])
+        filler = "A" * rng.choice([0, HEAD_CHARS - 20, HEAD_CHARS, HEAD_CHARS + 10, 3 * HEAD_CHARS])
+        rest = ["".join(rng.choice(pieces) for _ in range(rng.randint(0, 12))), filler,
+                "".join(rng.choice(pieces) for _ in range(5))]
+        rng.shuffle(rest)
+        url = prefix + "".join(rest)
+        assert is_frames(url) == whole(url), repr(url[:80])
+        frames += whole(url)
+    assert 200 < frames < 4800  # both verdicts were reached

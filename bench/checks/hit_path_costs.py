@@ -17,6 +17,12 @@ answers for it):
   ``encoded_bytes`` of the data URL (base64 decoding and the parsing around it);
   ``Frontend.resolve_sources`` on a hit, with a real ``FeatureCache`` (CPU device tier) holding
   the image: the whole of featcache's share of a hit before the engine;
+- a video hit's (``video_*`` rows; the GPU breakdown's clip: 10 s of 640x360 at 4 frames a second, an
+  MP4 data URL of ~3.3 MB): telling a data URL of frames from one of a container (``is_frames``, its first
+  4 KiB parsed; ``_whole_url``: the whole URL, as before), reading its
+  bytes, keying them, and checking the limits: by OpenCV's read of the container's header
+  (``probe``: what every video request cost before a held video's recorded facts were checked
+  instead) or from the facts its entries recorded (``checked``: what a held video costs now);
 - the client's: the ``openai`` client sending the image request (and a one-line text request) to
   a loopback socket server that answers at once: what a data URL costs before the server starts.
 """
@@ -94,11 +100,41 @@ def measure(repeats: int) -> dict[str, Any]:
     except ImportError:
         pass
     try:
+        rows.update(video_rows(repeats))
+    except ImportError:
+        pass
+    try:
         rows.update(client_rows(json.loads(body)["messages"], repeats))
     except ImportError:
         pass
     return {"image_bytes": len(raw), "data_url_chars": len(url), "body_bytes": len(body),
             "repeats": repeats, "median_ms": rows}
+
+
+def video_rows(repeats: int) -> dict[str, float]:
+    """The steps of a held video's request before lmdeploy's parser (module docstring)."""
+    from bench.e2e.series import VIDEO_FPS
+    from bench.lib.images import clip_data_url
+    from featcache.keys import KeyHasher
+    from featcache.lmdeploy.request.media import LOCAL_FILES, VideoLimits
+    from featcache.lmdeploy.request.video.entries import video_key
+    from featcache.lmdeploy.request.video.read import _frames_parts, checked, is_frames, probe, read_video
+
+    url = clip_data_url(7, frames=round(10 * VIDEO_FPS), size=(640, 360), fps=VIDEO_FPS)
+    limits = VideoLimits()
+    raw = read_video(url, LOCAL_FILES, limits)
+    assert raw is not None
+    keyed = KeyHasher("blake3", os.urandom(32))
+    facts = probe(raw, {}, limits)
+    return {
+        "video_is_frames": timed(is_frames, repeats, fresh(url)),  # (its head parsed)
+        "video_is_frames_whole_url": timed(lambda u: _frames_parts(u)[0].lower() == "video/jpeg",
+                                           repeats, fresh(url)),  # (what it parsed before)
+        "video_read_bytes": timed(lambda u: read_video(u, LOCAL_FILES, limits), repeats, fresh(url)),
+        "video_key": timed(lambda: video_key(keyed, "bench:hit-path", raw, {"io": {}}), repeats),
+        "video_probe_container": timed(lambda: probe(raw, {}, limits), repeats),
+        "video_check_recorded": timed(lambda: checked(facts, {}, limits), repeats),
+    }
 
 
 def key_rows(url: str, decoded: Any, repeats: int) -> dict[str, float]:

@@ -116,10 +116,29 @@ def read_video(source: str, media: MediaPolicy, limits: VideoLimits,
     return raw
 
 
+HEAD_CHARS = 4096  # of a data URL, parsed alone where they decide its media type (``is_frames``)
+
+
 def is_frames(source: str) -> bool:
     """Whether ``source`` is a sequence of frames (``JPEG``) as lmdeploy tells one: a data URL
-    whose media type, after its parse, is ``video/jpeg`` in any case."""
-    return is_data_url(source) and _frames_parts(source)[0].lower() == "video/jpeg"
+    whose media type, after its parse, is ``video/jpeg`` in any case.
+
+    Parsed from its first ``HEAD_CHARS`` where they decide it (a megabyte-long URL is not
+    sanitized whole for its first few bytes): ``urlparse``'s path of a prefix, without a network
+    location, is a prefix of the whole URL's path, so a comma in it with data after it gives the
+    same media type and the same verdict on the data; any other prefix (no comma yet, nothing
+    after it, a ``//`` location) is decided by the whole URL."""
+    if not is_data_url(source):
+        return False
+    if len(source) > HEAD_CHARS:
+        from urllib.parse import urlparse
+
+        head = urlparse(source[:HEAD_CHARS])
+        media, comma, data = head.path.partition(",")
+        if not head.netloc and comma and data:
+            kind = media.split(";", 1)
+            return len(kind) == 2 and kind[0].lstrip("/").lower() == "video/jpeg"
+    return _frames_parts(source)[0].lower() == "video/jpeg"
 
 
 def _frames_parts(url: str) -> tuple[str, str, str]:
