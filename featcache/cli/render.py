@@ -76,15 +76,17 @@ def meta_summary(meta: bytes) -> str:
 
 
 def _video_summary(video: dict[str, Any], tokens: int | None) -> str:
-    """A video's engine item: its video's grid, frames sampled (of how many, at what rate) and the
-    request's decode options."""
+    """A video's engine item: its video's grid, frames sampled (of how many, at what rate), the
+    container's frame size (where its entries recorded it) and the request's decode options."""
     meta = video.get("metadata") if isinstance(video.get("metadata"), dict) else {}
     sampled = meta.get("frames_indices")
     frames = f"{len(sampled)} of {meta.get('total_num_frames')} frames" if isinstance(sampled, list) else "?"
     grid = "x".join(str(x) for x in video.get("grid") or ()) or "?"
     options = json.dumps(video.get("options") or {}, sort_keys=True)
+    stated = video.get("stated") if isinstance(video.get("stated"), dict) else {}
+    size = f"{stated.get('width')}x{stated.get('height')} px; " if stated else ""
     return (f"video item of {video.get('items')} (grid {grid}; {frames} at {meta.get('fps')} fps; "
-            f"options {options}), image_tokens={tokens}")
+            f"{size}options {options}), image_tokens={tokens}")
 
 
 def meta_text(meta: bytes) -> str:

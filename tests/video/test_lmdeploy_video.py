@@ -454,7 +454,7 @@ def test_the_store_tools_say_what_a_video_entry_is(rig):
     assert len(shown) == 1
     (line,) = shown
     assert line.startswith(f"video item of {len(first['multimodal'])} (grid {len(first['multimodal'])}x")
-    assert "8 of 12 frames at 4.0 fps" in line and '{"num_frames": 8}' in line
+    assert "8 of 12 frames at 4.0 fps; 96x64 px;" in line and '{"num_frames": 8}' in line
     start, end = first["multimodal"][0]["offset"]
     assert line.endswith(f"image_tokens={end - start}")
 
