@@ -266,7 +266,7 @@ def test_serve_multi_process_mode_tags_images_for_the_model_processes(served, tm
     from featcache.lmdeploy.pytorch.processes import FeatcacheEngineConfig
     from featcache.lmdeploy.request.frontend import SECTION
     from featcache.lmdeploy.request.refs import REF_KEY
-    from featcache.lmdeploy.request.tags import FeatTag
+    from featcache.lmdeploy.request.tags import FeatTag, Pixels
 
     seen = served("--enable-prefix-caching", *flags)
 
@@ -286,6 +286,8 @@ def test_serve_multi_process_mode_tags_images_for_the_model_processes(served, tm
     first, again = (engine.path.prompt(msgs) for _ in range(2))
     assert isinstance(first["multimodal"][0][REF_KEY], FeatTag)
     assert first["multimodal"][0][REF_KEY].source is None  # the first time: its pixels travel
+    # as their bytes to lmdeploy's engine process; as the tensor where the engine reads them here
+    assert isinstance(first["multimodal"][0]["pixel_values"], Pixels) is mp
     assert again["multimodal"][0][REF_KEY].source is not None  # then its bytes
     assert len(engine.path.calls) == 1  # preprocessed once
     assert cache.stats()[SECTION]["tagged"] == 2
