@@ -282,10 +282,7 @@ class Frontend(SourceResolver):
 def _per_image(out: Any) -> list[Any]:
     """The per-image dicts of a ``preprocess`` output: the legacy API's "preprocess" message, or
     the processor-level API's ``multimodal`` list."""
-    if isinstance(out, dict):
-        return list(out.get("multimodal") or [])
-    return [x for m in out or () if isinstance(m, dict) and m.get("role") == "preprocess"
-            for x in (m.get("content") or [])]
+    return list(out.get("multimodal") or []) if isinstance(out, dict) else preprocessed(out)
 
 
 def _keyed_by_bytes(item: dict[str, Any]) -> bool:

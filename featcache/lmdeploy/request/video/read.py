@@ -134,10 +134,8 @@ def is_frames(source: str) -> bool:
         from urllib.parse import urlparse
 
         head = urlparse(source[:HEAD_CHARS])
-        media, comma, data = head.path.partition(",")
-        if not head.netloc and comma and data:
-            kind = media.split(";", 1)
-            return len(kind) == 2 and kind[0].lstrip("/").lower() == "video/jpeg"
+        if not head.netloc and head.path.partition(",")[2]:
+            return _path_parts(head.path)[0].lower() == "video/jpeg"
     return _frames_parts(source)[0].lower() == "video/jpeg"
 
 
@@ -147,7 +145,12 @@ def _frames_parts(url: str) -> tuple[str, str, str]:
     ("", "", "") where it would refuse the URL."""
     from urllib.parse import urlparse
 
-    parts = (urlparse(url).path or "").split(",", 1)
+    return _path_parts(urlparse(url).path or "")
+
+
+def _path_parts(path: str) -> tuple[str, str, str]:
+    """``_frames_parts`` of a data URL's parsed path."""
+    parts = path.split(",", 1)
     if len(parts) != 2 or not parts[1]:
         return "", "", ""
     media = parts[0].split(";", 1)
