@@ -17,6 +17,8 @@ answers for it):
   ``encoded_bytes`` of the data URL (base64 decoding and the parsing around it);
   ``Frontend.resolve_sources`` on a hit, with a real ``FeatureCache`` (CPU device tier) holding
   the image: the whole of featcache's share of a hit before the engine;
+- a new image's pixels pickled to lmdeploy's engine process (``pixels_*`` rows): as a tensor and
+  as ``tags.Pixels``;
 - a video hit's (``video_*`` rows; the GPU breakdown's clip: 10 s of 640x360 at 4 frames a second, an
   MP4 data URL of ~3.3 MB): telling a data URL of frames from one of a container (``is_frames``, its first
   4 KiB parsed; ``_whole_url``: the whole URL, as before), reading its
@@ -100,6 +102,10 @@ def measure(repeats: int) -> dict[str, Any]:
     except ImportError:
         pass
     try:
+        rows.update(pixel_rows(repeats))
+    except ImportError:
+        pass
+    try:
         rows.update(video_rows(repeats))
     except ImportError:
         pass
@@ -109,6 +115,28 @@ def measure(repeats: int) -> dict[str, Any]:
         pass
     return {"image_bytes": len(raw), "data_url_chars": len(url), "body_bytes": len(body),
             "repeats": repeats, "median_ms": rows}
+
+
+def pixel_rows(repeats: int) -> dict[str, float]:
+    """A new image's pixels on their way to lmdeploy's engine process (its RPC's ``pickle``): a 7-tile
+    float16 tensor (8.4 MB) pickled and unpickled as a tensor (torch's legacy format, what they
+    travelled as before) and as ``tags.Pixels`` (their raw bytes, made beforehand on the frontend's
+    thread)."""
+    import pickle
+
+    import torch
+
+    from featcache.lmdeploy.request.tags import Pixels
+
+    pixels = torch.randn(7, 3, 448, 448).half()
+    packed = Pixels(pixels)
+    as_tensor, as_bytes = pickle.dumps(pixels), pickle.dumps(packed)
+    return {
+        "pixels_pickle_tensor": timed(lambda: pickle.dumps(pixels), repeats),
+        "pixels_unpickle_tensor": timed(lambda: pickle.loads(as_tensor), repeats),
+        "pixels_pickle_packed": timed(lambda: pickle.dumps(packed), repeats),
+        "pixels_unpickle_packed": timed(lambda: pickle.loads(as_bytes), repeats),
+    }
 
 
 def video_rows(repeats: int) -> dict[str, float]:
